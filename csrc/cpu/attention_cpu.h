@@ -1,0 +1,17 @@
+// The CPU implementation of flashjax: the same tiled online-softmax algorithm
+// as the GPU kernels, in float32 arithmetic, multi-threaded over tiles. Memory
+// is O(tile) per thread: no seqlen_q x seqlen_k matrix is ever formed.
+#pragma once
+
+#include "flashjax/params.h"
+
+namespace flashjax::cpu {
+
+// Writes p.out and p.lse from p.q, p.k, p.v (and p.sinks when set).
+void attention_forward(const AttentionParams& p);
+
+// Writes p.dq, p.dk, p.dv (and p.dsinks when p.sinks is set) from the forward
+// inputs, p.out, p.lse, p.dout and p.dlse. Always deterministic.
+void attention_backward(const AttentionParams& p);
+
+}  // namespace flashjax::cpu
