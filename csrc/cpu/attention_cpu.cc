@@ -86,18 +86,13 @@ void online_softmax(float* S, int64_t rows, float* m, float* l, float* O, int64_
       std::fill(s, s + kBlockK, 0.0f);
       continue;
     }
-    float mx = kNegInf;
-    for (int64_t j = 0; j < kBlockK; ++j) mx = std::max(mx, s[j]);
-    const float m_new = std::max(m[r], mx);
+    const float m_new = std::max(m[r], row_max(s, kBlockK));
     if (m_new == kNegInf) {  // nothing visible yet in this row
       std::fill(s, s + kBlockK, 0.0f);
       continue;
     }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < kBlockK; ++j) {
-      s[j] = exp_approx(s[j] - m_new);
-      sum += s[j];
-    }
+    for (int64_t j = 0; j < kBlockK; ++j) s[j] = exp_approx(s[j] - m_new);
+    const float sum = row_sum(s, kBlockK);
     const float alpha = exp_approx(m[r] - m_new);
     if (alpha != 1.0f) {
       float* o = O + r * ldo;

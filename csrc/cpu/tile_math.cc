@@ -3,17 +3,6 @@
 #include <cstdint>
 
 namespace flashjax::cpu {
-namespace {
-typedef float v8f __attribute__((vector_size(32)));
-
-FJ_INLINE v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-FJ_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-}  // namespace
-
 FJ_MULTIVERSION
 void matmul_acc(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
                 int64_t ldb, int64_t M, int64_t N, int64_t K) {

@@ -50,6 +50,34 @@ FJ_INLINE float exp_approx(float x) {
   return underflow ? 0.0f : p * scale;
 }
 
+// Vector reductions, written out because the compiler may not reorder float
+// sums by itself. n % 8 == 0.
+typedef float v8f __attribute__((vector_size(32)));
+FJ_INLINE v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+FJ_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+FJ_INLINE float horizontal_sum(v8f v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+FJ_INLINE float row_sum(const float* x, int64_t n) {
+  v8f acc{};
+  for (int64_t j = 0; j < n; j += 8) acc += load8(x + j);
+  return horizontal_sum(acc);
+}
+FJ_INLINE float row_max(const float* x, int64_t n) {
+  v8f acc = load8(x);
+  for (int64_t j = 8; j < n; j += 8) {
+    const v8f v = load8(x + j);
+    acc = v > acc ? v : acc;
+  }
+  float m = acc[0];
+  for (int i = 1; i < 8; ++i) m = acc[i] > m ? acc[i] : m;
+  return m;
+}
+
 // 64-byte aligned scratch that only grows; one per thread.
 class Scratch {
  public:

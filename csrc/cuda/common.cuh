@@ -1,0 +1,53 @@
+// Device helpers shared by the flashjax CUDA kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "flashjax/params.h"
+
+namespace flashjax::cuda {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// Scale, softcap: the score of a raw q.k product.
+__device__ __forceinline__ float score(const AttentionParams& p, float dot) {
+  const float s = dot * p.softmax_scale;
+  return p.softcap > 0.0f ? p.softcap * tanhf(s / p.softcap) : s;
+}
+
+// Calls fn.template operator()<T>() with the storage type of p.dtype.
+template <class Fn>
+cudaError_t dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat16: return fn(__half{});
+    case DType::kBFloat16: return fn(__nv_bfloat16{});
+    default: return fn(float{});
+  }
+}
+
+}  // namespace flashjax::cuda

@@ -1,0 +1,15 @@
+// Forward kernel on the tensor cores (mma.sync m16n8k16, fp16/bf16 inputs,
+// float32 accumulation): FlashAttention-2 style tiling with cp.async loads.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flashjax/params.h"
+
+namespace flashjax::cuda {
+
+// True when a compiled tensor-core kernel handles this call on this GPU.
+bool tensor_core_forward_supports(const AttentionParams& p);
+cudaError_t tensor_core_forward(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace flashjax::cuda
