@@ -14,10 +14,14 @@ target_sources(flashjax_ffi PRIVATE
   csrc/cuda/launch.cu
   csrc/cuda/simt_attention.cu
   csrc/cuda/tensor_core_forward.cu
+  csrc/cuda/hopper_forward.cu
   csrc/ffi/cuda_handlers.cc)
 target_link_libraries(flashjax_ffi PRIVATE CUDA::cudart_static)
 
 set(_gencode "")
+if("90a" IN_LIST FLASHJAX_CUDA_ARCHS)
+  target_compile_definitions(flashjax_ffi PRIVATE FLASHJAX_HOPPER=1)
+endif()
 foreach(arch IN LISTS FLASHJAX_CUDA_ARCHS)
   string(REGEX REPLACE "[^0-9]" "" _num "${arch}")
   list(APPEND _gencode "-gencode=arch=compute_${arch},code=sm_${arch}")

@@ -1,13 +1,34 @@
 // Chooses a kernel for each call. Tensor-core kernels declare which calls
 // they take; the SIMT path takes the rest, so no valid call is refused.
+// FLASHJAX_FORWARD_KERNEL=simt|mma caps the choice (tests use it to run
+// every path on one GPU).
+#include <cstdlib>
+#include <cstring>
+
+#include "hopper_forward.h"
 #include "launch.h"
 #include "simt_attention.h"
 #include "tensor_core_forward.h"
 
 namespace flashjax::cuda {
+namespace {
+
+enum class ForwardCap { kHopper, kMma, kSimt };
+
+ForwardCap forward_cap() {
+  const char* env = std::getenv("FLASHJAX_FORWARD_KERNEL");
+  if (env && std::strcmp(env, "simt") == 0) return ForwardCap::kSimt;
+  if (env && std::strcmp(env, "mma") == 0) return ForwardCap::kMma;
+  return ForwardCap::kHopper;
+}
+
+}  // namespace
 
 cudaError_t forward(const AttentionParams& p, cudaStream_t stream) {
-  if (tensor_core_forward_supports(p)) return tensor_core_forward(p, stream);
+  const ForwardCap cap = forward_cap();
+  if (cap == ForwardCap::kHopper && hopper_forward_supports(p)) return hopper_forward(p, stream);
+  if (cap != ForwardCap::kSimt && tensor_core_forward_supports(p))
+    return tensor_core_forward(p, stream);
   return simt_forward(p, stream);
 }
 

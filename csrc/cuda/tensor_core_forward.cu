@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "fragment_softmax.cuh"
 #include "tensor_core_forward.h"
 
 namespace flashjax::cuda {
@@ -19,7 +20,6 @@ constexpr int kBlockM = 64;  // query rows per CTA
 constexpr int kBlockN = 64;  // keys per tile
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kHeadDim>
 constexpr int smem_bytes() {
@@ -34,6 +34,12 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The 4 accumulators of 8-column tile n of a flat fragment.
+template <int kN>
+__device__ __forceinline__ float (&tile4(float (&frag)[kN], int n))[4] {
+  return *reinterpret_cast<float(*)[4]>(&frag[4 * n]);
 }
 
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
@@ -76,23 +82,6 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
   }
 }
 
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __half>) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  } else {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Copies rows [row0, row0 + kRows) of one head (zero beyond `rows_valid` rows
 // and `dim` columns) into a swizzled shared tile.
 template <class T, int kHeadDim, int kRows>
@@ -122,7 +111,6 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
   const int64_t q0 = q_tile * kBlockM;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
 
   const T* q_base = static_cast<const T*>(p.q) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim;
   const T* k_base =
@@ -133,27 +121,25 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
   const int64_t v_stride = p.heads_kv * p.head_dim_v;
 
   const int64_t last_row = min(q0 + kBlockM, p.seqlen_q) - 1;
-  const int64_t key_begin = p.first_key(q0), key_end = p.last_key(last_row) + 1;
-  // Tiles start at multiples of kBlockN so that fully visible tiles skip masking.
-  const int64_t tile_begin = key_begin / kBlockN * kBlockN;
+  const KeyRange keys(p, q0, last_row, kBlockN);
 
   load_tile<T, kHeadDim, kBlockM>(sQ, q_base, q_stride, q0, p.seqlen_q, p.head_dim);
-  if (tile_begin < key_end)
-    load_tile<T, kHeadDim, kBlockN>(sK, k_base, k_stride, tile_begin, p.seqlen_k, p.head_dim);
+  if (keys.tiles(kBlockN) > 0)
+    load_tile<T, kHeadDim, kBlockN>(sK, k_base, k_stride, keys.tile_begin, p.seqlen_k,
+                                    p.head_dim);
   cp_async_commit();
 
-  float o[kHeadDim / 8][4] = {};
-  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
-  const int64_t row_g = q0 + warp * 16 + g;  // this thread's rows: row_g, row_g + 8
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  constexpr int kKeyTiles = kBlockN / 8, kDimTiles = kHeadDim / 8;
+  float o[kDimTiles * 4] = {};
+  RowSoftmax softmax{q0 + warp * 16 + lane / 4};
 
-  for (int64_t k0 = tile_begin; k0 < key_end; k0 += kBlockN) {
+  for (int64_t k0 = keys.tile_begin; k0 < keys.key_end; k0 += kBlockN) {
     cp_async_wait_all();
     __syncthreads();  // K_j landed; every warp is done with V_{j-1}
     load_tile<T, kHeadDim, kBlockN>(sV, v_base, v_stride, k0, p.seqlen_k, p.head_dim_v);
     cp_async_commit();
 
-    float s[kBlockN / 8][4] = {};
+    float s[kKeyTiles * 4] = {};
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       uint32_t a[4];
@@ -163,59 +149,18 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
         uint32_t bfrag[4];
         ldmatrix_x4(bfrag, sK + swizzled<kHeadDim>(nn * 16 + lane % 8 + (lane / 16) * 8,
                                                     kk * 2 + (lane / 8) % 2));
-        mma<T>(s[2 * nn], a, bfrag[0], bfrag[1]);
-        mma<T>(s[2 * nn + 1], a, bfrag[2], bfrag[3]);
+        mma<T>(tile4(s, 2 * nn), a, bfrag[0], bfrag[1]);
+        mma<T>(tile4(s, 2 * nn + 1), a, bfrag[2], bfrag[3]);
       }
     }
-
-    // Scores in log2 units; masked entries -inf.
-    const bool needs_mask = k0 + kBlockN > key_end || k0 < p.first_key(last_row) ||
-                            k0 + kBlockN - 1 > p.last_key(q0) || k0 < key_begin;
-#pragma unroll
-    for (int n = 0; n < kBlockN / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[n][e];
-        if (p.softcap > 0.0f) x = p.softcap * tanhf(x * p.softmax_scale / p.softcap) * kLog2e;
-        else x *= scale_log2;
-        if (needs_mask) {
-          const int64_t row = row_g + (e >= 2 ? 8 : 0);
-          const int64_t col = k0 + n * 8 + 2 * t + (e & 1);
-          if (col < p.first_key(row) || col > p.last_key(row) || col >= p.seqlen_k) x = kNegInf;
-        }
-        s[n][e] = x;
-      }
-    }
-
-    // Online softmax per row half (r = 0: row g, r = 1: row g + 8).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = m[r];
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == kNegInf ? 0.0f : mx;  // nothing visible yet: keep zeros
-      const float alpha = fast_exp2(m[r] - base);
-      float sum = 0.0f;
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) {
-        s[n][2 * r] = fast_exp2(s[n][2 * r] - base);
-        s[n][2 * r + 1] = fast_exp2(s[n][2 * r + 1] - base);
-        sum += s[n][2 * r] + s[n][2 * r + 1];
-      }
-      l[r] = l[r] * alpha + sum;
-      m[r] = mx;
-#pragma unroll
-      for (int n = 0; n < kHeadDim / 8; ++n) {
-        o[n][2 * r] *= alpha;
-        o[n][2 * r + 1] *= alpha;
-      }
-    }
+    softmax.scores<kKeyTiles>(s, p, k0,
+                              RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlockN,
+                                                          keys.key_begin, keys.key_end));
+    softmax.update<kKeyTiles, kDimTiles>(s, o);
 
     cp_async_wait_all();
     __syncthreads();  // V_j landed; every warp is done with K_j
-    if (k0 + kBlockN < key_end) {
+    if (k0 + kBlockN < keys.key_end) {
       load_tile<T, kHeadDim, kBlockN>(sK, k_base, k_stride, k0 + kBlockN, p.seqlen_k,
                                       p.head_dim);
     }
@@ -223,51 +168,20 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
 
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                             pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                             pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t a[4];
+      p_fragment<T, kKeyTiles>(a, s, kk);
 #pragma unroll
       for (int nn = 0; nn < kHeadDim / 16; ++nn) {
         uint32_t bfrag[4];
         ldmatrix_x4_trans(bfrag, sV + swizzled<kHeadDim>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
                                                           nn * 2 + lane / 16));
-        mma<T>(o[2 * nn], a, bfrag[0], bfrag[1]);
-        mma<T>(o[2 * nn + 1], a, bfrag[2], bfrag[3]);
+        mma<T>(tile4(o, 2 * nn), a, bfrag[0], bfrag[1]);
+        mma<T>(tile4(o, 2 * nn + 1), a, bfrag[2], bfrag[3]);
       }
     }
   }
   cp_async_wait_all();
-
-  // Epilogue: fold in the sink, normalise, write out and lse.
-  const float sink = p.sinks ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
-  T* out = static_cast<T*>(p.out);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float total = l[r];
-    total += __shfl_xor_sync(0xffffffffu, total, 1);
-    total += __shfl_xor_sync(0xffffffffu, total, 2);
-    const int64_t row = row_g + 8 * r;
-    const float m_final = fmaxf(m[r], sink);
-    float factor = 0.0f, lse = kNegInf;
-    if (m_final != kNegInf) {
-      const float keys_scale = fast_exp2(m[r] - m_final);
-      const float denom = total * keys_scale + fast_exp2(sink - m_final);
-      factor = keys_scale / denom;
-      lse = (m_final + __log2f(denom)) / kLog2e;
-    }
-    if (row >= p.seqlen_q) continue;
-    T* out_row = out + ((b * p.seqlen_q + row) * p.heads_q + h) * p.head_dim_v;
-#pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n) {
-      const int col = n * 8 + 2 * t;
-      if (col < p.head_dim_v) {  // head_dim_v % 8 == 0: col + 1 is valid too
-        *reinterpret_cast<uint32_t*>(out_row + col) =
-            pack2<T>(o[n][2 * r] * factor, o[n][2 * r + 1] * factor);
-      }
-    }
-    if (t == 0) p.lse[(b * p.heads_q + h) * p.seqlen_q + row] = lse;
-  }
+  softmax.write<T, kDimTiles>(p, o, b, h);
 }
 
 template <class T, int kHeadDim>

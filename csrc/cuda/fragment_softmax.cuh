@@ -1,0 +1,156 @@
+// Online softmax on tensor-core accumulator fragments, shared by the mma.sync
+// (sm_80) and wgmma (sm_90a) forward kernels. Both use the same per-warp
+// layout: a thread holds rows g and g + 8 of its warp's 16-row slice
+// (g = lane / 4) and, per 8-column tile n, columns 8n + 2t and 8n + 2t + 1
+// (t = lane % 4), stored flat as frag[4n + e], e = 0, 1 (row g), 2, 3 (row g + 8).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace flashjax::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+// The query rows of one thread and the running softmax statistics (log2 units).
+struct RowSoftmax {
+  int64_t row;  // first of the thread's two rows (the other is row + 8)
+  float m[2] = {kNegInf, kNegInf};
+  float l[2] = {0.0f, 0.0f};  // this thread's partial sums; the quad reduces at the end
+
+  // Does every row of the tile [q0, q_last] see every key of [k0, k0 + n)?
+  __device__ static bool tile_needs_mask(const AttentionParams& p, int64_t q0, int64_t q_last,
+                                         int64_t k0, int n, int64_t key_begin, int64_t key_end) {
+    return k0 < key_begin || k0 + n > key_end || k0 < p.first_key(q_last) ||
+           k0 + n - 1 > p.last_key(q0);
+  }
+
+  // Raw q.k products -> scores in log2 units, -inf where masked.
+  template <int kKeyTiles>
+  __device__ void scores(float (&s)[kKeyTiles * 4], const AttentionParams& p, int64_t k0,
+                         bool needs_mask) const {
+    const int t = threadIdx.x % 4;
+    const float scale_log2 = p.softmax_scale * kLog2e;
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * n + e];
+        x = p.softcap > 0.0f ? p.softcap * kLog2e * tanhf(x * p.softmax_scale / p.softcap)
+                             : x * scale_log2;
+        if (needs_mask) {
+          const int64_t r = row + (e >= 2 ? 8 : 0);
+          const int64_t col = k0 + n * 8 + 2 * t + (e & 1);
+          if (col < p.first_key(r) || col > p.last_key(r) || col >= p.seqlen_k) x = kNegInf;
+        }
+        s[4 * n + e] = x;
+      }
+    }
+  }
+
+  // s becomes exp2(s - m_new); o is rescaled by exp2(m_old - m_new).
+  template <int kKeyTiles, int kDimTiles>
+  __device__ void update(float (&s)[kKeyTiles * 4], float (&o)[kDimTiles * 4]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == kNegInf ? 0.0f : mx;  // nothing visible yet: keep zeros
+      const float alpha = fast_exp2(m[r] - base);
+      float sum = 0.0f;
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+        s[4 * n + 2 * r] = fast_exp2(s[4 * n + 2 * r] - base);
+        s[4 * n + 2 * r + 1] = fast_exp2(s[4 * n + 2 * r + 1] - base);
+        sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = mx;
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+        o[4 * n + 2 * r] *= alpha;
+        o[4 * n + 2 * r + 1] *= alpha;
+      }
+    }
+  }
+
+  // Folds in the sink, normalises o and writes out (head_dim_v % 8 == 0) and lse.
+  template <class T, int kDimTiles>
+  __device__ void write(const AttentionParams& p, const float (&o)[kDimTiles * 4], int64_t b,
+                        int64_t h) const {
+    const int t = threadIdx.x % 4;
+    const float sink = p.sinks ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float total = l[r];
+      total += __shfl_xor_sync(0xffffffffu, total, 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const int64_t out_row = row + 8 * r;
+      const float m_final = fmaxf(m[r], sink);
+      float factor = 0.0f, lse = kNegInf;  // no key and no sink: out 0, lse -inf
+      if (m_final != kNegInf) {
+        const float keys_scale = fast_exp2(m[r] - m_final);
+        const float denom = total * keys_scale + fast_exp2(sink - m_final);
+        factor = keys_scale / denom;
+        lse = (m_final + __log2f(denom)) / kLog2e;
+      }
+      if (out_row >= p.seqlen_q) continue;
+      T* dst = static_cast<T*>(p.out) + ((b * p.seqlen_q + out_row) * p.heads_q + h) * p.head_dim_v;
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+        const int col = n * 8 + 2 * t;
+        if (col < p.head_dim_v)
+          *reinterpret_cast<uint32_t*>(dst + col) =
+              pack2<T>(o[4 * n + 2 * r] * factor, o[4 * n + 2 * r + 1] * factor);
+      }
+      if (t == 0) p.lse[(b * p.heads_q + h) * p.seqlen_q + out_row] = lse;
+    }
+  }
+};
+
+// The A fragment (16 rows x 16 keys) of P for key step kk, from s.
+template <class T, int kKeyTiles>
+__device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&s)[kKeyTiles * 4],
+                                           int kk) {
+  a[0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+  a[1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+  a[2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+  a[3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+}
+
+// Tiles are visited from the multiple of n at or below the first visible key.
+struct KeyRange {
+  int64_t key_begin, key_end, tile_begin;
+  __device__ KeyRange(const AttentionParams& p, int64_t q0, int64_t q_last, int n)
+      : key_begin(p.first_key(q0)), key_end(p.last_key(q_last) + 1),
+        tile_begin(p.first_key(q0) / n * n) {}
+  __device__ int64_t tiles(int n) const {
+    return key_end > tile_begin ? (key_end - tile_begin + n - 1) / n : 0;
+  }
+};
+
+}  // namespace flashjax::cuda

@@ -1,0 +1,359 @@
+// Hopper (sm_90a) forward: warp-specialised, TMA-fed, wgmma-based.
+//
+// A CTA has three warpgroups. Warpgroup 0 is the producer: one thread issues
+// TMA loads of Q (once) and of K and V tiles into a kStages-deep ring of
+// shared-memory buffers, each guarded by a "full" and an "empty" mbarrier.
+// Warpgroups 1 and 2 are consumers, each owning 64 query rows: S = Q K^T with
+// both operands in shared memory, the online softmax in registers, then
+// O += P V with P taken straight from registers. TMA writes the 128-byte
+// swizzled layout that wgmma reads, so no thread touches the tiles.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cudaTypedefs.h>
+
+#include <mutex>
+
+#include "common.cuh"
+#include "fragment_softmax.cuh"
+#include "hopper_forward.h"
+#include "wgmma_ops.cuh"
+
+namespace flashjax::cuda {
+namespace {
+
+constexpr int kBlockM = 128;  // query rows per CTA: 64 per consumer warpgroup
+constexpr int kStages = 2;
+constexpr int kThreads = 384;
+constexpr int kSwizzleCols = 64;  // elements per 128-byte swizzle row
+
+template <int kHeadDim>
+struct Tiles {
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;  // keys per tile
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
+  // Q, K ring, V ring, then barriers; +1024 to align the base for the swizzle.
+  static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 4 * kStages) + 1024;
+};
+
+struct TensorMaps {
+  CUtensorMap q, k, v;
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)));
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity));
+}
+
+// Loads box {64 columns, rows} at (col, row, head, batch) into `dst`.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                         int col, int row, int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch),
+      "r"(smem_u32(bar))
+      : "memory");
+}
+
+// All column blocks of a [rows][kHeadDim] tile; block c lands at c * rows * 128 B.
+template <int kHeadDim, int kRows>
+__device__ __forceinline__ void tma_tile(unsigned char* dst, const CUtensorMap* map,
+                                         uint64_t* bar, int row, int head, int batch) {
+#pragma unroll
+  for (int c = 0; c < kHeadDim / kSwizzleCols; ++c)
+    tma_load(dst + c * kRows * 128, map, bar, c * kSwizzleCols, row, head, batch);
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lead_bytes,
+                                              uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_u32(p) & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+// Operand of k-step kk (16 elements) of a K-major [rows][kHeadDim] tile.
+template <int kRows>
+__device__ __forceinline__ uint64_t k_major_desc(const unsigned char* tile, int kk) {
+  return smem_desc(tile + (kk / 4) * kRows * 128 + (kk % 4) * 32, 16, 1024);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+template <class T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
+  if constexpr (N == 64) wgmma_ss_n64<T>(d, a, b, acc);
+  else if constexpr (N == 128) wgmma_ss_n128<T>(d, a, b, acc);
+  else wgmma_ss_n256<T>(d, a, b, acc);
+}
+template <class T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (N == 64) wgmma_rs_n64<T>(d, a, b, 1);
+  else if constexpr (N == 128) wgmma_rs_n128<T>(d, a, b, 1);
+  else wgmma_rs_n256<T>(d, a, b, 1);
+}
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_forward_kernel(const AttentionParams p, const __grid_constant__ TensorMaps maps) {
+  using Cfg = Tiles<kHeadDim>;
+  constexpr int kBlockN = Cfg::kBlockN;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* sQ = smem;
+  unsigned char* sK = sQ + Cfg::kQBytes;              // kStages tiles
+  unsigned char* sV = sK + kStages * Cfg::kKVBytes;   // kStages tiles
+  uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + Cfg::kBarrierOffset);
+  uint64_t* k_full = bar_q + 1;
+  uint64_t* k_empty = k_full + kStages;
+  uint64_t* v_full = k_empty + kStages;
+  uint64_t* v_empty = v_full + kStages;
+
+  const int64_t q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const int64_t bh_count = p.batch * p.heads_q;
+  const int64_t q_tile = q_tiles - 1 - blockIdx.x / bh_count;  // heaviest first
+  const int64_t bh = blockIdx.x % bh_count;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
+  const int64_t q0 = q_tile * kBlockM;
+  const int64_t last_row = min(q0 + kBlockM, p.seqlen_q) - 1;
+  const KeyRange keys(p, q0, last_row, kBlockN);
+  const int64_t n_tiles = keys.tiles(kBlockN);
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&k_full[s], 1);
+      mbar_init(&v_full[s], 1);
+      mbar_init(&k_empty[s], 8);  // one arrival per consumer warp
+      mbar_init(&v_empty[s], 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) {
+      mbar_expect_tx(bar_q, Cfg::kQBytes);
+      tma_tile<kHeadDim, kBlockM>(sQ, &maps.q, bar_q, q0, h, b);
+      for (int64_t it = 0; it < n_tiles; ++it) {
+        const int stage = it % kStages, phase = (it / kStages) & 1;
+        const int k0 = static_cast<int>(keys.tile_begin + it * kBlockN);
+        mbar_wait(&k_empty[stage], phase ^ 1);
+        mbar_expect_tx(&k_full[stage], Cfg::kKVBytes);
+        tma_tile<kHeadDim, kBlockN>(sK + stage * Cfg::kKVBytes, &maps.k, &k_full[stage], k0,
+                                    hk, b);
+        mbar_wait(&v_empty[stage], phase ^ 1);
+        mbar_expect_tx(&v_full[stage], Cfg::kKVBytes);
+        tma_tile<kHeadDim, kBlockN>(sV + stage * Cfg::kKVBytes, &maps.v, &v_full[stage], k0,
+                                    hk, b);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int consumer = warpgroup - 1;
+  const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  constexpr int kKeyTiles = kBlockN / 8, kDimTiles = kHeadDim / 8;
+  float o[kDimTiles * 4] = {};
+  RowSoftmax softmax{q0 + consumer * 64 + warp_in_group * 16 + lane / 4};
+  const unsigned char* q_rows = sQ + consumer * 64 * 128;  // this warpgroup's 64 rows
+
+  mbar_wait(bar_q, 0);
+  for (int64_t it = 0; it < n_tiles; ++it) {
+    const int stage = it % kStages, phase = (it / kStages) & 1;
+    const int64_t k0 = keys.tile_begin + it * kBlockN;
+    const unsigned char* k_tile = sK + stage * Cfg::kKVBytes;
+    const unsigned char* v_tile = sV + stage * Cfg::kKVBytes;
+
+    float s[kKeyTiles * 4];
+    mbar_wait(&k_full[stage], phase);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk)
+      wgmma_ss<T, kBlockN>(s, k_major_desc<kBlockM>(q_rows, kk),
+                           k_major_desc<kBlockN>(k_tile, kk), kk > 0);
+    wgmma_commit();
+    wgmma_wait_all();
+    if (lane == 0) mbar_arrive(&k_empty[stage]);
+
+    softmax.scores<kKeyTiles>(s, p, k0,
+                              RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlockN,
+                                                          keys.key_begin, keys.key_end));
+    softmax.update<kKeyTiles, kDimTiles>(s, o);
+
+    // P in registers first, so that the wgmma chain below runs unbroken.
+    uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
+    mbar_wait(&v_full[stage], phase);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      // V is N-major: 16 keys = 2 groups of 8 rows (1024 B apart); column
+      // blocks of 64 head dims are kBlockN * 128 B apart.
+      wgmma_rs<T, kHeadDim>(o, pa[kk], smem_desc(v_tile + kk * 16 * 128, kBlockN * 128, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    if (lane == 0) mbar_arrive(&v_empty[stage]);
+  }
+  softmax.write<T, kDimTiles>(p, o, b, h);
+}
+
+#else  // not compiled for sm_90a: never launched (hopper_forward_supports says no)
+
+template <class T, int kHeadDim>
+__global__ void hopper_forward_kernel(const AttentionParams, const __grid_constant__ TensorMaps) {}
+
+#endif
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      ptr = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// 4-d map (dim, seqlen, heads, batch) of a contiguous (batch, seqlen, heads, dim) tensor.
+bool make_map(CUtensorMap* map, const void* data, DType dtype, int64_t batch, int64_t seqlen,
+              int64_t heads, int64_t dim, int box_rows) {
+  const cuuint64_t sizes[4] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(seqlen),
+                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(heads * dim * 2),
+                                 static_cast<cuuint64_t>(dim * 2),
+                                 static_cast<cuuint64_t>(seqlen * heads * dim * 2)};
+  const cuuint32_t box[4] = {kSwizzleCols, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const auto type = dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  auto encode = encode_fn();
+  return encode && encode(map, type, 4, const_cast<void*>(data), sizes, strides, box, unit,
+                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <class T, int kHeadDim>
+cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
+  using Cfg = Tiles<kHeadDim>;
+  static std::once_flag configured;
+  static cudaError_t config_status = cudaSuccess;
+  std::call_once(configured, [] {
+    config_status = cudaFuncSetAttribute(hopper_forward_kernel<T, kHeadDim>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Cfg::kSmemBytes);
+  });
+  if (config_status != cudaSuccess) return config_status;
+  TensorMaps maps;
+  if (!make_map(&maps.q, p.q, p.dtype, p.batch, p.seqlen_q, p.heads_q, p.head_dim, kBlockM) ||
+      !make_map(&maps.k, p.k, p.dtype, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
+                Cfg::kBlockN) ||
+      !make_map(&maps.v, p.v, p.dtype, p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v,
+                Cfg::kBlockN))
+    return cudaErrorInvalidValue;
+  const int64_t blocks = (p.seqlen_q + kBlockM - 1) / kBlockM * p.batch * p.heads_q;
+  hopper_forward_kernel<T, kHeadDim>
+      <<<static_cast<unsigned>(blocks), kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_bucket(const AttentionParams& p, int bucket, cudaStream_t stream) {
+  switch (bucket) {
+#ifdef FLASHJAX_TC_HEAD_DIM_64
+    case 64: return launch<T, 64>(p, stream);
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_128
+    case 128: return launch<T, 128>(p, stream);
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_256
+    case 256: return launch<T, 256>(p, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+int bucket_of(const AttentionParams& p) {
+  const int64_t d = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
+#ifdef FLASHJAX_TC_HEAD_DIM_64
+  if (d <= 64) return 64;
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_128
+  if (d <= 128) return 128;
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_256
+  if (d <= 256) return 256;
+#endif
+  return 0;
+}
+
+bool device_is_hopper() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0;
+}
+
+}  // namespace
+
+bool hopper_forward_supports(const AttentionParams& p) {
+#ifdef FLASHJAX_HOPPER
+  // TMA needs 16-byte row strides (head dims % 8) and a 64-column box inside
+  // the tensor (head dims >= 64); int32 TMA coordinates bound the sizes.
+  return p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0 &&
+         p.head_dim >= 64 && p.head_dim_v >= 64 && bucket_of(p) != 0 &&
+         p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && device_is_hopper() &&
+         encode_fn() != nullptr;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+cudaError_t hopper_forward(const AttentionParams& p, cudaStream_t stream) {
+  const int bucket = bucket_of(p);
+  if (p.dtype == DType::kFloat16) return launch_bucket<__half>(p, bucket, stream);
+  return launch_bucket<__nv_bfloat16>(p, bucket, stream);
+}
+
+}  // namespace flashjax::cuda
