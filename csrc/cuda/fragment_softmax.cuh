@@ -50,21 +50,32 @@ struct RowSoftmax {
   template <int kKeyTiles>
   __device__ void scores(float (&s)[kKeyTiles * 4], const AttentionParams& p, int64_t k0,
                          bool needs_mask) const {
+    if (p.softcap > 0.0f) {
+      const float inv_cap = p.softmax_scale / p.softcap, cap_log2 = p.softcap * kLog2e;
+#pragma unroll
+      for (int i = 0; i < kKeyTiles * 4; ++i) s[i] = cap_log2 * tanhf(s[i] * inv_cap);
+    } else {
+      const float scale_log2 = p.softmax_scale * kLog2e;
+#pragma unroll
+      for (int i = 0; i < kKeyTiles * 4; ++i) s[i] *= scale_log2;
+    }
+    if (!needs_mask) return;
     const int t = threadIdx.x % 4;
-    const float scale_log2 = p.softmax_scale * kLog2e;
 #pragma unroll
-    for (int n = 0; n < kKeyTiles; ++n) {
+    for (int r = 0; r < 2; ++r) {
+      // Visible columns of this row, relative to k0 (int: tiles are small).
+      const int64_t row_r = row + 8 * r;
+      const int64_t lo64 = p.first_key(row_r) - k0;
+      const int64_t hi64 = min(p.last_key(row_r), p.seqlen_k - 1) - k0;
+      const int lo = static_cast<int>(lo64 < -1 ? -1 : lo64);
+      const int hi = static_cast<int>(hi64 > kKeyTiles * 8 ? kKeyTiles * 8 : hi64);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * n + e];
-        x = p.softcap > 0.0f ? p.softcap * kLog2e * tanhf(x * p.softmax_scale / p.softcap)
-                             : x * scale_log2;
-        if (needs_mask) {
-          const int64_t r = row + (e >= 2 ? 8 : 0);
-          const int64_t col = k0 + n * 8 + 2 * t + (e & 1);
-          if (col < p.first_key(r) || col > p.last_key(r) || col >= p.seqlen_k) x = kNegInf;
+      for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = n * 8 + 2 * t + e;
+          if (col < lo || col > hi) s[4 * n + 2 * r + e] = kNegInf;
         }
-        s[4 * n + e] = x;
       }
     }
   }
