@@ -80,9 +80,10 @@ struct RowSoftmax {
     }
   }
 
-  // s becomes exp2(s - m_new); o is rescaled by exp2(m_old - m_new).
-  template <int kKeyTiles, int kDimTiles>
-  __device__ void update(float (&s)[kKeyTiles * 4], float (&o)[kDimTiles * 4]) {
+  // s becomes exp2(s - m_new); alpha = exp2(m_old - m_new) is what the output
+  // accumulated so far must be scaled by.
+  template <int kKeyTiles>
+  __device__ void exponentiate(float (&s)[kKeyTiles * 4], float (&alpha)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = m[r];
@@ -91,7 +92,7 @@ struct RowSoftmax {
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float base = mx == kNegInf ? 0.0f : mx;  // nothing visible yet: keep zeros
-      const float alpha = fast_exp2(m[r] - base);
+      alpha[r] = fast_exp2(m[r] - base);
       float sum = 0.0f;
 #pragma unroll
       for (int n = 0; n < kKeyTiles; ++n) {
@@ -99,14 +100,27 @@ struct RowSoftmax {
         s[4 * n + 2 * r + 1] = fast_exp2(s[4 * n + 2 * r + 1] - base);
         sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
       }
-      l[r] = l[r] * alpha + sum;
+      l[r] = l[r] * alpha[r] + sum;
       m[r] = mx;
-#pragma unroll
-      for (int n = 0; n < kDimTiles; ++n) {
-        o[4 * n + 2 * r] *= alpha;
-        o[4 * n + 2 * r + 1] *= alpha;
-      }
     }
+  }
+
+  template <int kDimTiles>
+  __device__ static void rescale(float (&o)[kDimTiles * 4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int n = 0; n < kDimTiles; ++n) {
+      o[4 * n] *= alpha[0];
+      o[4 * n + 1] *= alpha[0];
+      o[4 * n + 2] *= alpha[1];
+      o[4 * n + 3] *= alpha[1];
+    }
+  }
+
+  template <int kKeyTiles, int kDimTiles>
+  __device__ void update(float (&s)[kKeyTiles * 4], float (&o)[kDimTiles * 4]) {
+    float alpha[2];
+    exponentiate<kKeyTiles>(s, alpha);
+    rescale<kDimTiles>(o, alpha);
   }
 
   // Folds in the sink, normalises o and writes out (head_dim_v % 8 == 0) and lse.

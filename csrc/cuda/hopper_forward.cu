@@ -105,8 +105,15 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Orders reads of wgmma accumulators after the wait that completes them.
+template <int kN>
+__device__ __forceinline__ void fence_operands(float (&regs)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(regs[i])::"memory");
 }
 
 template <class T, int N>
@@ -191,34 +198,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   RowSoftmax softmax{q0 + consumer * 64 + warp_in_group * 16 + lane / 4};
   const unsigned char* q_rows = sQ + consumer * 64 * 128;  // this warpgroup's 64 rows
 
-  mbar_wait(bar_q, 0);
-  for (int64_t it = 0; it < n_tiles; ++it) {
-    const int stage = it % kStages, phase = (it / kStages) & 1;
-    const int64_t k0 = keys.tile_begin + it * kBlockN;
-    const unsigned char* k_tile = sK + stage * Cfg::kKVBytes;
-    const unsigned char* v_tile = sV + stage * Cfg::kKVBytes;
-
-    float s[kKeyTiles * 4];
-    mbar_wait(&k_full[stage], phase);
+  // S_j = Q K_j^T for the ring slot of tile j; the caller waits for it.
+  auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
+    const unsigned char* k_tile = sK + (it % kStages) * Cfg::kKVBytes;
+    mbar_wait(&k_full[it % kStages], (it / kStages) & 1);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk)
       wgmma_ss<T, kBlockN>(s, k_major_desc<kBlockM>(q_rows, kk),
                            k_major_desc<kBlockN>(k_tile, kk), kk > 0);
     wgmma_commit();
-    wgmma_wait_all();
-    if (lane == 0) mbar_arrive(&k_empty[stage]);
-
-    softmax.scores<kKeyTiles>(s, p, k0,
-                              RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlockN,
-                                                          keys.key_begin, keys.key_end));
-    softmax.update<kKeyTiles, kDimTiles>(s, o);
-
-    // P in registers first, so that the wgmma chain below runs unbroken.
-    uint32_t pa[kBlockN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
-    mbar_wait(&v_full[stage], phase);
+  };
+  // O += P_j V_j; the caller waits for it.
+  auto issue_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it) {
+    const unsigned char* v_tile = sV + (it % kStages) * Cfg::kKVBytes;
+    mbar_wait(&v_full[it % kStages], (it / kStages) & 1);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -227,8 +221,47 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_rs<T, kHeadDim>(o, pa[kk], smem_desc(v_tile + kk * 16 * 128, kBlockN * 128, 1024));
     }
     wgmma_commit();
-    wgmma_wait_all();
-    if (lane == 0) mbar_arrive(&v_empty[stage]);
+  };
+  auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
+    const int64_t k0 = keys.tile_begin + it * kBlockN;
+    softmax.scores<kKeyTiles>(s, p, k0,
+                              RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlockN,
+                                                          keys.key_begin, keys.key_end));
+    softmax.exponentiate<kKeyTiles>(s, alpha);
+  };
+
+  mbar_wait(bar_q, 0);
+  if (n_tiles > 0) {
+    // Software pipeline across tiles: while the softmax of S_j runs on the
+    // CUDA cores, the tensor cores compute O += P_{j-1} V_{j-1}.
+    float s[kKeyTiles * 4];
+    uint32_t pa[kBlockN / 16][4];
+    float alpha[2];
+    issue_scores(s, 0);
+    wgmma_wait<0>();
+    fence_operands(s);
+    if (lane == 0) mbar_arrive(&k_empty[0]);
+    softmax_step(s, 0, alpha);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
+    for (int64_t it = 1; it < n_tiles; ++it) {
+      issue_scores(s, it);
+      issue_values(pa, it - 1);
+      wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
+      fence_operands(s);
+      if (lane == 0) mbar_arrive(&k_empty[it % kStages]);
+      softmax_step(s, it, alpha);
+      wgmma_wait<0>();
+      fence_operands(o);
+      if (lane == 0) mbar_arrive(&v_empty[(it - 1) % kStages]);
+      RowSoftmax::rescale<kDimTiles>(o, alpha);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
+    }
+    issue_values(pa, n_tiles - 1);
+    wgmma_wait<0>();
+    fence_operands(o);
+    if (lane == 0) mbar_arrive(&v_empty[(n_tiles - 1) % kStages]);
   }
   softmax.write<T, kDimTiles>(p, o, b, h);
 }
