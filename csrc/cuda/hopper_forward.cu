@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "common.cuh"
+#include "dispatch.h"
 #include "fragment_softmax.cuh"
 #include "hopper_forward.h"
 #include "wgmma_ops.cuh"
@@ -329,53 +330,14 @@ cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <class T>
-cudaError_t launch_bucket(const AttentionParams& p, int bucket, cudaStream_t stream) {
-  switch (bucket) {
-#ifdef FLASHJAX_TC_HEAD_DIM_64
-    case 64: return launch<T, 64>(p, stream);
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_128
-    case 128: return launch<T, 128>(p, stream);
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_256
-    case 256: return launch<T, 256>(p, stream);
-#endif
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-int bucket_of(const AttentionParams& p) {
-  const int64_t d = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
-#ifdef FLASHJAX_TC_HEAD_DIM_64
-  if (d <= 64) return 64;
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_128
-  if (d <= 128) return 128;
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_256
-  if (d <= 256) return 256;
-#endif
-  return 0;
-}
-
-bool device_is_hopper() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  return major == 9 && minor == 0;
-}
-
 }  // namespace
 
 bool hopper_forward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
   // TMA needs 16-byte row strides (head dims % 8) and a 64-column box inside
   // the tensor (head dims >= 64); int32 TMA coordinates bound the sizes.
-  return p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0 &&
-         p.head_dim >= 64 && p.head_dim_v >= 64 && bucket_of(p) != 0 &&
-         p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && device_is_hopper() &&
+  return tensor_core_shapes(p) && p.head_dim >= 64 && p.head_dim_v >= 64 &&
+         p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && compute_capability() == 90 &&
          encode_fn() != nullptr;
 #else
   (void)p;
@@ -384,9 +346,11 @@ bool hopper_forward_supports(const AttentionParams& p) {
 }
 
 cudaError_t hopper_forward(const AttentionParams& p, cudaStream_t stream) {
-  const int bucket = bucket_of(p);
-  if (p.dtype == DType::kFloat16) return launch_bucket<__half>(p, bucket, stream);
-  return launch_bucket<__nv_bfloat16>(p, bucket, stream);
+  return with_half_type(p.dtype, [&](auto tag) {
+    return with_bucket(head_dim_bucket(p), [&](auto dim) {
+      return launch<decltype(tag), decltype(dim)::value>(p, stream);
+    });
+  });
 }
 
 }  // namespace flashjax::cuda

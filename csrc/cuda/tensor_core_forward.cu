@@ -10,7 +10,9 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "dispatch.h"
 #include "fragment_softmax.cuh"
+#include "mma_sm80.cuh"
 #include "tensor_core_forward.h"
 
 namespace flashjax::cuda {
@@ -26,75 +28,6 @@ constexpr int smem_bytes() {
   return (kBlockM + 2 * kBlockN) * kHeadDim * 2;
 }
 
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
-template <int kHeadDim>
-__device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// The 4 accumulators of 8-column tile n of a flat fragment.
-template <int kN>
-__device__ __forceinline__ float (&tile4(float (&frag)[kN], int n))[4] {
-  return *reinterpret_cast<float(*)[4]>(&frag[4 * n]);
-}
-
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-// D += A * B for one m16n8k16 tile.
-template <class T>
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// Copies rows [row0, row0 + kRows) of one head (zero beyond `rows_valid` rows
-// and `dim` columns) into a swizzled shared tile.
-template <class T, int kHeadDim, int kRows>
-__device__ __forceinline__ void load_tile(T* tile, const T* head_base, int64_t row_stride,
-                                          int64_t row0, int64_t rows_valid, int64_t dim) {
-  constexpr int kChunks = kHeadDim / 8;
-  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
-    const int row = idx / kChunks, chunk = idx % kChunks;
-    const bool valid = row0 + row < rows_valid && chunk * 8 < dim;
-    const T* src = valid ? head_base + (row0 + row) * row_stride + chunk * 8 : head_base;
-    cp_async_16(tile + swizzled<kHeadDim>(row, chunk), src, valid);
-  }
-}
 
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
@@ -202,61 +135,18 @@ cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <class T>
-cudaError_t launch_for_dim(const AttentionParams& p, int bucket, cudaStream_t stream) {
-  switch (bucket) {
-#ifdef FLASHJAX_TC_HEAD_DIM_64
-    case 64: return launch<T, 64>(p, stream);
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_128
-    case 128: return launch<T, 128>(p, stream);
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_256
-    case 256: return launch<T, 256>(p, stream);
-#endif
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-// Smallest compiled head-dim bucket holding both head dims, or 0.
-int head_dim_bucket(const AttentionParams& p) {
-  const int64_t d = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
-  constexpr int kBuckets[] = {
-#ifdef FLASHJAX_TC_HEAD_DIM_64
-      64,
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_128
-      128,
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_256
-      256,
-#endif
-      0};
-  for (int bucket : kBuckets)
-    if (bucket >= d) return bucket;
-  return 0;
-}
-
-bool device_has_mma() {
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-    return false;
-  return major >= 8;
-}
-
 }  // namespace
 
 bool tensor_core_forward_supports(const AttentionParams& p) {
-  // 16-byte cp.async rows need head dims that are multiples of 8 elements.
-  return p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0 &&
-         head_dim_bucket(p) != 0 && device_has_mma();
+  return tensor_core_shapes(p) && compute_capability() >= 80;
 }
 
 cudaError_t tensor_core_forward(const AttentionParams& p, cudaStream_t stream) {
-  const int bucket = head_dim_bucket(p);
-  if (p.dtype == DType::kFloat16) return launch_for_dim<__half>(p, bucket, stream);
-  return launch_for_dim<__nv_bfloat16>(p, bucket, stream);
+  return with_half_type(p.dtype, [&](auto tag) {
+    return with_bucket(head_dim_bucket(p), [&](auto dim) {
+      return launch<decltype(tag), decltype(dim)::value>(p, stream);
+    });
+  });
 }
 
 }  // namespace flashjax::cuda

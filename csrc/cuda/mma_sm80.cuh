@@ -1,0 +1,85 @@
+// mma.sync (sm_80+) building blocks shared by the tensor-core kernels:
+// cp.async tile loads into XOR-swizzled shared memory, ldmatrix, m16n8k16 MMA.
+// A tile is [rows][kHeadDim] 16-bit elements; 16-byte chunk c of row r lives
+// at chunk c ^ (r % 8), so that ldmatrix reads are free of bank conflicts.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace flashjax::cuda {
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
+template <int kHeadDim>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The 4 accumulators of 8-column tile n of a flat fragment.
+template <int kN>
+__device__ __forceinline__ float (&tile4(float (&frag)[kN], int n))[4] {
+  return *reinterpret_cast<float(*)[4]>(&frag[4 * n]);
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// D += A * B for one m16n8k16 tile.
+template <class T>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Copies rows [row0, row0 + kRows) of one head (zero beyond `rows_valid` rows
+// and `dim` columns) into a swizzled shared tile.
+template <class T, int kHeadDim, int kRows>
+__device__ __forceinline__ void load_tile(T* tile, const T* head_base, int64_t row_stride,
+                                          int64_t row0, int64_t rows_valid, int64_t dim) {
+  constexpr int kChunks = kHeadDim / 8;
+  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += blockDim.x) {
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    const bool valid = row0 + row < rows_valid && chunk * 8 < dim;
+    const T* src = valid ? head_base + (row0 + row) * row_stride + chunk * 8 : head_base;
+    cp_async_16(tile + swizzled<kHeadDim>(row, chunk), src, valid);
+  }
+}
+
+}  // namespace flashjax::cuda
