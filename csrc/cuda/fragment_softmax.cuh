@@ -33,6 +33,43 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// scale and softcap: raw q.k products become scores in log2 units.
+template <int kN>
+__device__ __forceinline__ void scores_log2(float (&s)[kN], const AttentionParams& p) {
+  if (p.softcap > 0.0f) {
+    const float inv_cap = p.softmax_scale / p.softcap, cap_log2 = p.softcap * kLog2e;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) s[i] = cap_log2 * tanhf(s[i] * inv_cap);
+  } else {
+    const float scale_log2 = p.softmax_scale * kLog2e;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) s[i] *= scale_log2;
+  }
+}
+
+// The visible columns [first, last] of a fragment row as tile-relative ints
+// [lo, hi], clamped to [-1, cols] (tiles are small; sequences < 2^31).
+__device__ __forceinline__ void visible_columns(int64_t first, int64_t last, int64_t col0,
+                                                int cols, int& lo, int& hi) {
+  const int64_t l = first - col0, h = last - col0;
+  lo = static_cast<int>(l < -1 ? -1 : (l > cols ? cols : l));
+  hi = static_cast<int>(h < -1 ? -1 : (h > cols ? cols : h));
+}
+
+// -inf outside columns [lo[r], hi[r]] of row half r.
+template <int kTiles>
+__device__ __forceinline__ void mask_columns(float (&s)[kTiles * 4], const int (&lo)[2],
+                                             const int (&hi)[2]) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e / 2, col = n * 8 + 2 * t + (e & 1);
+      if (col < lo[r] || col > hi[r]) s[4 * n + e] = kNegInf;
+    }
+}
+
 // The query rows of one thread and the running softmax statistics (log2 units).
 struct RowSoftmax {
   int64_t row;  // first of the thread's two rows (the other is row + 8)
@@ -50,34 +87,14 @@ struct RowSoftmax {
   template <int kKeyTiles>
   __device__ void scores(float (&s)[kKeyTiles * 4], const AttentionParams& p, int64_t k0,
                          bool needs_mask) const {
-    if (p.softcap > 0.0f) {
-      const float inv_cap = p.softmax_scale / p.softcap, cap_log2 = p.softcap * kLog2e;
-#pragma unroll
-      for (int i = 0; i < kKeyTiles * 4; ++i) s[i] = cap_log2 * tanhf(s[i] * inv_cap);
-    } else {
-      const float scale_log2 = p.softmax_scale * kLog2e;
-#pragma unroll
-      for (int i = 0; i < kKeyTiles * 4; ++i) s[i] *= scale_log2;
-    }
+    scores_log2(s, p);
     if (!needs_mask) return;
-    const int t = threadIdx.x % 4;
+    int lo[2], hi[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      // Visible columns of this row, relative to k0 (int: tiles are small).
-      const int64_t row_r = row + 8 * r;
-      const int64_t lo64 = p.first_key(row_r) - k0;
-      const int64_t hi64 = min(p.last_key(row_r), p.seqlen_k - 1) - k0;
-      const int lo = static_cast<int>(lo64 < -1 ? -1 : lo64);
-      const int hi = static_cast<int>(hi64 > kKeyTiles * 8 ? kKeyTiles * 8 : hi64);
-#pragma unroll
-      for (int n = 0; n < kKeyTiles; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = n * 8 + 2 * t + e;
-          if (col < lo || col > hi) s[4 * n + 2 * r + e] = kNegInf;
-        }
-      }
-    }
+    for (int r = 0; r < 2; ++r)
+      visible_columns(p.first_key(row + 8 * r), min(p.last_key(row + 8 * r), p.seqlen_k - 1), k0,
+                      kKeyTiles * 8, lo[r], hi[r]);
+    mask_columns<kKeyTiles>(s, lo, hi);
   }
 
   // s becomes exp2(s - m_new); alpha = exp2(m_old - m_new) is what the output

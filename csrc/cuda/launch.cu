@@ -1,13 +1,14 @@
 // Chooses a kernel for each call. Tensor-core kernels declare which calls
 // they take; the SIMT path takes the rest, so no valid call is refused.
 // FLASHJAX_FORWARD_KERNEL=simt|mma caps the choice (tests use it to run
-// every path on one GPU).
+// every path on one GPU; simt also moves the backward to the SIMT path).
 #include <cstdlib>
 #include <cstring>
 
 #include "hopper_forward.h"
 #include "launch.h"
 #include "simt_attention.h"
+#include "tensor_core_backward.h"
 #include "tensor_core_forward.h"
 
 namespace flashjax::cuda {
@@ -32,11 +33,9 @@ cudaError_t forward(const AttentionParams& p, cudaStream_t stream) {
   return simt_forward(p, stream);
 }
 
-size_t backward_workspace_bytes(const AttentionParams& p) {
-  return simt_backward_workspace_bytes(p);
-}
-
 cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  if (forward_cap() != ForwardCap::kSimt && tensor_core_backward_supports(p))
+    return tensor_core_backward(p, workspace, stream);
   return simt_backward(p, workspace, stream);
 }
 

@@ -2,6 +2,7 @@
 // split the head dimension. Slow but exact for every dtype, head dim and
 // GPU; the tensor-core kernels take over where they apply.
 #include "common.cuh"
+#include "launch.h"
 #include "simt_attention.h"
 
 namespace flashjax::cuda {
@@ -222,24 +223,39 @@ cudaError_t simt_forward(const AttentionParams& p, cudaStream_t stream) {
   });
 }
 
-size_t simt_backward_workspace_bytes(const AttentionParams& p) {
+size_t backward_workspace_bytes(const AttentionParams& p) {
   return 2 * sizeof(float) * static_cast<size_t>(p.batch * p.heads_q * p.seqlen_q);
+}
+
+cudaError_t backward_preprocess(const AttentionParams& p, float* D, cudaStream_t stream) {
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+    preprocess_kernel<decltype(tag)><<<warp_blocks(rows), kWarpsPerBlock * 32, 0, stream>>>(p, D);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t backward_dsinks(const AttentionParams& p, const float* dsink_rows,
+                            cudaStream_t stream) {
+  const int64_t bh = p.batch * p.heads_q;
+  dsinks_kernel<<<static_cast<unsigned>((bh + 127) / 128), 128, 0, stream>>>(p, dsink_rows);
+  return cudaGetLastError();
 }
 
 cudaError_t simt_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   float* D = static_cast<float*>(workspace);
   float* dsink_rows = D + rows;
-  return dispatch_dtype(p.dtype, [&](auto tag) {
+  if (cudaError_t e = backward_preprocess(p, D, stream); e != cudaSuccess) return e;
+  cudaError_t status = dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const int threads = kWarpsPerBlock * 32;
-    preprocess_kernel<T><<<warp_blocks(rows), threads, 0, stream>>>(p, D);
     dkdv_kernel<T><<<warp_blocks(p.batch * p.heads_kv * p.seqlen_k), threads, 0, stream>>>(p, D);
     dq_kernel<T><<<warp_blocks(rows), threads, 0, stream>>>(p, D, dsink_rows);
-    const int64_t bh = p.batch * p.heads_q;
-    dsinks_kernel<<<static_cast<unsigned>((bh + 127) / 128), 128, 0, stream>>>(p, dsink_rows);
     return cudaGetLastError();
   });
+  if (status != cudaSuccess) return status;
+  return backward_dsinks(p, dsink_rows, stream);
 }
 
 }  // namespace flashjax::cuda

@@ -1,0 +1,347 @@
+// Tensor-core backward (mma.sync m16n8k16, fp16/bf16, float32 accumulation),
+// deterministic by construction: no atomics.
+//
+//  * key kernel: a CTA owns kBlock keys of one kv head (each warp 16 keys) and
+//    walks every query tile of every query head of the group that can see
+//    them, recomputing S^T = K Q^T and P^T, accumulating dV += P^T dO and
+//    dK += dS^T Q in registers. At head dim 256 the registers hold only one
+//    of dK, dV, so the kernel runs twice.
+//  * query kernel: a CTA owns kBlock query rows and walks their key tiles,
+//    accumulating dQ += dS K, and each row's share of dsinks.
+//
+// With P = exp(S - lse) and D = rowsum(dO * O) - dlse (preprocess kernel):
+// dP = dO V^T, dS = P * (dP - D) (times the softcap derivative).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <mutex>
+
+#include "common.cuh"
+#include "dispatch.h"
+#include "fragment_softmax.cuh"
+#include "mma_sm80.cuh"
+#include "simt_attention.h"
+#include "tensor_core_backward.h"
+
+namespace flashjax::cuda {
+namespace {
+
+constexpr int kBlock = 64;  // rows of every tile (keys or queries)
+constexpr int kThreads = 128;
+constexpr int kTiles = kBlock / 8;  // 8-column tiles across a 64-wide S fragment
+
+template <int kHeadDim>
+constexpr int smem_bytes() {
+  return 4 * kBlock * kHeadDim * 2 + 2 * kBlock * 4;
+}
+
+template <int kN>
+__device__ __forceinline__ void zero(float (&x)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) x[i] = 0.0f;
+}
+
+// C(16 x 64) = A(16 rows of a, kHeadDim) * B(64 rows of b, kHeadDim)^T, both
+// swizzled [rows][kHeadDim] tiles: a warp's slice of S = Q K^T and friends.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void gemm_abt(float (&c)[kTiles * 4], const T* a, int a_row0,
+                                         const T* b) {
+  const int lane = threadIdx.x % 32;
+  zero(c);
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t af[4];
+    ldmatrix_x4(af, a + swizzled<kHeadDim>(a_row0 + lane % 16, kk * 2 + lane / 16));
+#pragma unroll
+    for (int nn = 0; nn < kBlock / 16; ++nn) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, b + swizzled<kHeadDim>(nn * 16 + lane % 8 + (lane / 16) * 8,
+                                             kk * 2 + (lane / 8) % 2));
+      mma<T>(tile4(c, 2 * nn), af, bf[0], bf[1]);
+      mma<T>(tile4(c, 2 * nn + 1), af, bf[2], bf[3]);
+    }
+  }
+}
+
+// acc(16 x kHeadDim) += A(16 x 64, registers from `frag`) * B(64 rows of b, kHeadDim).
+template <class T, int kHeadDim>
+__device__ __forceinline__ void gemm_ab(float (&acc)[kHeadDim / 2], const float (&frag)[kTiles * 4],
+                                        const T* b) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < kBlock / 16; ++kk) {
+    uint32_t af[4];
+    p_fragment<T, kTiles>(af, frag, kk);
+#pragma unroll
+    for (int nn = 0; nn < kHeadDim / 16; ++nn) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, b + swizzled<kHeadDim>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                   nn * 2 + lane / 16));
+      mma<T>(tile4(acc, 2 * nn), af, bf[0], bf[1]);
+      mma<T>(tile4(acc, 2 * nn + 1), af, bf[2], bf[3]);
+    }
+  }
+}
+
+// P = exp2(S - lse) from log2-unit scores; `lse_log2(e)` gives the lse of
+// element e's query (+inf for a row that saw nothing, so that P = 0).
+template <class LseOf>
+__device__ __forceinline__ void probabilities(float (&s)[kTiles * 4], LseOf&& lse_log2) {
+#pragma unroll
+  for (int i = 0; i < kTiles * 4; ++i) s[i] = fast_exp2(s[i] - lse_log2(i));
+}
+
+// dP becomes dS = P * (dP - D) * softcap'(S); `d_of(e)` gives element e's D.
+template <class DOf>
+__device__ __forceinline__ void score_gradient(float (&dp)[kTiles * 4], const float (&prob)[kTiles * 4],
+                                               const float (&s_log2)[kTiles * 4],
+                                               const AttentionParams& p, DOf&& d_of) {
+  const float inv_cap_log2 = p.softcap > 0.0f ? 1.0f / (p.softcap * kLog2e) : 0.0f;
+#pragma unroll
+  for (int i = 0; i < kTiles * 4; ++i) {
+    float ds = prob[i] * (dp[i] - d_of(i));
+    if (p.softcap > 0.0f) {
+      const float t = prob[i] > 0.0f ? s_log2[i] * inv_cap_log2 : 0.0f;
+      ds *= 1.0f - t * t;
+    }
+    dp[i] = ds;
+  }
+}
+
+__device__ __forceinline__ float lse_to_log2(float lse) {
+  return lse == kNegInf ? -kNegInf : lse * kLog2e;
+}
+
+// Writes a 16 x kHeadDim fragment (rows row0 + g, + 8) of one head, times scale.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void store_rows(void* base, int64_t b, int64_t seqlen, int64_t heads,
+                                           int64_t h, int64_t dim, int64_t row0,
+                                           const float (&acc)[kHeadDim / 2], float scale) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row0 + g + 8 * r;
+    if (row >= seqlen) continue;
+    T* dst = static_cast<T*>(base) + ((b * seqlen + row) * heads + h) * dim;
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 8; ++n) {
+      const int col = n * 8 + 2 * t;
+      if (col < dim)
+        *reinterpret_cast<uint32_t*>(dst + col) =
+            pack2<T>(acc[4 * n + 2 * r] * scale, acc[4 * n + 2 * r + 1] * scale);
+    }
+  }
+}
+
+template <class T, int kHeadDim, bool kWantDK, bool kWantDV>
+__global__ void __launch_bounds__(kThreads) key_kernel(AttentionParams p, const float* D_all) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBlock * kHeadDim;
+  T* sQ = sV + kBlock * kHeadDim;
+  T* sdO = sQ + kBlock * kHeadDim;
+  float* s_lse = reinterpret_cast<float*>(sdO + kBlock * kHeadDim);  // log2 units
+  float* s_D = s_lse + kBlock;
+
+  const int64_t k_tiles = (p.seqlen_k + kBlock - 1) / kBlock;
+  const int64_t k_tile = blockIdx.x % k_tiles;
+  const int64_t bhk = blockIdx.x / k_tiles;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
+  const int64_t k0 = k_tile * kBlock, last_key = min(k0 + kBlock, p.seqlen_k) - 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
+  const int64_t my_key = k0 + warp * 16 + lane / 4;  // fragment rows my_key, my_key + 8
+
+  const int64_t k_stride = p.heads_kv * p.head_dim, v_stride = p.heads_kv * p.head_dim_v;
+  load_tile<T, kHeadDim, kBlock>(sK, static_cast<const T*>(p.k) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim,
+                                 k_stride, k0, p.seqlen_k, p.head_dim);
+  load_tile<T, kHeadDim, kBlock>(sV, static_cast<const T*>(p.v) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim_v,
+                                 v_stride, k0, p.seqlen_k, p.head_dim_v);
+  cp_async_commit();
+
+  float dk[kHeadDim / 2], dv[kHeadDim / 2];
+  zero(dk);
+  zero(dv);
+  const int64_t row_begin = p.first_query(k0) / kBlock * kBlock;
+  const int64_t row_end = p.last_query(last_key) + 1;
+  for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
+    const int64_t q_stride = p.heads_q * p.head_dim, o_stride = p.heads_q * p.head_dim_v;
+    for (int64_t q0 = row_begin; q0 < row_end; q0 += kBlock) {
+      __syncthreads();  // the previous tile's Q, dO, lse, D are no longer read
+      load_tile<T, kHeadDim, kBlock>(sQ, static_cast<const T*>(p.q) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim,
+                                     q_stride, q0, p.seqlen_q, p.head_dim);
+      load_tile<T, kHeadDim, kBlock>(sdO, static_cast<const T*>(p.dout) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim_v,
+                                     o_stride, q0, p.seqlen_q, p.head_dim_v);
+      cp_async_commit();
+      if (threadIdx.x < kBlock) {
+        const int64_t i = q0 + threadIdx.x;
+        const int64_t row = (b * p.heads_q + h) * p.seqlen_q + i;
+        s_lse[threadIdx.x] = i < p.seqlen_q ? lse_to_log2(p.lse[row]) : -kNegInf;
+        s_D[threadIdx.x] = i < p.seqlen_q ? D_all[row] : 0.0f;
+      }
+      cp_async_wait_all();
+      __syncthreads();
+
+      // S^T: rows are this warp's keys, columns the tile's queries.
+      float st[kTiles * 4];
+      gemm_abt<T, kHeadDim>(st, sK, warp * 16, sQ);
+      scores_log2(st, p);
+      const bool needs_mask = q0 < p.first_query(last_key) || q0 + kBlock - 1 > p.last_query(k0) ||
+                              q0 + kBlock > p.seqlen_q || last_key - k0 + 1 < kBlock;
+      if (needs_mask) {
+        int lo[2], hi[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int64_t key = my_key + 8 * r;
+          visible_columns(p.first_query(key), min(p.last_query(key), p.seqlen_q - 1), q0, kBlock,
+                          lo[r], hi[r]);
+          if (key >= p.seqlen_k) hi[r] = -1;
+        }
+        mask_columns<kTiles>(st, lo, hi);
+      }
+      const auto column_of = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
+      float pt[kTiles * 4];
+#pragma unroll
+      for (int i = 0; i < kTiles * 4; ++i) pt[i] = st[i];
+      probabilities(pt, [&](int i) { return s_lse[column_of(i)]; });
+      if constexpr (kWantDV) gemm_ab<T, kHeadDim>(dv, pt, sdO);
+      if constexpr (kWantDK) {
+        float dpt[kTiles * 4];
+        gemm_abt<T, kHeadDim>(dpt, sV, warp * 16, sdO);
+        score_gradient(dpt, pt, st, p, [&](int i) { return s_D[column_of(i)]; });
+        gemm_ab<T, kHeadDim>(dk, dpt, sQ);
+      }
+    }
+  }
+  if constexpr (kWantDK)
+    store_rows<T, kHeadDim>(p.dk, b, p.seqlen_k, p.heads_kv, hk, p.head_dim, k0 + warp * 16, dk,
+                            p.softmax_scale);
+  if constexpr (kWantDV)
+    store_rows<T, kHeadDim>(p.dv, b, p.seqlen_k, p.heads_kv, hk, p.head_dim_v, k0 + warp * 16, dv,
+                            1.0f);
+}
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) query_kernel(AttentionParams p, const float* D_all,
+                                                          float* dsink_rows) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + kBlock * kHeadDim;
+  T* sK = sdO + kBlock * kHeadDim;
+  T* sV = sK + kBlock * kHeadDim;
+
+  const int64_t q_tiles = (p.seqlen_q + kBlock - 1) / kBlock;
+  const int64_t q_tile = q_tiles - 1 - blockIdx.x / (p.batch * p.heads_q);  // heaviest first
+  const int64_t bh = blockIdx.x % (p.batch * p.heads_q);
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
+  const int64_t q0 = q_tile * kBlock, last_row = min(q0 + kBlock, p.seqlen_q) - 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  RowSoftmax rows{q0 + warp * 16 + lane / 4};  // used for its row and masking
+
+  load_tile<T, kHeadDim, kBlock>(sQ, static_cast<const T*>(p.q) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim,
+                                 p.heads_q * p.head_dim, q0, p.seqlen_q, p.head_dim);
+  load_tile<T, kHeadDim, kBlock>(sdO, static_cast<const T*>(p.dout) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim_v,
+                                 p.heads_q * p.head_dim_v, q0, p.seqlen_q, p.head_dim_v);
+  cp_async_commit();
+  float lse2[2], D[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = rows.row + 8 * r;
+    const int64_t at = bh * p.seqlen_q + i;
+    lse2[r] = i < p.seqlen_q ? lse_to_log2(p.lse[at]) : -kNegInf;
+    D[r] = i < p.seqlen_q ? D_all[at] : 0.0f;
+  }
+
+  float dq[kHeadDim / 2];
+  zero(dq);
+  const KeyRange keys(p, q0, last_row, kBlock);
+  const T* k_head = static_cast<const T*>(p.k) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim;
+  const T* v_head = static_cast<const T*>(p.v) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim_v;
+  for (int64_t k0 = keys.tile_begin; k0 < keys.key_end; k0 += kBlock) {
+    __syncthreads();  // the previous K, V tiles are no longer read
+    load_tile<T, kHeadDim, kBlock>(sK, k_head, p.heads_kv * p.head_dim, k0, p.seqlen_k, p.head_dim);
+    load_tile<T, kHeadDim, kBlock>(sV, v_head, p.heads_kv * p.head_dim_v, k0, p.seqlen_k,
+                                   p.head_dim_v);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+
+    float s[kTiles * 4];
+    gemm_abt<T, kHeadDim>(s, sQ, warp * 16, sK);
+    rows.scores<kTiles>(s, p, k0,
+                        RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlock, keys.key_begin,
+                                                    keys.key_end));
+    float prob[kTiles * 4];
+#pragma unroll
+    for (int i = 0; i < kTiles * 4; ++i) prob[i] = s[i];
+    probabilities(prob, [&](int i) { return lse2[(i % 4) / 2]; });
+    float dp[kTiles * 4];
+    gemm_abt<T, kHeadDim>(dp, sdO, warp * 16, sV);
+    score_gradient(dp, prob, s, p, [&](int i) { return D[(i % 4) / 2]; });
+    gemm_ab<T, kHeadDim>(dq, dp, sK);
+  }
+  store_rows<T, kHeadDim>(p.dq, b, p.seqlen_q, p.heads_q, h, p.head_dim, q0 + warp * 16, dq,
+                          p.softmax_scale);
+  if (p.sinks && lane % 4 == 0) {  // d lse / d sink = p_sink; dL / d lse = -D
+    const float sink = p.sinks[bh] * kLog2e;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = rows.row + 8 * r;
+      if (i < p.seqlen_q)
+        dsink_rows[bh * p.seqlen_q + i] = lse2[r] == -kNegInf ? 0.0f : -fast_exp2(sink - lse2[r]) * D[r];
+    }
+  }
+}
+
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+template <class T, int kHeadDim>
+cudaError_t launch(const AttentionParams& p, float* D, float* dsink_rows, cudaStream_t stream) {
+  constexpr int kSmem = smem_bytes<kHeadDim>();
+  constexpr bool kOnePass = kHeadDim <= 128;  // dK and dV fit in registers together
+  static std::once_flag configured;
+  static cudaError_t config_status = cudaSuccess;
+  std::call_once(configured, [] {
+    config_status = allow_smem(query_kernel<T, kHeadDim>, kSmem);
+    if (config_status == cudaSuccess)
+      config_status = allow_smem(key_kernel<T, kHeadDim, true, kOnePass>, kSmem);
+    if (config_status == cudaSuccess && !kOnePass)
+      config_status = allow_smem(key_kernel<T, kHeadDim, false, true>, kSmem);
+  });
+  if (config_status != cudaSuccess) return config_status;
+  const int64_t key_blocks = (p.seqlen_k + kBlock - 1) / kBlock * p.batch * p.heads_kv;
+  const int64_t query_blocks = (p.seqlen_q + kBlock - 1) / kBlock * p.batch * p.heads_q;
+  if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  key_kernel<T, kHeadDim, true, kOnePass>
+      <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, D);
+  if (!kOnePass)
+    key_kernel<T, kHeadDim, false, true>
+        <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, D);
+  query_kernel<T, kHeadDim>
+      <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, D, dsink_rows);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool tensor_core_backward_supports(const AttentionParams& p) {
+  return tensor_core_shapes(p) && compute_capability() >= 80;
+}
+
+cudaError_t tensor_core_backward(const AttentionParams& p, void* workspace,
+                                 cudaStream_t stream) {
+  float* D = static_cast<float*>(workspace);
+  float* dsink_rows = D + p.batch * p.heads_q * p.seqlen_q;
+  if (cudaError_t e = backward_preprocess(p, D, stream); e != cudaSuccess) return e;
+  cudaError_t status = with_half_type(p.dtype, [&](auto tag) {
+    return with_bucket(head_dim_bucket(p), [&](auto dim) {
+      return launch<decltype(tag), decltype(dim)::value>(p, D, dsink_rows, stream);
+    });
+  });
+  if (status != cudaSuccess) return status;
+  return backward_dsinks(p, dsink_rows, stream);
+}
+
+}  // namespace flashjax::cuda

@@ -1,0 +1,14 @@
+// Backward on the tensor cores (mma.sync m16n8k16, sm_80+), deterministic.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flashjax/params.h"
+
+namespace flashjax::cuda {
+
+bool tensor_core_backward_supports(const AttentionParams& p);
+// `workspace`: backward_workspace_bytes(p) bytes (launch.h).
+cudaError_t tensor_core_backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
+
+}  // namespace flashjax::cuda
