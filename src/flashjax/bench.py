@@ -1,0 +1,472 @@
+"""Benchmark flashjax.flash_attention against jax.nn.dot_product_attention.
+
+Usage::
+
+    python -m flashjax.bench                     # defaults for the device found (below)
+    python -m flashjax.bench --seqlen 1k 4k --head-dim 64 128 --causal yes
+    python -m flashjax.bench --mode bwd --impl flashjax,cudnn --dtype bfloat16
+    python -m flashjax.bench --heads 32 --heads-kv 8 --seqlen 2048 --seqlen-k 8192
+    python -m flashjax.bench --fa3-shapes --json out.jsonl --plot out.png
+
+List options take several values, space- or comma-separated; sequence lengths accept a
+``k`` suffix (``16k`` = 16384).
+
+Implementations (``--impl``): ``flashjax`` (this package), ``xla`` and ``cudnn``
+(``jax.nn.dot_product_attention(implementation=...)``), all timed in the same run.
+Modes (``--mode``): ``fwd``; ``fwdbwd`` (jitted ``jax.grad`` of ``sum(out * dout)``
+with respect to q, k, v); ``bwd`` (the jitted pullback of ``jax.vjp`` applied to
+precomputed residuals).
+
+Defaults on CPU: batch 1, 8 heads, seqlen 4096, head_dim 64, float32, causal and not,
+modes fwd and fwdbwd, impls flashjax and xla. On GPU: ``--fa3-shapes`` (the
+FlashAttention-3 paper shapes: batch*seqlen = 16384 tokens, heads*head_dim = 2048,
+seqlen 512..16k, head_dim 64/128/256, bfloat16, causal and not), modes fwd and fwdbwd,
+impls flashjax, xla and cudnn. Explicit options override these defaults.
+
+FLOPs follow the FlashAttention convention: fwd = 2*b*h*sq*sk*(d + d_v), which is
+4*b*h*sq*sk*d when d_v == d, halved when causal; bwd = 2.5x fwd; fwd+bwd = 3.5x fwd.
+Each time is the median over ``--iters`` runs after compilation and ``--warmup`` runs;
+every run is blocked with ``block_until_ready`` and timed with ``time.perf_counter``.
+A case that fails (unsupported by cuDNN, out of memory, ...) shows ``n/a`` and a reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("flashjax", "xla", "cudnn")
+MODES = ("fwd", "fwdbwd", "bwd")
+MODE_FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+FA3_TOKENS = 16384
+FA3_HIDDEN = 2048
+FA3_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+FA3_HEAD_DIMS = (64, 128, 256)
+
+REASON_CHARS = 60
+
+
+class Unsupported(Exception):
+    """An implementation cannot run a case; the message is the short reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    causal: bool
+
+    def fwd_flops(self) -> float:
+        flops = 2.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k
+        flops *= self.head_dim + self.head_dim_v
+        return flops / 2 if self.causal else flops
+
+    def label(self) -> str:
+        return (f"b={self.batch} sq={self.seqlen_q} sk={self.seqlen_k} h={self.heads}"
+                f"/{self.heads_kv} d={self.head_dim}/{self.head_dim_v} {self.dtype}"
+                f" causal={int(self.causal)}")
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    mode: str
+    impl: str
+    ms: float | None = None
+    error: str | None = None
+
+    @property
+    def tflops(self) -> float | None:
+        if self.ms is None:
+            return None
+        return self.case.fwd_flops() * MODE_FLOP_FACTOR[self.mode] / (self.ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------- implementations
+
+def load_flash_attention() -> Callable:
+    """Imports ``flashjax.flash_attention`` lazily, so the baselines run without it."""
+    try:
+        import flashjax
+        return flashjax.flash_attention
+    except (ImportError, AttributeError) as e:
+        raise Unsupported("flashjax.flash_attention unavailable") from e
+
+
+def _flashjax_attention(case: Case) -> Callable:
+    flash_attention = load_flash_attention()
+    return lambda q, k, v: flash_attention(q, k, v, causal=case.causal)
+
+
+def _jax_nn_attention(implementation: str, case: Case) -> Callable:
+    if implementation == "cudnn" and not _on_gpu():
+        raise Unsupported("needs a CUDA GPU")
+    if case.head_dim_v != case.head_dim:
+        raise Unsupported("jax.nn.dot_product_attention needs head_dim_v == head_dim")
+    bottom_right = case.causal and case.seqlen_q != case.seqlen_k
+    if bottom_right and implementation == "cudnn":
+        raise Unsupported("causal with seqlen_q != seqlen_k: jax mask is top-left")
+
+    def attention(q, k, v):
+        # jax's is_causal mask is top-left aligned; flashjax's is bottom-right aligned
+        # (docs/api.md), so for seqlen_q != seqlen_k build the flashjax mask in-graph.
+        mask = None
+        if bottom_right:
+            ones = jnp.ones((case.seqlen_q, case.seqlen_k), dtype=bool)
+            mask = jnp.tril(ones, k=case.seqlen_k - case.seqlen_q)[None, None]
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=case.causal and not bottom_right,
+            implementation=implementation)
+
+    return attention
+
+
+def attention_fn(impl: str, case: Case) -> Callable:
+    """Returns ``f(q, k, v) -> out`` for ``impl`` or raises ``Unsupported``."""
+    if impl == "flashjax":
+        return _flashjax_attention(case)
+    return _jax_nn_attention(impl, case)
+
+
+# --------------------------------------------------------------------------- modes and timing
+
+def make_inputs(case: Case, seed: int = 0):
+    dtype = DTYPES[case.dtype]
+    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+    b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+    q = jax.random.normal(kq, (b, sq, case.heads, case.head_dim), dtype)
+    k = jax.random.normal(kk, (b, sk, case.heads_kv, case.head_dim), dtype)
+    v = jax.random.normal(kv, (b, sk, case.heads_kv, case.head_dim_v), dtype)
+    dout = jax.random.normal(kd, (b, sq, case.heads, case.head_dim_v), dtype)
+    return q, k, v, dout
+
+
+def build_step(fn: Callable, mode: str, q, k, v, dout):
+    """Returns ``(jitted_step, args)``: the function to time and its arguments."""
+    if mode == "fwd":
+        return jax.jit(fn), (q, k, v)
+    if mode == "fwdbwd":
+        def loss(q, k, v, dout):
+            out = fn(q, k, v).astype(jnp.float32)
+            return jnp.sum(out * dout.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v, dout)
+    if mode == "bwd":
+        _, pullback = jax.vjp(jax.jit(fn), q, k, v)  # residuals computed once, untimed
+        return jax.jit(lambda pullback, dout: pullback(dout)), (pullback, dout)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def median_ms(step: Callable, args, warmup: int, iters: int) -> float:
+    jax.block_until_ready(step(*args))  # compile
+    for _ in range(warmup):
+        jax.block_until_ready(step(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def short_reason(error: Exception) -> str:
+    text = str(error) or type(error).__name__
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return "out of memory"
+    first = text.strip().splitlines()[0]
+    return first if len(first) <= REASON_CHARS else first[:REASON_CHARS - 3] + "..."
+
+
+def measure(case: Case, mode: str, impl: str, inputs, warmup: int, iters: int) -> Result:
+    result = Result(case, mode, impl)
+    try:
+        step, args = build_step(attention_fn(impl, case), mode, *inputs)
+        result.ms = median_ms(step, args, warmup, iters)
+    except Exception as e:  # noqa: BLE001 -- any failure becomes an "n/a" cell
+        result.error = short_reason(e)
+    return result
+
+
+# --------------------------------------------------------------------------- configuration
+
+def _on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def _int(text: str) -> int:
+    text = text.strip().lower()
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    if values is None:
+        return None
+    return [item for value in values for item in value.split(",") if item]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m flashjax.bench", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Options left out take the device defaults described in the module docstring.")
+    p.add_argument("--batch", type=_int)
+    p.add_argument("--heads", type=_int)
+    p.add_argument("--heads-kv", type=_int, help="default: --heads (MHA)")
+    p.add_argument("--seqlen", nargs="+", help="query sequence lengths, e.g. 1k 4k")
+    p.add_argument("--seqlen-k", type=_int, help="default: the query sequence length")
+    p.add_argument("--head-dim", nargs="+")
+    p.add_argument("--head-dim-v", type=_int, help="default: --head-dim")
+    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--causal", choices=("no", "yes", "both"))
+    p.add_argument("--mode", nargs="+", help=f"any of {','.join(MODES)}")
+    p.add_argument("--impl", nargs="+", help=f"any of {','.join(IMPLS)}")
+    p.add_argument("--iters", type=int, help="timed runs (default 20 on GPU, 5 on CPU)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs after compilation")
+    p.add_argument("--fa3-shapes", action="store_true",
+                   help="FlashAttention-3 paper shapes (the GPU default)")
+    p.add_argument("--plot", metavar="PATH.png", help="TFLOP/s vs seqlen plot")
+    p.add_argument("--json", metavar="PATH", help="JSON lines, one per measurement")
+    args = p.parse_args(argv)
+    for name, allowed in (("mode", MODES), ("impl", IMPLS)):
+        values = _split(getattr(args, name))
+        if values is not None and not set(values) <= set(allowed):
+            p.error(f"--{name}: expected values among {','.join(allowed)}, got {values}")
+        setattr(args, name, values)
+    for name in ("seqlen", "head_dim"):
+        values = _split(getattr(args, name))
+        setattr(args, name, None if values is None else [_int(x) for x in values])
+    return args
+
+
+def resolve_defaults(args: argparse.Namespace, gpu: bool) -> argparse.Namespace:
+    """Fills the options left out with the CPU or GPU (FA3 shapes) defaults."""
+    args.fa3_shapes = args.fa3_shapes or gpu
+    fa3 = args.fa3_shapes
+
+    def default(name, value):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+    default("seqlen", list(FA3_SEQLENS) if fa3 else [4096])
+    default("head_dim", list(FA3_HEAD_DIMS) if fa3 else [64])
+    default("dtype", "bfloat16" if fa3 else "float32")
+    default("causal", "both")
+    default("mode", ["fwd", "fwdbwd"])
+    default("impl", list(IMPLS) if gpu else ["flashjax", "xla"])
+    default("iters", 20 if gpu else 5)
+    return args
+
+
+def make_cases(args: argparse.Namespace) -> list[Case]:
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    cases = []
+    for head_dim in args.head_dim:
+        for seqlen in args.seqlen:
+            batch = args.batch or (max(1, FA3_TOKENS // seqlen) if args.fa3_shapes else 1)
+            heads = args.heads or (max(1, FA3_HIDDEN // head_dim) if args.fa3_shapes else 8)
+            for causal in causals:
+                cases.append(Case(
+                    batch=batch, seqlen_q=seqlen, seqlen_k=args.seqlen_k or seqlen,
+                    heads=heads, heads_kv=args.heads_kv or heads, head_dim=head_dim,
+                    head_dim_v=args.head_dim_v or head_dim, dtype=args.dtype,
+                    causal=causal))
+    return cases
+
+
+# --------------------------------------------------------------------------- reporting
+
+def device_info() -> dict:
+    device = jax.devices()[0]
+    return {"device": device.device_kind, "platform": device.platform,
+            "jax": jax.__version__}
+
+
+def result_record(result: Result, info: dict) -> dict:
+    return {**info, **dataclasses.asdict(result.case), "impl": result.impl,
+            "mode": result.mode, "ms": result.ms, "tflops": result.tflops,
+            "error": result.error}
+
+
+def format_cell(result: Result) -> str:
+    if result.ms is None:
+        return f"n/a ({result.error})"
+    return f"{result.ms:.3f} ms, {result.tflops:.2f} TFLOP/s"
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Columns whose first cell starts with a digit are right-aligned, others left-aligned."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    right = [bool(rows) and rows[0][i][:1].isdigit() for i in range(len(header))]
+
+    def line(row):
+        return "  ".join(c.rjust(w) if r else c.ljust(w)
+                         for c, w, r in zip(row, widths, right)).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+CASE_COLUMNS = {"mode": "mode", "causal": "causal", "batch": "b", "seqlen_q": "sq",
+                "seqlen_k": "sk", "heads": "h", "heads_kv": "h_kv", "head_dim": "d",
+                "head_dim_v": "d_v", "dtype": "dtype"}
+
+
+def case_cells(case: Case, mode: str) -> list[str]:
+    values = {**dataclasses.asdict(case), "mode": mode, "causal": "yes" if case.causal else "no"}
+    return [str(values[name]) for name in CASE_COLUMNS]
+
+
+def group_results(results: list[Result]) -> dict[tuple[Case, str], dict[str, Result]]:
+    groups: dict[tuple[Case, str], dict[str, Result]] = {}
+    for r in results:
+        groups.setdefault((r.case, r.mode), {})[r.impl] = r
+    return groups
+
+
+def results_table(results: list[Result], impls: list[str]) -> str:
+    """One row per (shape, mode), two columns (ms, TFLOP/s) per impl; n/a reasons as notes."""
+    notes: dict[str, int] = {}
+
+    def cells(r: Result) -> list[str]:
+        if r.ms is None:
+            return [f"n/a [{notes.setdefault(r.error, len(notes) + 1)}]", ""]
+        return [f"{r.ms:.3f}", f"{r.tflops:.2f}"]
+
+    header = list(CASE_COLUMNS.values())
+    for impl in impls:
+        header += [f"{impl} ms", f"{impl} TFLOP/s"]
+    rows = [case_cells(case, mode) + [c for impl in impls for c in cells(by_impl[impl])]
+            for (case, mode), by_impl in group_results(results).items()]
+    return "\n".join([format_table(header, rows),
+                      *(f"[{n}] {reason}" for reason, n in notes.items())])
+
+
+def speedup_table(results: list[Result], impls: list[str]) -> str | None:
+    """flashjax speed relative to each baseline: time_baseline / time_flashjax."""
+    baselines = [i for i in impls if i != "flashjax"]
+    if "flashjax" not in impls or not baselines:
+        return None
+
+    def ratio(ours: Result, theirs: Result) -> str:
+        if ours.ms is None or theirs.ms is None:
+            return "n/a"
+        return f"{theirs.ms / ours.ms:.2f}x"
+
+    rows = [case_cells(case, mode) + [ratio(by_impl["flashjax"], by_impl[b]) for b in baselines]
+            for (case, mode), by_impl in group_results(results).items()]
+    return format_table(list(CASE_COLUMNS.values()) + [f"vs {b}" for b in baselines], rows)
+
+
+def plot(results: list[Result], impls: list[str], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r.mode for r in results))
+    panels = list(dict.fromkeys((r.case.head_dim, r.case.causal) for r in results))
+    seqlens = sorted({r.case.seqlen_q for r in results})
+    fig, axes = plt.subplots(len(modes), len(panels), squeeze=False, sharex=True,
+                             figsize=(4 * len(panels), 3.2 * len(modes)))
+    for row, mode in enumerate(modes):
+        for col, (head_dim, causal) in enumerate(panels):
+            ax = axes[row][col]
+            for impl in impls:
+                points = sorted((r.case.seqlen_q, r.tflops) for r in results
+                                if r.impl == impl and r.mode == mode and r.tflops is not None
+                                and (r.case.head_dim, r.case.causal) == (head_dim, causal))
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{mode}, d={head_dim}, {'causal' if causal else 'non-causal'}")
+            ax.set_xticks(seqlens, [f"{s // 1024}k" if s % 1024 == 0 else str(s)
+                                    for s in seqlens])
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- driver
+
+def check_flashjax(impls: list[str]) -> None:
+    if "flashjax" not in impls:
+        return
+    try:
+        load_flash_attention()
+    except Unsupported as e:
+        print(f"error: {e} ({e.__cause__}); flashjax results will be n/a. "
+              "Install the package (pip install .) or pass --impl xla,cudnn.",
+              file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    info = device_info()
+    cases = make_cases(args)
+    print(f"device: {info['device']} ({info['platform']}), jax {info['jax']}; "
+          f"{len(cases)} shapes x modes {','.join(args.mode)} x impls {','.join(args.impl)}; "
+          f"median of {args.iters} runs after {args.warmup} warm-up runs", flush=True)
+    check_flashjax(args.impl)
+    json_file = open(args.json, "w") if args.json else None
+    results = []
+    try:
+        for n, case in enumerate(cases, 1):
+            inputs = make_inputs(case)
+            for mode in args.mode:
+                for impl in args.impl:
+                    print(f"[{n}/{len(cases)}] {mode:6s} {impl:8s} {case.label()} ...",
+                          end=" ", flush=True)
+                    result = measure(case, mode, impl, inputs, args.warmup, args.iters)
+                    print(format_cell(result).strip(), flush=True)
+                    results.append(result)
+                    if json_file:
+                        json_file.write(json.dumps(result_record(result, info)) + "\n")
+                        json_file.flush()
+            del inputs
+            jax.clear_caches()
+            gc.collect()
+    finally:
+        if json_file:
+            json_file.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = resolve_defaults(parse_args(argv), _on_gpu())
+    results = run(args)
+    print("\nResults (median time, TFLOP/s in the FlashAttention convention)")
+    print(results_table(results, args.impl))
+    speedups = speedup_table(results, args.impl)
+    if speedups:
+        print("\nflashjax speed-up (time_baseline / time_flashjax)")
+        print(speedups)
+    if args.plot:
+        info = device_info()
+        plot(results, args.impl, args.plot, f"{info['device']}, {args.dtype}")
+        print(f"\nplot written to {args.plot}")
+    if args.json:
+        print(f"JSON lines written to {args.json}")
+    return 0 if any(r.ms is not None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
