@@ -40,6 +40,18 @@ __device__ __forceinline__ float score(const AttentionParams& p, float dot) {
   return p.softcap > 0.0f ? p.softcap * tanhf(s / p.softcap) : s;
 }
 
+// This CTA's query tile and flat (batch, head) index. One head's tiles are
+// consecutive block indices, so that the CTAs resident together read the
+// same K and V from L2 rather than each streaming its own head's from DRAM;
+// within a head the heaviest (latest, for causal) tiles go first.
+struct QueryTile {
+  int64_t tile, bh;
+};
+__device__ __forceinline__ QueryTile query_tile(int64_t q_tiles) {
+  const int64_t block = blockIdx.x;
+  return {q_tiles - 1 - block % q_tiles, block / q_tiles};
+}
+
 // Calls fn.template operator()<T>() with the storage type of p.dtype.
 template <class Fn>
 cudaError_t dispatch_dtype(DType dtype, Fn&& fn) {

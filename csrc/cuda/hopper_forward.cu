@@ -106,6 +106,14 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
+// Named barriers 1 and 2 order the two consumer warpgroups' wgmma issues.
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
@@ -148,9 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* v_empty = v_full + kStages;
 
   const int64_t q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
-  const int64_t bh_count = p.batch * p.heads_q;
-  const int64_t q_tile = q_tiles - 1 - blockIdx.x / bh_count;  // heaviest first
-  const int64_t bh = blockIdx.x % bh_count;
+  const auto [q_tile, bh] = query_tile(q_tiles);
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
   const int64_t q0 = q_tile * kBlockM;
   const int64_t last_row = min(q0 + kBlockM, p.seqlen_q) - 1;
@@ -231,6 +237,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     softmax.exponentiate<kKeyTiles>(s, alpha);
   };
 
+  // Ping-pong: the consumers take turns to issue their matrix products, so
+  // that one warpgroup's softmax runs while the other's products occupy the
+  // tensor cores. Consumer 0 goes first; each turn ends by passing it on.
+  const auto wait_turn = [&] { named_sync(1 + consumer); };
+  const auto pass_turn = [&] { named_arrive(2 - consumer); };
+
   mbar_wait(bar_q, 0);
   if (n_tiles > 0) {
     // Software pipeline across tiles: while the softmax of S_j runs on the
@@ -238,7 +250,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     float s[kKeyTiles * 4];
     uint32_t pa[kBlockN / 16][4];
     float alpha[2];
+    if (consumer == 1) named_arrive(1);
+    wait_turn();
     issue_scores(s, 0);
+    pass_turn();
     wgmma_wait<0>();
     fence_operands(s);
     if (lane == 0) mbar_arrive(&k_empty[0]);
@@ -246,8 +261,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
     for (int64_t it = 1; it < n_tiles; ++it) {
+      wait_turn();
       issue_scores(s, it);
       issue_values(pa, it - 1);
+      pass_turn();
       wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
       fence_operands(s);
       if (lane == 0) mbar_arrive(&k_empty[it % kStages]);
@@ -259,7 +276,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
     }
+    wait_turn();
     issue_values(pa, n_tiles - 1);
+    if (consumer == 0) pass_turn();  // keeps the arrivals balanced at exit
     wgmma_wait<0>();
     fence_operands(o);
     if (lane == 0) mbar_arrive(&v_empty[(n_tiles - 1) % kStages]);

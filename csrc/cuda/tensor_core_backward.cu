@@ -230,8 +230,7 @@ __global__ void __launch_bounds__(kThreads) query_kernel(AttentionParams p, cons
   T* sV = sK + kBlock * kHeadDim;
 
   const int64_t q_tiles = (p.seqlen_q + kBlock - 1) / kBlock;
-  const int64_t q_tile = q_tiles - 1 - blockIdx.x / (p.batch * p.heads_q);  // heaviest first
-  const int64_t bh = blockIdx.x % (p.batch * p.heads_q);
+  const auto [q_tile, bh] = query_tile(q_tiles);
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
   const int64_t q0 = q_tile * kBlock, last_row = min(q0 + kBlock, p.seqlen_q) - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -36,11 +36,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
   T* sK = sQ + kBlockM * kHeadDim;
   T* sV = sK + kBlockN * kHeadDim;
 
-  // Heaviest (latest, for causal) query tiles first.
   const int64_t q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
-  const int64_t bh_count = p.batch * p.heads_q;
-  const int64_t q_tile = q_tiles - 1 - blockIdx.x / bh_count;
-  const int64_t bh = blockIdx.x % bh_count;
+  const auto [q_tile, bh] = query_tile(q_tiles);
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
   const int64_t q0 = q_tile * kBlockM;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
