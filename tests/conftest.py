@@ -1,22 +1,45 @@
-"""Shared pytest setup: float64 references need x64; GPU tests skip without a GPU."""
+"""Shared pytest setup.
+
+- float64 references need jax_enable_x64 (flashjax itself still rejects float64 inputs);
+- the `gpu` marker: such tests are skipped when jax sees no GPU;
+- the `slow` marker: long tests that still run in CI (deselect with -m "not slow").
+Helpers (rand, has_gpu, Case, check_close, ...) live in helpers.py.
+"""
 
 import jax
 import pytest
 
 jax.config.update("jax_enable_x64", True)
 
+from helpers import has_gpu, rand  # noqa: E402  (after enabling x64)
 
-def gpu_devices():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU visible to jax (skipped elsewhere)")
+    config.addinivalue_line("markers", "slow: a long test (< 60 s) that still runs in CI")
 
 
 def pytest_collection_modifyitems(config, items):
-    if gpu_devices():
+    if has_gpu():
         return
-    skip = pytest.mark.skip(reason="no GPU visible to jax")
+    skip = pytest.mark.skip(reason="no GPU visible to jax (jax.devices('gpu') unavailable)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def gpu_device():
+    """The first GPU; skips the test when there is none."""
+    if not has_gpu():
+        pytest.skip("no GPU visible to jax")
+    return jax.devices("gpu")[0]
+
+
+@pytest.fixture
+def key():
+    """A fresh PRNG key for rand()."""
+    return jax.random.key(0)
+
+
+__all__ = ["has_gpu", "rand"]

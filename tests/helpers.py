@@ -1,9 +1,17 @@
-"""Test helpers: attention cases, random inputs, and comparisons against the
-float64 reference (forward and gradients)."""
+"""Shared test helpers: attention cases, random inputs, error metrics, and the
+forward / gradient checks against the float64 reference.
+
+Error metric: max |actual - expected| / max |expected| (expected: the float64
+reference). Rule (FlashAttention's own): float32 inputs must be within
+F32_TOL; float16/bfloat16 inputs within twice the error of a reference computed
+in the input's own precision, plus LOWP_FLOOR.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +20,37 @@ import numpy as np
 import flashjax
 from flashjax import reference
 
+F32_TOL = 1e-5
+LOWP_FLOOR = 1e-5
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# ----------------------------------------------------------------------------- devices, inputs
+
+
+def has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def cpu():
+    return jax.devices("cpu")[0]
+
+
+def rand(key, shape, dtype=jnp.float32):
+    """Standard normal of `dtype`, on the CPU, with no exact zeros. `key`: int seed or PRNG key."""
+    if isinstance(key, (int, np.integer)):
+        key = jax.random.key(int(key))
+    x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    return jax.device_put(jnp.where(x == 0, jnp.ones((), dtype), x), cpu())
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
+    """One attention call: shapes, dtype and options."""
+
     batch: int = 1
     seqlen_q: int = 64
     seqlen_k: int = 64
@@ -27,115 +63,267 @@ class Case:
     window_size: tuple = (-1, -1)
     softcap: float = 0.0
     sinks: bool = False
+    softmax_scale: float | None = None
 
     @property
-    def dv(self):
+    def dv(self) -> int:
         return self.head_dim_v or self.head_dim
 
-    def options(self):
-        return dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap)
+    @property
+    def lowp(self) -> bool:
+        return jnp.dtype(self.dtype) != jnp.float32
 
-    def __str__(self):
-        return (f"b{self.batch}-sq{self.seqlen_q}-sk{self.seqlen_k}-h{self.heads_q}/{self.heads_kv}"
-                f"-d{self.head_dim}/{self.dv}-{self.dtype}-c{int(self.causal)}"
-                f"-w{self.window_size[0]}_{self.window_size[1]}-cap{self.softcap}-s{int(self.sinks)}")
+    def options(self) -> dict:
+        return dict(softmax_scale=self.softmax_scale, causal=self.causal,
+                    window_size=self.window_size, softcap=self.softcap)
+
+    def mask(self) -> np.ndarray:
+        return reference.visible_mask(self.seqlen_q, self.seqlen_k, self.causal, self.window_size)
+
+    def __str__(self) -> str:
+        s = (f"b{self.batch}-sq{self.seqlen_q}-sk{self.seqlen_k}-h{self.heads_q}/{self.heads_kv}"
+             f"-d{self.head_dim}/{self.dv}-{self.dtype}")
+        if self.causal:
+            s += "-causal"
+        if tuple(self.window_size) != (-1, -1):
+            s += f"-w{self.window_size[0]}_{self.window_size[1]}"
+        if self.softcap:
+            s += f"-cap{self.softcap:g}"
+        if self.sinks:
+            s += "-sinks"
+        if self.softmax_scale is not None:
+            s += f"-scale{self.softmax_scale:g}"
+        return s
 
 
-def inputs(case: Case, seed=0, device=None):
-    """Random q, k, v in the case's dtype and float32 sinks (never zeros)."""
-    rng = np.random.default_rng(seed)
-    shapes = [(case.batch, case.seqlen_q, case.heads_q, case.head_dim),
-              (case.batch, case.seqlen_k, case.heads_kv, case.head_dim),
-              (case.batch, case.seqlen_k, case.heads_kv, case.dv)]
-    q, k, v = (jnp.asarray(rng.standard_normal(s), case.dtype) for s in shapes)
-    sinks = jnp.asarray(rng.standard_normal(case.heads_q), jnp.float32) if case.sinks else None
+def case_inputs(case: Case, seed=0, device=None):
+    """q, k, v in the case's dtype and float32 sinks (or None), on `device` (default CPU)."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = rand(keys[0], (case.batch, case.seqlen_q, case.heads_q, case.head_dim), case.dtype)
+    k = rand(keys[1], (case.batch, case.seqlen_k, case.heads_kv, case.head_dim), case.dtype)
+    v = rand(keys[2], (case.batch, case.seqlen_k, case.heads_kv, case.dv), case.dtype)
+    sinks = rand(keys[3], (case.heads_q,), jnp.float32) if case.sinks else None
     if device is not None:
         q, k, v, sinks = jax.device_put((q, k, v, sinks), device)
     return q, k, v, sinks
 
 
-def rel_err(actual, expected):
+def to_cpu(x, dtype=None):
+    """A (possibly device) array as a CPU jax array, optionally cast (exactly, when widening)."""
+    if x is None:
+        return None
+    x = jax.device_put(x, cpu())
+    return x if dtype is None else x.astype(dtype)
+
+
+# ----------------------------------------------------------------------------- error metrics
+
+
+def rel_err(actual, expected) -> float:
+    """max |actual - expected| / max |expected|, in float64, over finite expected entries."""
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if actual.size == 0:
+        return 0.0
     scale = max(np.abs(expected).max(), 1e-30)
-    return np.abs(actual - expected).max() / scale
+    return float(np.abs(actual - expected).max() / scale)
 
 
-def tolerance(dtype, lowp_err):
-    """float32: 1e-5 relative; fp16/bf16: twice the error of a same-precision
-    reference (FlashAttention's rule) plus a small floor."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return 1e-5
-    return 2 * lowp_err + 1e-4
+def check_close(actual, ref_hi, ref_lo=None, *, dtype=None, name="value"):
+    """Asserts `actual` is as close to the float64 reference `ref_hi` as the rule allows.
+
+    dtype: the *input* dtype the rule is chosen by (default: actual's dtype).
+    float32: rel_err < F32_TOL. float16/bfloat16: rel_err <= 2 * rel_err(ref_lo) + LOWP_FLOOR,
+    where ref_lo is the same computation done by the reference in the input's precision.
+    Returns (err, tol).
+    """
+    dtype = jnp.dtype(actual.dtype if dtype is None else dtype)
+    values = np.asarray(actual, np.float64)
+    assert np.isfinite(values).all(), f"{name}: {np.count_nonzero(~np.isfinite(values))} non-finite"
+    err = rel_err(values, ref_hi)
+    if dtype in (jnp.float32, jnp.float64):
+        tol = F32_TOL
+        assert err < tol, f"{name}: rel err {err:.3g} >= {tol:.3g} ({dtype})"
+    else:
+        assert ref_lo is not None, f"{name}: {dtype} needs a same-precision reference"
+        tol = 2 * rel_err(ref_lo, ref_hi) + LOWP_FLOOR
+        assert err <= tol, f"{name}: rel err {err:.3g} > {tol:.3g} = 2 * same-precision err + floor ({dtype})"
+    return err, tol
 
 
-def _hi(x):
-    return None if x is None else jax.device_put(jnp.asarray(x, jnp.float64), jax.devices("cpu")[0])
+def check_lse(lse, ref_lse, case: Case, sinks=None, name="lse"):
+    """lse: float32, -inf exactly where the reference is -inf, no NaN, close elsewhere.
+
+    The lse is a float32 accumulation of exact products for every input dtype
+    (bf16/fp16 products are exact in float32), so it gets the float32 rule.
+    """
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    assert lse.dtype == np.float32, f"{name} dtype {lse.dtype}"
+    assert lse.shape == (case.batch, case.heads_q, case.seqlen_q), f"{name} shape {lse.shape}"
+    assert not np.isnan(lse).any() and not np.isposinf(lse).any(), f"{name} has NaN/+inf"
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse), err_msg=f"{name}: -inf rows")
+    finite = np.isfinite(ref_lse)
+    if finite.any():
+        check_close(lse[finite], ref_lse[finite], dtype=jnp.float32, name=name)
+    # Rows that see no key: -inf, or exactly... the sink logit when sinks are given.
+    empty = ~case.mask().any(axis=1)
+    if empty.any():
+        if sinks is None:
+            assert np.isneginf(lse[:, :, empty]).all(), f"{name}: empty rows must be -inf"
+        else:
+            want = np.broadcast_to(np.asarray(sinks)[None, :, None], lse[:, :, empty].shape)
+            np.testing.assert_allclose(lse[:, :, empty], want, rtol=1e-6, atol=1e-6,
+                                       err_msg=f"{name}: empty rows must equal the sink")
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def flash(case: Case, *, return_lse=True, deterministic=False):
+    """flashjax.flash_attention with the case's options, as f(q, k, v, sinks)."""
+    def f(q, k, v, sinks):
+        return flashjax.flash_attention(q, k, v, sinks=sinks, return_lse=return_lse,
+                                        deterministic=deterministic, **case.options())
+    return f
+
+
+def ref(case: Case, compute_dtype, *, return_lse=True):
+    """reference.attention with the case's options, as f(q, k, v, sinks)."""
+    def f(q, k, v, sinks):
+        return reference.attention(q, k, v, sinks=sinks, return_lse=return_lse,
+                                   compute_dtype=compute_dtype, **case.options())
+    return f
+
+
+def _hi(arrays):
+    return [to_cpu(x, jnp.float64) for x in arrays]
 
 
 def check_forward(case: Case, device=None, seed=0):
-    q, k, v, sinks = inputs(case, seed, device)
-    out, lse = jax.jit(lambda q, k, v, s: flashjax.flash_attention(
-        q, k, v, sinks=s, return_lse=True, **case.options()))(q, k, v, sinks)
-    out, lse = np.asarray(out, np.float64), np.asarray(lse)
-    assert out.shape == (case.batch, case.seqlen_q, case.heads_q, case.dv)
-    assert lse.shape == (case.batch, case.heads_q, case.seqlen_q) and lse.dtype == np.float32
-    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    """flash_attention (out and lse) against the float64 reference; returns numpy (out, lse)."""
+    q, k, v, sinks = case_inputs(case, seed, device)
+    out, lse = jax.jit(flash(case))(q, k, v, sinks)
+    assert out.shape == (case.batch, case.seqlen_q, case.heads_q, case.dv), out.shape
+    assert out.dtype == jnp.dtype(case.dtype), out.dtype
+    if device is not None:
+        assert out.devices() == {device} and lse.devices() == {device}
+    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
-    ref_out, ref_lse = reference.attention(*map(_hi, (q, k, v)), sinks=_hi(sinks), return_lse=True,
-                                           compute_dtype=jnp.float64, **case.options())
-    cpu = jax.devices("cpu")[0]
-    lowp_out = reference.attention(*jax.device_put((q, k, v), cpu),
-                                   sinks=None if sinks is None else jax.device_put(sinks, cpu),
-                                   compute_dtype=case.dtype, **case.options())
-    ref_out, ref_lse = np.asarray(ref_out), np.asarray(ref_lse)
-    err = rel_err(out, ref_out)
-    tol = tolerance(case.dtype, rel_err(lowp_out, ref_out))
-    assert err <= tol, f"{case}: out rel err {err:.3g} > {tol:.3g}"
+    ref_out, ref_lse = ref(case, jnp.float64)(*_hi((q, k, v, sinks)))
+    ref_lo = None
+    if case.lowp:
+        ref_lo = ref(case, case.dtype, return_lse=False)(*map(to_cpu, (q, k, v, sinks)))
+    check_close(out, ref_out, ref_lo, dtype=case.dtype, name=f"{case}: out")
+    check_lse(lse, ref_lse, case, sinks, name=f"{case}: lse")
 
-    finite = np.isfinite(ref_lse)
-    np.testing.assert_array_equal(np.isfinite(lse), finite, err_msg=f"{case}: lse -inf rows")
-    if finite.any():
-        lse_err = np.abs(lse[finite] - ref_lse[finite]).max()
-        assert lse_err <= (1e-5 if case.dtype == "float32" else 1e-2) * max(1, np.abs(ref_lse[finite]).max())
+    empty = ~case.mask().any(axis=1)
+    np.testing.assert_array_equal(out[:, empty], 0.0, err_msg=f"{case}: rows with no key must be 0")
     return out, lse
 
 
-def _loss(fn, q, k, v, sinks, ct_out, ct_lse, dtype):
-    out, lse = fn(q, k, v, sinks)
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    return jnp.sum(out.astype(dtype) * ct_out.astype(dtype)) + jnp.sum(lse.astype(dtype) * ct_lse.astype(dtype))
+def _cotangents(case: Case, seed):
+    """Random cotangents of (out, lse), exactly representable in the case's dtype."""
+    keys = jax.random.split(jax.random.key(seed + 1000), 2)
+    d_out = rand(keys[0], (case.batch, case.seqlen_q, case.heads_q, case.dv), case.dtype)
+    d_lse = rand(keys[1], (case.batch, case.heads_q, case.seqlen_q), jnp.float32)
+    return d_out, d_lse
 
 
-def check_gradients(case: Case, device=None, seed=0, deterministic=False):
-    """Gradients of q, k, v (and sinks) of a loss on out and lse, against float64."""
-    q, k, v, sinks = inputs(case, seed, device)
-    rng = np.random.default_rng(seed + 1)
-    ct_out = jnp.asarray(rng.standard_normal((case.batch, case.seqlen_q, case.heads_q, case.dv)))
-    ct_lse = jnp.asarray(rng.standard_normal((case.batch, case.heads_q, case.seqlen_q)))
-    has_sinks = sinks is not None
-    argnums = (0, 1, 2, 3) if has_sinks else (0, 1, 2)
+def vjp(fn, args, ct):
+    """Pullback of fn(q, k, v, sinks) at args (3 or 4 of them; missing sinks = None) on ct."""
+    def f(*diff):
+        return fn(*diff, *([None] * (4 - len(diff))))
+    return jax.vjp(f, *args)[1](ct)
 
-    def ours(q, k, v, s):
-        return flashjax.flash_attention(q, k, v, sinks=s, return_lse=True,
-                                        deterministic=deterministic, **case.options())
 
-    def ref(q, k, v, s):
-        return reference.attention(q, k, v, sinks=s, return_lse=True, compute_dtype=jnp.float64,
-                                   **case.options())
+def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, deterministic=False):
+    """dq, dk, dv (and dsinks) of flash_attention via jax.vjp with a random cotangent on
+    out (and lse, including rows where it is -inf), against the float64 reference.
 
-    ct = jax.device_put((ct_out, ct_lse), device) if device is not None else (ct_out, ct_lse)
-    grads = jax.jit(jax.grad(lambda *a: _loss(ours, *a, *ct, jnp.float32), argnums))(q, k, v, sinks)
-    ref_grads = jax.grad(lambda *a: _loss(ref, *a, ct_out, ct_lse, jnp.float64), argnums)(
-        *map(_hi, (q, k, v, sinks)))
-    cpu = jax.devices("cpu")[0]
-    lowp = jax.grad(lambda *a: _loss(lambda q, k, v, s: reference.attention(
-        q, k, v, sinks=s, return_lse=True, compute_dtype=case.dtype, **case.options()),
-        *a, ct_out, ct_lse, jnp.float32), argnums)(*jax.device_put((q, k, v, sinks), cpu))
-    for name, g, r, lo in zip("qkvs", grads, ref_grads, lowp):
-        g = np.asarray(g, np.float64)
-        assert np.isfinite(g).all(), f"{case}: d{name} not finite"
-        err = rel_err(g, r)
-        tol = 1e-4 if case.dtype == "float32" else 2 * rel_err(lo, r) + 1e-3
-        assert err <= tol, f"{case}: d{name} rel err {err:.3g} > {tol:.3g}"
-    return grads
+    Also checks exact zeros: dq of rows that see no key, dk/dv of keys no row sees.
+    Returns the gradients as numpy arrays.
+    """
+    q, k, v, sinks = case_inputs(case, seed, device)
+    d_out, d_lse = _cotangents(case, seed)
+    args = (q, k, v, sinks) if case.sinks else (q, k, v)
+
+    def cotangent(d_out, d_lse, dtype):
+        d_out = d_out.astype(dtype)
+        return (d_out, d_lse.astype(jnp.float64 if dtype == jnp.float64 else jnp.float32)) \
+            if return_lse else d_out
+
+    ct = cotangent(*jax.device_put((d_out, d_lse), device or cpu()), case.dtype)
+    ours = flash(case, return_lse=return_lse, deterministic=deterministic)
+    grads = jax.jit(functools.partial(vjp, ours))(args, ct)
+
+    hi = vjp(ref(case, jnp.float64, return_lse=return_lse), _hi(args),
+             cotangent(d_out, d_lse, jnp.float64))
+    lo = [None] * len(args)
+    if case.lowp:
+        lo = vjp(ref(case, case.dtype, return_lse=return_lse), [to_cpu(x) for x in args],
+                 cotangent(d_out, d_lse, case.dtype))
+
+    result = []
+    for name, g, x, r, l in zip(("dq", "dk", "dv", "dsinks"), grads, args, hi, lo):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{case}: {name} {g.shape} {g.dtype}"
+        g = np.asarray(g.astype(jnp.float32))
+        check_close(g, r, l, dtype=case.dtype, name=f"{case}: {name}")
+        result.append(g)
+
+    mask = case.mask()
+    rows, keys = ~mask.any(axis=1), ~mask.any(axis=0)
+    np.testing.assert_array_equal(result[0][:, rows], 0.0, err_msg=f"{case}: dq of rows with no key")
+    for name, g in zip(("dk", "dv"), result[1:3]):
+        np.testing.assert_array_equal(g[:, keys], 0.0, err_msg=f"{case}: {name} of keys no row sees")
+    return result
+
+
+# ----------------------------------------------------------------------------- shared case lists
+# Used by test_forward.py / test_backward.py on the default (CPU) device and by
+# test_gpu.py on the GPU.
+
+HEAD_DIMS = [(1, 1), (8, 8), (64, 64), (72, 72), (96, 96), (128, 128), (200, 200), (256, 256),
+             (64, 32), (40, 72), (256, 1), (1, 256)]
+SEQLENS = [(1, 1), (1, 17), (17, 1), (17, 17), (128, 128), (1000, 1000), (17, 128), (128, 17),
+           (300, 1000), (1000, 300)]
+WINDOWS = [(-1, -1), (16, -1), (-1, 8), (10, 5), (0, 0), (3, 200)]
+
+
+def head_dim_cases(dtypes=DTYPES, seqlen=80):
+    return [Case(seqlen_q=seqlen, seqlen_k=seqlen, head_dim=d, head_dim_v=dv, dtype=dt, causal=True)
+            for dt in dtypes for d, dv in HEAD_DIMS]
+
+
+def seqlen_cases(seqlens=SEQLENS, head_dim=24):
+    return [Case(seqlen_q=sq, seqlen_k=sk, head_dim=head_dim, causal=c)
+            for sq, sk in seqlens for c in (False, True)]
+
+
+def gqa_cases(dtypes=DTYPES):
+    return [Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=hq, heads_kv=hk, head_dim=32, dtype=dt)
+            for hq, hk in [(4, 2), (4, 1), (6, 3), (8, 1)] for dt in dtypes]
+
+
+def option_cases(dtypes=("float32",), seqlens=((90, 130), (130, 90)), windows=WINDOWS,
+                 softcaps=(0.0, 5.0), head_dim=16):
+    """causal x window x softcap x sinks (x dtype x seqlens), GQA 4/2."""
+    return [Case(seqlen_q=sq, seqlen_k=sk, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=dt,
+                 causal=c, window_size=w, softcap=cap, sinks=s)
+            for dt, (sq, sk), c, w, cap, s in itertools.product(
+                dtypes, seqlens, (False, True), windows, softcaps, (False, True))]
+
+
+def empty_row_cases():
+    """Cases where some query rows see no key (sq > sk with a bounded right edge)."""
+    return [Case(seqlen_q=64, seqlen_k=16, head_dim=8, causal=True),
+            Case(seqlen_q=64, seqlen_k=16, head_dim=8, causal=True, sinks=True),
+            Case(seqlen_q=50, seqlen_k=20, head_dim=8, causal=True, window_size=(3, -1)),
+            Case(seqlen_q=40, seqlen_k=30, heads_q=4, heads_kv=1, head_dim=8, window_size=(2, 1),
+                 sinks=True, softcap=3.0),
+            Case(seqlen_q=64, seqlen_k=16, head_dim=40, dtype="bfloat16", causal=True, sinks=True),
+            Case(seqlen_q=64, seqlen_k=16, head_dim=40, dtype="float16", causal=True)]
+
+
+def ids(cases):
+    return [str(c) for c in cases]

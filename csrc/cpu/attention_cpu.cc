@@ -18,6 +18,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A parallel task index as (batch, head, tile), tile fastest.
+struct Task {
+  int64_t b, h, tile;
+  Task(int64_t task, int64_t tiles, int64_t heads)
+      : b(task / (tiles * heads)), h((task / tiles) % heads), tile(task % tiles) {}
+};
+
 // Where one head's rows live inside a (batch, seqlen, heads, dim) tensor.
 struct HeadView {
   int64_t offset;      // element offset of row 0
@@ -161,9 +168,7 @@ float sink_logit(const AttentionParams& p, int64_t b, int64_t h) {
 
 template <class T>
 void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
-  const int64_t qt = task % shape.q_tiles;
-  const int64_t h = (task / shape.q_tiles) % p.heads_q;
-  const int64_t b = task / (shape.q_tiles * p.heads_q);
+  const auto [b, h, qt] = Task(task, shape.q_tiles, p.heads_q);
   const int64_t hk = h / p.group_size();
   const int64_t q0 = qt * kBlockQ, rows = std::min(kBlockQ, p.seqlen_q - q0);
   const int64_t dp = shape.dp, dvp = shape.dvp;
@@ -294,9 +299,8 @@ struct BackwardHead {
 template <class T>
 void backward_preprocess(const AttentionParams& p, const Shape& shape, int64_t task,
                          float* D_all) {
-  const int64_t qt = task % shape.q_tiles;
-  const int64_t bh = task / shape.q_tiles;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const auto [b, h, qt] = Task(task, shape.q_tiles, p.heads_q);
+  const int64_t bh = b * p.heads_q + h;
   const int64_t q0 = qt * kBlockQ, rows = std::min(kBlockQ, p.seqlen_q - q0);
   const HeadView view = head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim_v);
   const auto* out = static_cast<const T*>(p.out);
@@ -314,9 +318,7 @@ void backward_preprocess(const AttentionParams& p, const Shape& shape, int64_t t
 template <class T>
 void backward_key_tile(const AttentionParams& p, const Shape& shape, const float* D_all,
                        int64_t task) {
-  const int64_t kt = task % shape.k_tiles;
-  const int64_t hk = (task / shape.k_tiles) % p.heads_kv;
-  const int64_t b = task / (shape.k_tiles * p.heads_kv);
+  const auto [b, hk, kt] = Task(task, shape.k_tiles, p.heads_kv);
   const int64_t k0 = kt * kBlockK, cols = std::min(kBlockK, p.seqlen_k - k0);
 
   thread_local Scratch scratch, accum;
@@ -350,9 +352,7 @@ void backward_key_tile(const AttentionParams& p, const Shape& shape, const float
 template <class T>
 void backward_query_tile(const AttentionParams& p, const Shape& shape, const float* D_all,
                          int64_t task, float* dsink_parts) {
-  const int64_t qt = task % shape.q_tiles;
-  const int64_t h = (task / shape.q_tiles) % p.heads_q;
-  const int64_t b = task / (shape.q_tiles * p.heads_q);
+  const auto [b, h, qt] = Task(task, shape.q_tiles, p.heads_q);
   const int64_t q0 = qt * kBlockQ, rows = std::min(kBlockQ, p.seqlen_q - q0);
 
   thread_local Scratch scratch, accum;

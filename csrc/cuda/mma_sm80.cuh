@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "fragment_softmax.cuh"
+
 namespace flashjax::cuda {
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
@@ -79,6 +81,49 @@ __device__ __forceinline__ void load_tile(T* tile, const T* head_base, int64_t r
     const bool valid = row0 + row < rows_valid && chunk * 8 < dim;
     const T* src = valid ? head_base + (row0 + row) * row_stride + chunk * 8 : head_base;
     cp_async_16(tile + swizzled<kHeadDim>(row, chunk), src, valid);
+  }
+}
+
+// C(16 x kN) = A(16 rows of a from a_row0, kHeadDim) * B(kN rows of b, kHeadDim)^T,
+// both swizzled [rows][kHeadDim] tiles: a warp's slice of S = Q K^T and friends.
+template <class T, int kHeadDim, int kN>
+__device__ __forceinline__ void gemm_abt(float (&c)[kN / 2], const T* a, int a_row0, const T* b) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) c[i] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t af[4];
+    ldmatrix_x4(af, a + swizzled<kHeadDim>(a_row0 + lane % 16, kk * 2 + lane / 16));
+#pragma unroll
+    for (int nn = 0; nn < kN / 16; ++nn) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, b + swizzled<kHeadDim>(nn * 16 + lane % 8 + (lane / 16) * 8,
+                                             kk * 2 + (lane / 8) % 2));
+      mma<T>(tile4(c, 2 * nn), af, bf[0], bf[1]);
+      mma<T>(tile4(c, 2 * nn + 1), af, bf[2], bf[3]);
+    }
+  }
+}
+
+// acc(16 x kHeadDim) += A(16 x kK, float fragment `frag`, rounded to T) *
+// B(kK rows of b, kHeadDim): a warp's slice of O += P V and friends.
+template <class T, int kHeadDim, int kK>
+__device__ __forceinline__ void gemm_ab(float (&acc)[kHeadDim / 2], const float (&frag)[kK / 2],
+                                        const T* b) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t af[4];
+    p_fragment<T, kK / 8>(af, frag, kk);
+#pragma unroll
+    for (int nn = 0; nn < kHeadDim / 16; ++nn) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, b + swizzled<kHeadDim>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                   nn * 2 + lane / 16));
+      mma<T>(tile4(acc, 2 * nn), af, bf[0], bf[1]);
+      mma<T>(tile4(acc, 2 * nn + 1), af, bf[2], bf[3]);
+    }
   }
 }
 

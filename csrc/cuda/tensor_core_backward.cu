@@ -41,48 +41,6 @@ __device__ __forceinline__ void zero(float (&x)[kN]) {
   for (int i = 0; i < kN; ++i) x[i] = 0.0f;
 }
 
-// C(16 x 64) = A(16 rows of a, kHeadDim) * B(64 rows of b, kHeadDim)^T, both
-// swizzled [rows][kHeadDim] tiles: a warp's slice of S = Q K^T and friends.
-template <class T, int kHeadDim>
-__device__ __forceinline__ void gemm_abt(float (&c)[kTiles * 4], const T* a, int a_row0,
-                                         const T* b) {
-  const int lane = threadIdx.x % 32;
-  zero(c);
-#pragma unroll
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    uint32_t af[4];
-    ldmatrix_x4(af, a + swizzled<kHeadDim>(a_row0 + lane % 16, kk * 2 + lane / 16));
-#pragma unroll
-    for (int nn = 0; nn < kBlock / 16; ++nn) {
-      uint32_t bf[4];
-      ldmatrix_x4(bf, b + swizzled<kHeadDim>(nn * 16 + lane % 8 + (lane / 16) * 8,
-                                             kk * 2 + (lane / 8) % 2));
-      mma<T>(tile4(c, 2 * nn), af, bf[0], bf[1]);
-      mma<T>(tile4(c, 2 * nn + 1), af, bf[2], bf[3]);
-    }
-  }
-}
-
-// acc(16 x kHeadDim) += A(16 x 64, registers from `frag`) * B(64 rows of b, kHeadDim).
-template <class T, int kHeadDim>
-__device__ __forceinline__ void gemm_ab(float (&acc)[kHeadDim / 2], const float (&frag)[kTiles * 4],
-                                        const T* b) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int kk = 0; kk < kBlock / 16; ++kk) {
-    uint32_t af[4];
-    p_fragment<T, kTiles>(af, frag, kk);
-#pragma unroll
-    for (int nn = 0; nn < kHeadDim / 16; ++nn) {
-      uint32_t bf[4];
-      ldmatrix_x4_trans(bf, b + swizzled<kHeadDim>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                   nn * 2 + lane / 16));
-      mma<T>(tile4(acc, 2 * nn), af, bf[0], bf[1]);
-      mma<T>(tile4(acc, 2 * nn + 1), af, bf[2], bf[3]);
-    }
-  }
-}
-
 // P = exp2(S - lse) from log2-unit scores; `lse_log2(e)` gives the lse of
 // element e's query (+inf for a row that saw nothing, so that P = 0).
 template <class LseOf>
@@ -183,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) key_kernel(AttentionParams p, const 
 
       // S^T: rows are this warp's keys, columns the tile's queries.
       float st[kTiles * 4];
-      gemm_abt<T, kHeadDim>(st, sK, warp * 16, sQ);
+      gemm_abt<T, kHeadDim, kBlock>(st, sK, warp * 16, sQ);
       scores_log2(st, p);
       const bool needs_mask = q0 < p.first_query(last_key) || q0 + kBlock - 1 > p.last_query(k0) ||
                               q0 + kBlock > p.seqlen_q || last_key - k0 + 1 < kBlock;
@@ -203,12 +161,12 @@ __global__ void __launch_bounds__(kThreads) key_kernel(AttentionParams p, const 
 #pragma unroll
       for (int i = 0; i < kTiles * 4; ++i) pt[i] = st[i];
       probabilities(pt, [&](int i) { return s_lse[column_of(i)]; });
-      if constexpr (kWantDV) gemm_ab<T, kHeadDim>(dv, pt, sdO);
+      if constexpr (kWantDV) gemm_ab<T, kHeadDim, kBlock>(dv, pt, sdO);
       if constexpr (kWantDK) {
         float dpt[kTiles * 4];
-        gemm_abt<T, kHeadDim>(dpt, sV, warp * 16, sdO);
+        gemm_abt<T, kHeadDim, kBlock>(dpt, sV, warp * 16, sdO);
         score_gradient(dpt, pt, st, p, [&](int i) { return s_D[column_of(i)]; });
-        gemm_ab<T, kHeadDim>(dk, dpt, sQ);
+        gemm_ab<T, kHeadDim, kBlock>(dk, dpt, sQ);
       }
     }
   }
@@ -265,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) query_kernel(AttentionParams p, cons
     __syncthreads();
 
     float s[kTiles * 4];
-    gemm_abt<T, kHeadDim>(s, sQ, warp * 16, sK);
+    gemm_abt<T, kHeadDim, kBlock>(s, sQ, warp * 16, sK);
     rows.scores<kTiles>(s, p, k0,
                         RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlock, keys.key_begin,
                                                     keys.key_end));
@@ -274,9 +232,9 @@ __global__ void __launch_bounds__(kThreads) query_kernel(AttentionParams p, cons
     for (int i = 0; i < kTiles * 4; ++i) prob[i] = s[i];
     probabilities(prob, [&](int i) { return lse2[(i % 4) / 2]; });
     float dp[kTiles * 4];
-    gemm_abt<T, kHeadDim>(dp, sdO, warp * 16, sV);
+    gemm_abt<T, kHeadDim, kBlock>(dp, sdO, warp * 16, sV);
     score_gradient(dp, prob, s, p, [&](int i) { return D[(i % 4) / 2]; });
-    gemm_ab<T, kHeadDim>(dq, dp, sK);
+    gemm_ab<T, kHeadDim, kBlock>(dq, dp, sK);
   }
   store_rows<T, kHeadDim>(p.dq, b, p.seqlen_q, p.heads_q, h, p.head_dim, q0 + warp * 16, dq,
                           p.softmax_scale);

@@ -69,20 +69,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
     load_tile<T, kHeadDim, kBlockN>(sV, v_base, v_stride, k0, p.seqlen_k, p.head_dim_v);
     cp_async_commit();
 
-    float s[kKeyTiles * 4] = {};
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, sQ + swizzled<kHeadDim>(warp * 16 + lane % 16, kk * 2 + lane / 16));
-#pragma unroll
-      for (int nn = 0; nn < kBlockN / 16; ++nn) {
-        uint32_t bfrag[4];
-        ldmatrix_x4(bfrag, sK + swizzled<kHeadDim>(nn * 16 + lane % 8 + (lane / 16) * 8,
-                                                    kk * 2 + (lane / 8) % 2));
-        mma<T>(tile4(s, 2 * nn), a, bfrag[0], bfrag[1]);
-        mma<T>(tile4(s, 2 * nn + 1), a, bfrag[2], bfrag[3]);
-      }
-    }
+    float s[kKeyTiles * 4];
+    gemm_abt<T, kHeadDim, kBlockN>(s, sQ, warp * 16, sK);
     softmax.scores<kKeyTiles>(s, p, k0,
                               RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlockN,
                                                           keys.key_begin, keys.key_end));
@@ -96,19 +84,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
     }
     cp_async_commit();
 
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t a[4];
-      p_fragment<T, kKeyTiles>(a, s, kk);
-#pragma unroll
-      for (int nn = 0; nn < kHeadDim / 16; ++nn) {
-        uint32_t bfrag[4];
-        ldmatrix_x4_trans(bfrag, sV + swizzled<kHeadDim>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                          nn * 2 + lane / 16));
-        mma<T>(tile4(o, 2 * nn), a, bfrag[0], bfrag[1]);
-        mma<T>(tile4(o, 2 * nn + 1), a, bfrag[2], bfrag[3]);
-      }
-    }
+    gemm_ab<T, kHeadDim, kBlockN>(o, s, sV);
   }
   cp_async_wait_all();
   softmax.write<T, kDimTiles>(p, o, b, h);
