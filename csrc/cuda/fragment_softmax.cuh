@@ -184,6 +184,56 @@ __device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&s)[kK
   a[3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
 }
 
+// P = exp2(S - lse) from log2-unit scores; `lse_log2(e)` gives the lse of
+// element e's query (+inf for a row that saw nothing, so that P = 0).
+template <int kN, class LseOf>
+__device__ __forceinline__ void probabilities(float (&s)[kN], LseOf&& lse_log2) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) s[i] = fast_exp2(s[i] - lse_log2(i));
+}
+
+// dP becomes dS = P * (dP - D) * softcap'(S); `d_of(e)` gives element e's D.
+template <int kN, class DOf>
+__device__ __forceinline__ void score_gradient(float (&dp)[kN], const float (&prob)[kN],
+                                               const float (&s_log2)[kN],
+                                               const AttentionParams& p, DOf&& d_of) {
+  const float inv_cap_log2 = p.softcap > 0.0f ? 1.0f / (p.softcap * kLog2e) : 0.0f;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    float ds = prob[i] * (dp[i] - d_of(i));
+    if (p.softcap > 0.0f) {
+      const float t = prob[i] > 0.0f ? s_log2[i] * inv_cap_log2 : 0.0f;
+      ds *= 1.0f - t * t;
+    }
+    dp[i] = ds;
+  }
+}
+
+__device__ __forceinline__ float lse_to_log2(float lse) {
+  return lse == kNegInf ? -kNegInf : lse * kLog2e;
+}
+
+// Writes a 16 x kHeadDim fragment (rows row0 + g, + 8) of one head, times scale.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void store_rows(void* base, int64_t b, int64_t seqlen, int64_t heads,
+                                           int64_t h, int64_t dim, int64_t row0,
+                                           const float (&acc)[kHeadDim / 2], float scale) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row0 + g + 8 * r;
+    if (row >= seqlen) continue;
+    T* dst = static_cast<T*>(base) + ((b * seqlen + row) * heads + h) * dim;
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 8; ++n) {
+      const int col = n * 8 + 2 * t;
+      if (col < dim)
+        *reinterpret_cast<uint32_t*>(dst + col) =
+            pack2<T>(acc[4 * n + 2 * r] * scale, acc[4 * n + 2 * r + 1] * scale);
+    }
+  }
+}
+
 // Tiles are visited from the multiple of n at or below the first visible key.
 struct KeyRange {
   int64_t key_begin, key_end, tile_begin;

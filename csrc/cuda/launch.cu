@@ -1,10 +1,11 @@
 // Chooses a kernel for each call. Tensor-core kernels declare which calls
 // they take; the SIMT path takes the rest, so no valid call is refused.
-// FLASHJAX_FORWARD_KERNEL=simt|mma caps the choice (tests use it to run
-// every path on one GPU; simt also moves the backward to the SIMT path).
+// FLASHJAX_FORWARD_KERNEL=simt|mma caps the choice for forward and backward
+// (tests use it to run every path on one GPU).
 #include <cstdlib>
 #include <cstring>
 
+#include "hopper_backward.h"
 #include "hopper_forward.h"
 #include "launch.h"
 #include "simt_attention.h"
@@ -34,7 +35,10 @@ cudaError_t forward(const AttentionParams& p, cudaStream_t stream) {
 }
 
 cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  if (forward_cap() != ForwardCap::kSimt && tensor_core_backward_supports(p))
+  const ForwardCap cap = forward_cap();
+  if (cap == ForwardCap::kHopper && hopper_backward_supports(p))
+    return hopper_backward(p, workspace, stream);
+  if (cap != ForwardCap::kSimt && tensor_core_backward_supports(p))
     return tensor_core_backward(p, workspace, stream);
   return simt_backward(p, workspace, stream);
 }

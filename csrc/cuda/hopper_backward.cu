@@ -1,0 +1,422 @@
+// Hopper (sm_90a) backward: TMA-fed, wgmma-based, warp-specialised like the
+// forward, and deterministic (no atomics): two kernels as in the mma.sync path.
+//
+//  * key kernel: a CTA owns 128 keys of one kv head (64 per consumer
+//    warpgroup); the producer streams (Q_j, dO_j) tiles of 64 queries for every
+//    query head of the group. Per tile: S^T = K Q_j^T and dP^T = V dO_j^T
+//    (both operands in shared memory), P^T and dS^T in registers, then
+//    dV += P^T dO_j and dK += dS^T Q_j with the left operand from registers.
+//  * query kernel: a CTA owns 128 query rows; the producer streams (K_j, V_j)
+//    tiles of 64 keys. Per tile: S = Q K_j^T, dP = dO V_j^T, dS in registers,
+//    dQ += dS K_j. It also writes each row's share of dsinks.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <mutex>
+
+#include "common.cuh"
+#include "dispatch.h"
+#include "fragment_softmax.cuh"
+#include "hopper_backward.h"
+#include "hopper_common.cuh"
+#include "simt_attention.h"
+
+namespace flashjax::cuda {
+namespace {
+
+constexpr int kOwnRows = 128;   // rows a CTA owns (keys or queries): 64 per consumer
+constexpr int kStreamRows = 64; // rows of each streamed tile
+constexpr int kStages = 2;
+constexpr int kThreads = 384;
+
+template <int kHeadDim>
+struct Layout {
+  static constexpr int kOwnBytes = kOwnRows * kHeadDim * 2;       // one owned tensor
+  static constexpr int kStreamBytes = kStreamRows * kHeadDim * 2; // one streamed tile
+  static constexpr int kBarrierOffset = 2 * kOwnBytes + 2 * kStages * kStreamBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kStages) + 1024;
+};
+
+struct BackwardMaps {
+  CUtensorMap own_a, own_b, stream_a, stream_b;  // key kernel: K, V, Q, dO; query: Q, dO, K, V
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Shared memory and barriers of both kernels: two owned [128][d] tensors and
+// a ring of (a, b) streamed tile pairs with one full/empty barrier pair each.
+template <int kHeadDim>
+struct Smem {
+  unsigned char *own_a, *own_b, *stream_a, *stream_b;
+  uint64_t *owned, *full, *empty;
+  __device__ explicit Smem(unsigned char* raw) {
+    using L = Layout<kHeadDim>;
+    unsigned char* base = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    own_a = base;
+    own_b = own_a + L::kOwnBytes;
+    stream_a = own_b + L::kOwnBytes;
+    stream_b = stream_a + kStages * L::kStreamBytes;
+    owned = reinterpret_cast<uint64_t*>(base + L::kBarrierOffset);
+    full = owned + 1;
+    empty = full + kStages;
+  }
+  __device__ void init() {
+    if (threadIdx.x == 0) {
+      mbar_init(owned, 1);
+      for (int s = 0; s < kStages; ++s) {
+        mbar_init(&full[s], 1);
+        mbar_init(&empty[s], 8);  // one arrival per consumer warp
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
+};
+
+// Producer: owned tensors once, then `tiles` streamed pairs; tile i sits at
+// row stream_row(i) of head stream_head(i).
+template <int kHeadDim, class RowOf, class HeadOf>
+__device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_row, int own_head,
+                        int batch, int64_t tiles, RowOf&& stream_row, HeadOf&& stream_head) {
+  using L = Layout<kHeadDim>;
+  mbar_expect_tx(sm.owned, 2 * L::kOwnBytes);
+  tma_tile<kHeadDim, kOwnRows>(sm.own_a, &maps.own_a, sm.owned, own_row, own_head, batch);
+  tma_tile<kHeadDim, kOwnRows>(sm.own_b, &maps.own_b, sm.owned, own_row, own_head, batch);
+  for (int64_t it = 0; it < tiles; ++it) {
+    const int stage = it % kStages, phase = (it / kStages) & 1;
+    mbar_wait(&sm.empty[stage], phase ^ 1);
+    mbar_expect_tx(&sm.full[stage], 2 * L::kStreamBytes);
+    const int row = static_cast<int>(stream_row(it)), head = static_cast<int>(stream_head(it));
+    tma_tile<kHeadDim, kStreamRows>(sm.stream_a + stage * L::kStreamBytes, &maps.stream_a,
+                                    &sm.full[stage], row, head, batch);
+    tma_tile<kHeadDim, kStreamRows>(sm.stream_b + stage * L::kStreamBytes, &maps.stream_b,
+                                    &sm.full[stage], row, head, batch);
+  }
+}
+
+// C(64 x 64) = A(own rows, K-major) * B(streamed tile, K-major)^T over kHeadDim.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void issue_abt(float (&c)[32], const unsigned char* own_rows,
+                                          const unsigned char* tile) {
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk)
+    wgmma_ss_n64<T>(c, k_major_desc<kOwnRows>(own_rows, kk),
+                    k_major_desc<kStreamRows>(tile, kk), kk > 0);
+}
+
+// acc(64 x kHeadDim) += A(64 x 64, registers) * B(streamed tile rows, N-major).
+template <class T, int kHeadDim>
+__device__ __forceinline__ void issue_ab(float (&acc)[kHeadDim / 2], const uint32_t (&a)[4][4],
+                                         const unsigned char* tile) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t desc = smem_desc(tile + kk * 16 * 128, kStreamRows * 128, 1024);
+    if constexpr (kHeadDim == 64) wgmma_rs_n64<T>(acc, a[kk], desc, 1);
+    else wgmma_rs_n128<T>(acc, a[kk], desc, 1);
+  }
+}
+
+// P (in s, from log2 scores) and dS (in dp), in place; lse2/D per element.
+template <class LseOf, class DOf>
+__device__ __forceinline__ void probabilities_and_grad(float (&s)[32], float (&dp)[32],
+                                                       const AttentionParams& p, LseOf&& lse2,
+                                                       DOf&& d_of) {
+  const float inv_cap_log2 = p.softcap > 0.0f ? 1.0f / (p.softcap * kLog2e) : 0.0f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const float prob = fast_exp2(s[i] - lse2(i));
+    float ds = prob * (dp[i] - d_of(i));
+    if (p.softcap > 0.0f) {
+      const float t = prob > 0.0f ? s[i] * inv_cap_log2 : 0.0f;
+      ds *= 1.0f - t * t;
+    }
+    s[i] = prob;
+    dp[i] = ds;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void pack_fragments(uint32_t (&a)[4][4], const float (&x)[32]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) p_fragment<T, 8>(a[kk], x, kk);
+}
+
+// Writes rows row0 + [0, 64) of a consumer's 64 x kHeadDim accumulator.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void store_block(void* base, int64_t b, int64_t seqlen, int64_t heads,
+                                            int64_t h, int64_t dim, int64_t row0,
+                                            const float (&acc)[kHeadDim / 2], float scale) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  const int64_t row_g = row0 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row_g + 8 * r;
+    if (row >= seqlen) continue;
+    T* dst = static_cast<T*>(base) + ((b * seqlen + row) * heads + h) * dim;
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 8; ++n) {
+      const int col = n * 8 + 2 * t;
+      if (col < dim)
+        *reinterpret_cast<uint32_t*>(dst + col) =
+            pack2<T>(acc[4 * n + 2 * r] * scale, acc[4 * n + 2 * r + 1] * scale);
+    }
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void fence_regs(float (&regs)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(regs[i])::"memory");
+}
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
+                      const float* D_all) {
+  extern __shared__ unsigned char smem_raw[];
+  Smem<kHeadDim> sm(smem_raw);
+  using L = Layout<kHeadDim>;
+  const int64_t k_tiles = (p.seqlen_k + kOwnRows - 1) / kOwnRows;
+  const int64_t k_tile = blockIdx.x % k_tiles, bhk = blockIdx.x / k_tiles;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
+  const int64_t k0 = k_tile * kOwnRows, last_key = min(k0 + kOwnRows, p.seqlen_k) - 1;
+  const int64_t row_begin = p.first_query(k0) / kStreamRows * kStreamRows;
+  const int64_t row_end = p.last_query(last_key) + 1;
+  const int64_t q_tiles = row_end > row_begin ? (row_end - row_begin + kStreamRows - 1) / kStreamRows : 0;
+  const int64_t tiles = q_tiles * p.group_size();
+  const auto tile_row = [&](int64_t it) { return row_begin + (it % q_tiles) * kStreamRows; };
+  const auto tile_head = [&](int64_t it) { return hk * p.group_size() + it / q_tiles; };
+  sm.init();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0)
+      produce(sm, maps, static_cast<int>(k0), static_cast<int>(hk), static_cast<int>(b), tiles,
+              tile_row, tile_head);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int consumer = warpgroup - 1, lane = threadIdx.x % 32, t = lane % 4;
+  const int64_t my_key = k0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+  const unsigned char* k_rows = sm.own_a + consumer * 64 * 128;
+  const unsigned char* v_rows = sm.own_b + consumer * 64 * 128;
+  float dk[kHeadDim / 2] = {}, dv[kHeadDim / 2] = {};
+
+  mbar_wait(sm.owned, 0);
+  for (int64_t it = 0; it < tiles; ++it) {
+    const int stage = it % kStages, phase = (it / kStages) & 1;
+    const int64_t q0 = tile_row(it), h = tile_head(it);
+    const unsigned char* q_tile = sm.stream_a + stage * L::kStreamBytes;
+    const unsigned char* do_tile = sm.stream_b + stage * L::kStreamBytes;
+    float st[32], dpt[32];
+    mbar_wait(&sm.full[stage], phase);
+    wgmma_fence();
+    issue_abt<T, kHeadDim>(st, k_rows, q_tile);
+    issue_abt<T, kHeadDim>(dpt, v_rows, do_tile);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(st);
+    fence_regs(dpt);
+
+    scores_log2(st, p);
+    const bool needs_mask = q0 < p.first_query(last_key) || q0 + kStreamRows - 1 > p.last_query(k0) ||
+                            q0 + kStreamRows > p.seqlen_q || last_key - k0 + 1 < kOwnRows;
+    if (needs_mask) {
+      int lo[2], hi[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t key = my_key + 8 * r;
+        visible_columns(p.first_query(key), min(p.last_query(key), p.seqlen_q - 1), q0,
+                        kStreamRows, lo[r], hi[r]);
+        if (key >= p.seqlen_k) hi[r] = -1;
+      }
+      mask_columns<8>(st, lo, hi);
+    }
+    const int64_t row_base = (b * p.heads_q + h) * p.seqlen_q + q0;
+    const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
+    probabilities_and_grad(
+        st, dpt, p,
+        [&](int i) {
+          const int64_t q = q0 + column(i);
+          return q < p.seqlen_q ? lse_to_log2(p.lse[row_base + column(i)]) : -kNegInf;
+        },
+        [&](int i) { return q0 + column(i) < p.seqlen_q ? D_all[row_base + column(i)] : 0.0f; });
+    uint32_t pa[4][4], dsa[4][4];
+    pack_fragments<T>(pa, st);
+    pack_fragments<T>(dsa, dpt);
+    wgmma_fence();
+    issue_ab<T, kHeadDim>(dv, pa, do_tile);
+    issue_ab<T, kHeadDim>(dk, dsa, q_tile);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dv);
+    fence_regs(dk);
+    if (lane == 0) mbar_arrive(&sm.empty[stage]);
+  }
+  const int64_t row0 = k0 + consumer * 64;
+  store_block<T, kHeadDim>(p.dk, b, p.seqlen_k, p.heads_kv, hk, p.head_dim, row0, dk,
+                           p.softmax_scale);
+  store_block<T, kHeadDim>(p.dv, b, p.seqlen_k, p.heads_kv, hk, p.head_dim_v, row0, dv, 1.0f);
+}
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_query_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
+                        const float* D_all, float* dsink_rows) {
+  extern __shared__ unsigned char smem_raw[];
+  Smem<kHeadDim> sm(smem_raw);
+  using L = Layout<kHeadDim>;
+  const int64_t q_tiles = (p.seqlen_q + kOwnRows - 1) / kOwnRows;
+  const auto [q_tile, bh] = query_tile(q_tiles);
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
+  const int64_t q0 = q_tile * kOwnRows, last_row = min(q0 + kOwnRows, p.seqlen_q) - 1;
+  const KeyRange keys(p, q0, last_row, kStreamRows);
+  const int64_t tiles = keys.tiles(kStreamRows);
+  sm.init();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0)
+      produce(sm, maps, static_cast<int>(q0), static_cast<int>(h), static_cast<int>(b), tiles,
+              [&](int64_t it) { return keys.tile_begin + it * kStreamRows; },
+              [&](int64_t) { return hk; });
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int consumer = warpgroup - 1, lane = threadIdx.x % 32;
+  RowSoftmax rows{q0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4};
+  const unsigned char* q_rows = sm.own_a + consumer * 64 * 128;
+  const unsigned char* do_rows = sm.own_b + consumer * 64 * 128;
+  float lse2[2], D[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = rows.row + 8 * r;
+    lse2[r] = i < p.seqlen_q ? lse_to_log2(p.lse[bh * p.seqlen_q + i]) : -kNegInf;
+    D[r] = i < p.seqlen_q ? D_all[bh * p.seqlen_q + i] : 0.0f;
+  }
+  float dq[kHeadDim / 2] = {};
+
+  mbar_wait(sm.owned, 0);
+  for (int64_t it = 0; it < tiles; ++it) {
+    const int stage = it % kStages, phase = (it / kStages) & 1;
+    const int64_t k0 = keys.tile_begin + it * kStreamRows;
+    const unsigned char* k_tile = sm.stream_a + stage * L::kStreamBytes;
+    const unsigned char* v_tile = sm.stream_b + stage * L::kStreamBytes;
+    float s[32], dp[32];
+    mbar_wait(&sm.full[stage], phase);
+    wgmma_fence();
+    issue_abt<T, kHeadDim>(s, q_rows, k_tile);
+    issue_abt<T, kHeadDim>(dp, do_rows, v_tile);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+    rows.scores<8>(s, p, k0,
+                   RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kStreamRows, keys.key_begin,
+                                               keys.key_end));
+    probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
+                           [&](int i) { return D[(i % 4) / 2]; });
+    uint32_t dsa[4][4];
+    pack_fragments<T>(dsa, dp);
+    wgmma_fence();
+    issue_ab<T, kHeadDim>(dq, dsa, k_tile);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dq);
+    if (lane == 0) mbar_arrive(&sm.empty[stage]);
+  }
+  store_block<T, kHeadDim>(p.dq, b, p.seqlen_q, p.heads_q, h, p.head_dim, q0 + consumer * 64, dq,
+                           p.softmax_scale);
+  if (p.sinks && lane % 4 == 0) {  // d lse / d sink = p_sink; dL / d lse = -D
+    const float sink = p.sinks[bh] * kLog2e;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = rows.row + 8 * r;
+      if (i < p.seqlen_q)
+        dsink_rows[bh * p.seqlen_q + i] =
+            lse2[r] == -kNegInf ? 0.0f : -fast_exp2(sink - lse2[r]) * D[r];
+    }
+  }
+}
+
+#else  // not compiled for sm_90a: never launched (hopper_backward_supports says no)
+
+template <class T, int kHeadDim>
+__global__ void hopper_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
+                                  const float*) {}
+template <class T, int kHeadDim>
+__global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
+                                    const float*, float*) {}
+
+#endif
+
+template <class T, int kHeadDim>
+cudaError_t launch(const AttentionParams& p, float* D, float* dsink_rows, cudaStream_t stream) {
+  constexpr int kSmem = Layout<kHeadDim>::kSmemBytes;
+  static std::once_flag configured;
+  static cudaError_t config_status = cudaSuccess;
+  std::call_once(configured, [] {
+    config_status = cudaFuncSetAttribute(hopper_key_kernel<T, kHeadDim>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (config_status == cudaSuccess)
+      config_status = cudaFuncSetAttribute(hopper_query_kernel<T, kHeadDim>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  });
+  if (config_status != cudaSuccess) return config_status;
+  const auto map = [&](CUtensorMap* m, const void* data, int64_t seqlen, int64_t heads,
+                       int64_t dim, int rows) {
+    return make_map(m, data, p.dtype, p.batch, seqlen, heads, dim, rows);
+  };
+  BackwardMaps key_maps, query_maps;
+  if (!map(&key_maps.own_a, p.k, p.seqlen_k, p.heads_kv, p.head_dim, kOwnRows) ||
+      !map(&key_maps.own_b, p.v, p.seqlen_k, p.heads_kv, p.head_dim_v, kOwnRows) ||
+      !map(&key_maps.stream_a, p.q, p.seqlen_q, p.heads_q, p.head_dim, kStreamRows) ||
+      !map(&key_maps.stream_b, p.dout, p.seqlen_q, p.heads_q, p.head_dim_v, kStreamRows) ||
+      !map(&query_maps.own_a, p.q, p.seqlen_q, p.heads_q, p.head_dim, kOwnRows) ||
+      !map(&query_maps.own_b, p.dout, p.seqlen_q, p.heads_q, p.head_dim_v, kOwnRows) ||
+      !map(&query_maps.stream_a, p.k, p.seqlen_k, p.heads_kv, p.head_dim, kStreamRows) ||
+      !map(&query_maps.stream_b, p.v, p.seqlen_k, p.heads_kv, p.head_dim_v, kStreamRows))
+    return cudaErrorInvalidValue;
+  const int64_t key_blocks = (p.seqlen_k + kOwnRows - 1) / kOwnRows * p.batch * p.heads_kv;
+  const int64_t query_blocks = (p.seqlen_q + kOwnRows - 1) / kOwnRows * p.batch * p.heads_q;
+  if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  hopper_key_kernel<T, kHeadDim>
+      <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, D);
+  hopper_query_kernel<T, kHeadDim>
+      <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, query_maps, D,
+                                                                          dsink_rows);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool hopper_backward_supports(const AttentionParams& p) {
+#ifdef FLASHJAX_HOPPER
+  // As the forward, and head dims up to 128: at 256 the owned tiles and the
+  // dK/dV accumulators do not fit (the mma.sync path takes those).
+  return tensor_core_shapes(p) && head_dim_bucket(p) <= 128 && p.head_dim >= 64 &&
+         p.head_dim_v >= 64 && p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) &&
+         compute_capability() == 90 && encode_fn() != nullptr;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  float* D = static_cast<float*>(workspace);
+  float* dsink_rows = D + p.batch * p.heads_q * p.seqlen_q;
+  if (cudaError_t e = backward_preprocess(p, D, stream); e != cudaSuccess) return e;
+  cudaError_t status = with_half_type(p.dtype, [&](auto tag) {
+    const int bucket = head_dim_bucket(p);
+    if (bucket == 64) return launch<decltype(tag), 64>(p, D, dsink_rows, stream);
+    return launch<decltype(tag), 128>(p, D, dsink_rows, stream);
+  });
+  if (status != cudaSuccess) return status;
+  return backward_dsinks(p, dsink_rows, stream);
+}
+
+}  // namespace flashjax::cuda

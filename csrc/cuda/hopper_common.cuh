@@ -1,0 +1,152 @@
+// Hopper (sm_90a) building blocks shared by the TMA/wgmma kernels: mbarriers,
+// TMA tile loads, wgmma descriptors and issue/wait helpers, named barriers,
+// and the host-side tensor maps.
+//
+// Shared-memory tiles use the 128-byte swizzle that TMA writes and wgmma reads:
+// a [rows][d] tile is d/64 column blocks of rows x 128 B (64 16-bit elements
+// per row), 1024-byte aligned.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+#include "flashjax/params.h"
+#include "wgmma_ops.cuh"
+
+namespace flashjax::cuda {
+
+constexpr int kSwizzleCols = 64;  // elements per 128-byte swizzle row
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)));
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity));
+}
+
+// Loads box {64 columns, rows} at (col, row, head, batch) into `dst`.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                         int col, int row, int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch),
+      "r"(smem_u32(bar))
+      : "memory");
+}
+
+// All column blocks of a [rows][kHeadDim] tile; block c lands at c * rows * 128 B.
+template <int kHeadDim, int kRows>
+__device__ __forceinline__ void tma_tile(unsigned char* dst, const CUtensorMap* map,
+                                         uint64_t* bar, int row, int head, int batch) {
+#pragma unroll
+  for (int c = 0; c < kHeadDim / kSwizzleCols; ++c)
+    tma_load(dst + c * kRows * 128, map, bar, c * kSwizzleCols, row, head, batch);
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lead_bytes,
+                                              uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_u32(p) & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+// Operand of k-step kk (16 elements) of a K-major [rows][kHeadDim] tile.
+template <int kRows>
+__device__ __forceinline__ uint64_t k_major_desc(const unsigned char* tile, int kk) {
+  return smem_desc(tile + (kk / 4) * kRows * 128 + (kk % 4) * 32, 16, 1024);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Named barriers 1 and 2 order the two consumer warpgroups' wgmma issues.
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Orders reads of wgmma accumulators after the wait that completes them.
+template <int kN>
+__device__ __forceinline__ void fence_operands(float (&regs)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(regs[i])::"memory");
+}
+
+template <class T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
+  if constexpr (N == 64) wgmma_ss_n64<T>(d, a, b, acc);
+  else if constexpr (N == 128) wgmma_ss_n128<T>(d, a, b, acc);
+  else wgmma_ss_n256<T>(d, a, b, acc);
+}
+template <class T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (N == 64) wgmma_rs_n64<T>(d, a, b, 1);
+  else if constexpr (N == 128) wgmma_rs_n128<T>(d, a, b, 1);
+  else wgmma_rs_n256<T>(d, a, b, 1);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      ptr = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// 4-d map (dim, seqlen, heads, batch) of a contiguous (batch, seqlen, heads, dim) tensor.
+inline bool make_map(CUtensorMap* map, const void* data, DType dtype, int64_t batch, int64_t seqlen,
+              int64_t heads, int64_t dim, int box_rows) {
+  const cuuint64_t sizes[4] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(seqlen),
+                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(heads * dim * 2),
+                                 static_cast<cuuint64_t>(dim * 2),
+                                 static_cast<cuuint64_t>(seqlen * heads * dim * 2)};
+  const cuuint32_t box[4] = {kSwizzleCols, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const auto type = dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  auto encode = encode_fn();
+  return encode && encode(map, type, 4, const_cast<void*>(data), sizes, strides, box, unit,
+                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace flashjax::cuda
