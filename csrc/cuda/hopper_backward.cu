@@ -26,7 +26,7 @@ namespace {
 
 constexpr int kOwnRows = 128;   // rows a CTA owns (keys or queries): 64 per consumer
 constexpr int kStreamRows = 64; // rows of each streamed tile
-constexpr int kStages = 2;
+constexpr int kStages = 3;  // 3: the next tile loads while one is computed and one drains
 constexpr int kThreads = 384;
 
 template <int kHeadDim>
@@ -170,6 +170,50 @@ __device__ __forceinline__ void fence_regs(float (&regs)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(regs[i])::"memory");
 }
 
+// A consumer's loop over `tiles` streamed tiles, two wgmma groups per tile:
+// products(it) issues the first (S-like products of tile it), gradients(it)
+// turns their results into float register fragments, pack(it) rounds those
+// into wgmma operands, updates(it) issues the second group (accumulating
+// products) and release(it) frees tile it's stage.
+// kOverlap: the updates of tile it-1 run on the tensor cores while
+// gradients(it) runs on the CUDA cores; this keeps two tiles' fragments live,
+// which the key kernel (dK and dV accumulators) has no registers for.
+template <bool kOverlap, class Products, class Gradients, class Pack, class Updates,
+          class Release>
+__device__ __forceinline__ void pipeline(int64_t tiles, Products&& products,
+                                         Gradients&& gradients, Pack&& pack, Updates&& updates,
+                                         Release&& release) {
+  if (tiles == 0) return;
+  if constexpr (!kOverlap) {
+    for (int64_t it = 0; it < tiles; ++it) {
+      products(it);
+      wgmma_wait<0>();
+      gradients(it);
+      pack(it);
+      updates(it);
+      wgmma_wait<0>();
+      release(it);
+    }
+    return;
+  }
+  products(0);
+  wgmma_wait<0>();
+  gradients(0);
+  pack(0);
+  for (int64_t it = 1; it < tiles; ++it) {
+    products(it);
+    updates(it - 1);
+    wgmma_wait<1>();  // tile it's products are done; tile it-1's updates may run
+    gradients(it);
+    wgmma_wait<0>();  // the operands packed for tile it-1 are free again
+    release(it - 1);
+    pack(it);
+  }
+  updates(tiles - 1);
+  wgmma_wait<0>();
+  release(tiles - 1);
+}
+
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
@@ -204,57 +248,64 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned char* v_rows = sm.own_b + consumer * 64 * 128;
   float dk[kHeadDim / 2] = {}, dv[kHeadDim / 2] = {};
 
+  const auto q_tile = [&](int64_t it) { return sm.stream_a + (it % kStages) * L::kStreamBytes; };
+  const auto do_tile = [&](int64_t it) { return sm.stream_b + (it % kStages) * L::kStreamBytes; };
+  float st[32], dpt[32];
+  uint32_t pa[4][4], dsa[4][4];
   mbar_wait(sm.owned, 0);
-  for (int64_t it = 0; it < tiles; ++it) {
-    const int stage = it % kStages, phase = (it / kStages) & 1;
-    const int64_t q0 = tile_row(it), h = tile_head(it);
-    const unsigned char* q_tile = sm.stream_a + stage * L::kStreamBytes;
-    const unsigned char* do_tile = sm.stream_b + stage * L::kStreamBytes;
-    float st[32], dpt[32];
-    mbar_wait(&sm.full[stage], phase);
-    wgmma_fence();
-    issue_abt<T, kHeadDim>(st, k_rows, q_tile);
-    issue_abt<T, kHeadDim>(dpt, v_rows, do_tile);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(st);
-    fence_regs(dpt);
-
-    scores_log2(st, p);
-    const bool needs_mask = q0 < p.first_query(last_key) || q0 + kStreamRows - 1 > p.last_query(k0) ||
-                            q0 + kStreamRows > p.seqlen_q || last_key - k0 + 1 < kOwnRows;
-    if (needs_mask) {
-      int lo[2], hi[2];
+  pipeline<false>(
+      tiles,
+      [&](int64_t it) {  // S^T = K Q_j^T, dP^T = V dO_j^T
+        mbar_wait(&sm.full[it % kStages], (it / kStages) & 1);
+        wgmma_fence();
+        issue_abt<T, kHeadDim>(st, k_rows, q_tile(it));
+        issue_abt<T, kHeadDim>(dpt, v_rows, do_tile(it));
+        wgmma_commit();
+      },
+      [&](int64_t it) {  // P^T, dS^T
+        fence_regs(st);
+        fence_regs(dpt);
+        const int64_t q0 = tile_row(it), h = tile_head(it);
+        scores_log2(st, p);
+        const bool needs_mask = q0 < p.first_query(last_key) ||
+                                q0 + kStreamRows - 1 > p.last_query(k0) ||
+                                q0 + kStreamRows > p.seqlen_q || last_key - k0 + 1 < kOwnRows;
+        if (needs_mask) {
+          int lo[2], hi[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t key = my_key + 8 * r;
-        visible_columns(p.first_query(key), min(p.last_query(key), p.seqlen_q - 1), q0,
-                        kStreamRows, lo[r], hi[r]);
-        if (key >= p.seqlen_k) hi[r] = -1;
-      }
-      mask_columns<8>(st, lo, hi);
-    }
-    const int64_t row_base = (b * p.heads_q + h) * p.seqlen_q + q0;
-    const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
-    probabilities_and_grad(
-        st, dpt, p,
-        [&](int i) {
-          const int64_t q = q0 + column(i);
-          return q < p.seqlen_q ? lse_to_log2(p.lse[row_base + column(i)]) : -kNegInf;
-        },
-        [&](int i) { return q0 + column(i) < p.seqlen_q ? D_all[row_base + column(i)] : 0.0f; });
-    uint32_t pa[4][4], dsa[4][4];
-    pack_fragments<T>(pa, st);
-    pack_fragments<T>(dsa, dpt);
-    wgmma_fence();
-    issue_ab<T, kHeadDim>(dv, pa, do_tile);
-    issue_ab<T, kHeadDim>(dk, dsa, q_tile);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(dv);
-    fence_regs(dk);
-    if (lane == 0) mbar_arrive(&sm.empty[stage]);
-  }
+          for (int r = 0; r < 2; ++r) {
+            const int64_t key = my_key + 8 * r;
+            visible_columns(p.first_query(key), min(p.last_query(key), p.seqlen_q - 1), q0,
+                            kStreamRows, lo[r], hi[r]);
+            if (key >= p.seqlen_k) hi[r] = -1;
+          }
+          mask_columns<8>(st, lo, hi);
+        }
+        const int64_t row_base = (b * p.heads_q + h) * p.seqlen_q + q0;
+        const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
+        probabilities_and_grad(
+            st, dpt, p,
+            [&](int i) {
+              return q0 + column(i) < p.seqlen_q ? lse_to_log2(p.lse[row_base + column(i)])
+                                                 : -kNegInf;
+            },
+            [&](int i) { return q0 + column(i) < p.seqlen_q ? D_all[row_base + column(i)] : 0.0f; });
+      },
+      [&](int64_t) {
+        pack_fragments<T>(pa, st);
+        pack_fragments<T>(dsa, dpt);
+      },
+      [&](int64_t it) {  // dV += P^T dO_j, dK += dS^T Q_j
+        wgmma_fence();
+        issue_ab<T, kHeadDim>(dv, pa, do_tile(it));
+        issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
+        wgmma_commit();
+      },
+      [&](int64_t it) {
+        fence_regs(dv);
+        fence_regs(dk);
+        if (lane == 0) mbar_arrive(&sm.empty[it % kStages]);
+      });
   const int64_t row0 = k0 + consumer * 64;
   store_block<T, kHeadDim>(p.dk, b, p.seqlen_k, p.heads_kv, hk, p.head_dim, row0, dk,
                            p.softmax_scale);
@@ -299,35 +350,40 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   float dq[kHeadDim / 2] = {};
 
+  const auto k_tile = [&](int64_t it) { return sm.stream_a + (it % kStages) * L::kStreamBytes; };
+  const auto v_tile = [&](int64_t it) { return sm.stream_b + (it % kStages) * L::kStreamBytes; };
+  float s[32], dp[32];
+  uint32_t dsa[4][4];
   mbar_wait(sm.owned, 0);
-  for (int64_t it = 0; it < tiles; ++it) {
-    const int stage = it % kStages, phase = (it / kStages) & 1;
-    const int64_t k0 = keys.tile_begin + it * kStreamRows;
-    const unsigned char* k_tile = sm.stream_a + stage * L::kStreamBytes;
-    const unsigned char* v_tile = sm.stream_b + stage * L::kStreamBytes;
-    float s[32], dp[32];
-    mbar_wait(&sm.full[stage], phase);
-    wgmma_fence();
-    issue_abt<T, kHeadDim>(s, q_rows, k_tile);
-    issue_abt<T, kHeadDim>(dp, do_rows, v_tile);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
-    fence_regs(dp);
-    rows.scores<8>(s, p, k0,
-                   RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kStreamRows, keys.key_begin,
-                                               keys.key_end));
-    probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
-                           [&](int i) { return D[(i % 4) / 2]; });
-    uint32_t dsa[4][4];
-    pack_fragments<T>(dsa, dp);
-    wgmma_fence();
-    issue_ab<T, kHeadDim>(dq, dsa, k_tile);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(dq);
-    if (lane == 0) mbar_arrive(&sm.empty[stage]);
-  }
+  pipeline<true>(
+      tiles,
+      [&](int64_t it) {  // S = Q K_j^T, dP = dO V_j^T
+        mbar_wait(&sm.full[it % kStages], (it / kStages) & 1);
+        wgmma_fence();
+        issue_abt<T, kHeadDim>(s, q_rows, k_tile(it));
+        issue_abt<T, kHeadDim>(dp, do_rows, v_tile(it));
+        wgmma_commit();
+      },
+      [&](int64_t it) {  // dS
+        fence_regs(s);
+        fence_regs(dp);
+        const int64_t k0 = keys.tile_begin + it * kStreamRows;
+        rows.scores<8>(s, p, k0,
+                       RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kStreamRows,
+                                                   keys.key_begin, keys.key_end));
+        probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
+                               [&](int i) { return D[(i % 4) / 2]; });
+      },
+      [&](int64_t) { pack_fragments<T>(dsa, dp); },
+      [&](int64_t it) {  // dQ += dS K_j
+        wgmma_fence();
+        issue_ab<T, kHeadDim>(dq, dsa, k_tile(it));
+        wgmma_commit();
+      },
+      [&](int64_t it) {
+        fence_regs(dq);
+        if (lane == 0) mbar_arrive(&sm.empty[it % kStages]);
+      });
   store_block<T, kHeadDim>(p.dq, b, p.seqlen_q, p.heads_q, h, p.head_dim, q0 + consumer * 64, dq,
                            p.softmax_scale);
   if (p.sinks && lane % 4 == 0) {  // d lse / d sink = p_sink; dL / d lse = -D
