@@ -200,6 +200,18 @@ def _hi(arrays):
     return [to_cpu(x, jnp.float64) for x in arrays]
 
 
+@functools.lru_cache(maxsize=8)
+def _forward_references(case: Case, seed):
+    """(float64 out, float64 lse, same-precision out or None) as numpy; cached because the
+    GPU tests check several kernel paths against the same references."""
+    q, k, v, sinks = case_inputs(case, seed)
+    ref_out, ref_lse = ref(case, jnp.float64)(*_hi((q, k, v, sinks)))
+    ref_lo = None
+    if case.lowp:
+        ref_lo = np.asarray(ref(case, case.dtype, return_lse=False)(q, k, v, sinks).astype(jnp.float32))
+    return np.asarray(ref_out), np.asarray(ref_lse), ref_lo
+
+
 def check_forward(case: Case, device=None, seed=0):
     """flash_attention (out and lse) against the float64 reference; returns numpy (out, lse)."""
     q, k, v, sinks = case_inputs(case, seed, device)
@@ -210,10 +222,7 @@ def check_forward(case: Case, device=None, seed=0):
         assert out.devices() == {device} and lse.devices() == {device}
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
-    ref_out, ref_lse = ref(case, jnp.float64)(*_hi((q, k, v, sinks)))
-    ref_lo = None
-    if case.lowp:
-        ref_lo = ref(case, case.dtype, return_lse=False)(*map(to_cpu, (q, k, v, sinks)))
+    ref_out, ref_lse, ref_lo = _forward_references(case, seed)
     check_close(out, ref_out, ref_lo, dtype=case.dtype, name=f"{case}: out")
     check_lse(lse, ref_lse, case, sinks, name=f"{case}: lse")
 
@@ -237,6 +246,32 @@ def vjp(fn, args, ct):
     return jax.vjp(f, *args)[1](ct)
 
 
+def _cotangent(d_out, d_lse, dtype, return_lse):
+    d_out = d_out.astype(dtype)
+    if not return_lse:
+        return d_out
+    return d_out, d_lse.astype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
+def _args(case, q, k, v, sinks):
+    return (q, k, v, sinks) if case.sinks else (q, k, v)
+
+
+@functools.lru_cache(maxsize=8)
+def _gradient_references(case: Case, seed, return_lse):
+    """Reference gradients (float64, and same-precision or Nones) as numpy; cached."""
+    args = _args(case, *case_inputs(case, seed))
+    d_out, d_lse = _cotangents(case, seed)
+    hi = vjp(ref(case, jnp.float64, return_lse=return_lse), _hi(args),
+             _cotangent(d_out, d_lse, jnp.float64, return_lse))
+    lo = [None] * len(args)
+    if case.lowp:
+        lo = vjp(ref(case, case.dtype, return_lse=return_lse), args,
+                 _cotangent(d_out, d_lse, case.dtype, return_lse))
+        lo = [np.asarray(x.astype(jnp.float32)) for x in lo]
+    return [np.asarray(x) for x in hi], lo
+
+
 def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, deterministic=False):
     """dq, dk, dv (and dsinks) of flash_attention via jax.vjp with a random cotangent on
     out (and lse, including rows where it is -inf), against the float64 reference.
@@ -246,23 +281,12 @@ def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, determi
     """
     q, k, v, sinks = case_inputs(case, seed, device)
     d_out, d_lse = _cotangents(case, seed)
-    args = (q, k, v, sinks) if case.sinks else (q, k, v)
-
-    def cotangent(d_out, d_lse, dtype):
-        d_out = d_out.astype(dtype)
-        return (d_out, d_lse.astype(jnp.float64 if dtype == jnp.float64 else jnp.float32)) \
-            if return_lse else d_out
-
-    ct = cotangent(*jax.device_put((d_out, d_lse), device or cpu()), case.dtype)
+    args = _args(case, q, k, v, sinks)
+    ct = _cotangent(*jax.device_put((d_out, d_lse), device or cpu()), case.dtype, return_lse)
     ours = flash(case, return_lse=return_lse, deterministic=deterministic)
     grads = jax.jit(functools.partial(vjp, ours))(args, ct)
 
-    hi = vjp(ref(case, jnp.float64, return_lse=return_lse), _hi(args),
-             cotangent(d_out, d_lse, jnp.float64))
-    lo = [None] * len(args)
-    if case.lowp:
-        lo = vjp(ref(case, case.dtype, return_lse=return_lse), [to_cpu(x) for x in args],
-                 cotangent(d_out, d_lse, case.dtype))
+    hi, lo = _gradient_references(case, seed, return_lse)
 
     result = []
     for name, g, x, r, l in zip(("dq", "dk", "dv", "dsinks"), grads, args, hi, lo):

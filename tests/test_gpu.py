@@ -1,34 +1,63 @@
-"""The CUDA kernels against the float64 reference, on the GPU (skipped elsewhere).
+"""The CUDA kernels on the GPU against the float64 reference (skipped without a GPU).
 
-Every kernel path runs: the default choice (Hopper TMA/wgmma on an H100), the
-mma.sync path and the SIMT path, selected with FLASHJAX_FORWARD_KERNEL."""
+The CPU suite's case lists (helpers.py) run here on jax.devices("gpu")[0], plus
+larger shapes that cross the GPU kernels' tile boundaries. Each forward runs on
+every kernel path: the default choice (Hopper TMA/wgmma on an H100), mma.sync and
+SIMT, capped with FLASHJAX_FORWARD_KERNEL (read by the library at each call).
+
+Output buffers cannot be NaN-poisoned from JAX; instead every output is checked
+for NaN/inf and against the reference, and one test first fills the allocator's
+recycled buffers with NaN results of the same shapes."""
 
 import jax
 import numpy as np
 import pytest
 
 import flashjax
-from helpers import Case, check_forward, check_gradients, inputs
+from helpers import (Case, case_inputs, check_forward, check_gradients, empty_row_cases, gqa_cases,
+                     head_dim_cases, ids, option_cases, seqlen_cases)
 
 pytestmark = pytest.mark.gpu
 
 PATHS = ["default", "mma", "simt"]
 
-FORWARD_CASES = [
+LARGE_CASES = [
     Case(batch=2, seqlen_q=1000, seqlen_k=1000, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16", causal=True),
     Case(batch=1, seqlen_q=777, seqlen_k=1300, heads_q=4, heads_kv=1, head_dim=64, dtype="float16"),
-    Case(batch=1, seqlen_q=300, seqlen_k=300, heads_q=2, heads_kv=2, head_dim=256, dtype="bfloat16", causal=True, sinks=True),
-    Case(batch=1, seqlen_q=1000, seqlen_k=300, heads_q=2, heads_kv=2, head_dim=72, dtype="bfloat16", causal=True, window_size=(50, 10)),
-    Case(batch=1, seqlen_q=17, seqlen_k=128, heads_q=4, heads_kv=2, head_dim=200, head_dim_v=96, dtype="float16", softcap=30.0, sinks=True),
-    Case(batch=1, seqlen_q=128, seqlen_k=17, heads_q=4, heads_kv=2, head_dim=96, head_dim_v=64, dtype="bfloat16", causal=True),
-    Case(batch=2, seqlen_q=64, seqlen_k=16, heads_q=2, heads_kv=1, head_dim=64, dtype="bfloat16", causal=True),
+    Case(batch=1, seqlen_q=300, seqlen_k=300, heads_q=2, heads_kv=2, head_dim=256, dtype="bfloat16", causal=True,
+         sinks=True),
+    Case(batch=1, seqlen_q=1000, seqlen_k=300, heads_q=2, heads_kv=2, head_dim=72, dtype="bfloat16", causal=True,
+         window_size=(50, 10)),
+    Case(batch=1, seqlen_q=17, seqlen_k=128, heads_q=4, heads_kv=2, head_dim=200, head_dim_v=96, dtype="float16",
+         softcap=30.0, sinks=True),
+    Case(batch=1, seqlen_q=128, seqlen_k=17, heads_q=4, heads_kv=2, head_dim=96, head_dim_v=64, dtype="bfloat16",
+         causal=True),
     Case(batch=1, seqlen_q=1, seqlen_k=512, heads_q=8, heads_kv=1, head_dim=128, dtype="bfloat16"),
-    Case(batch=1, seqlen_q=33, seqlen_k=77, heads_q=2, heads_kv=1, head_dim=1, head_dim_v=3, window_size=(5, 3), sinks=True),
-    Case(batch=1, seqlen_q=100, seqlen_k=100, heads_q=2, heads_kv=1, head_dim=40, head_dim_v=24, causal=True, softcap=5.0, sinks=True),
     Case(batch=1, seqlen_q=200, seqlen_k=200, heads_q=2, heads_kv=2, head_dim=128, dtype="float32", causal=True),
+    Case(batch=3, seqlen_q=513, seqlen_k=511, heads_q=6, heads_kv=2, head_dim=64, dtype="bfloat16",
+         window_size=(100, 0), softcap=20.0, sinks=True),
 ]
 
-GRADIENT_CASES = [FORWARD_CASES[i] for i in (0, 2, 4, 5, 6, 9, 10)]
+FORWARD_CASES = (head_dim_cases() + seqlen_cases() + gqa_cases() + option_cases()
+                 + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),), windows=[(-1, -1), (10, 5)],
+                                head_dim=64)
+                 + empty_row_cases() + LARGE_CASES)
+
+GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
+                  + seqlen_cases(seqlens=[(1, 1), (1, 33), (17, 128), (128, 17)], head_dim=16)
+                  + gqa_cases(dtypes=("float32", "bfloat16"))
+                  + option_cases(seqlens=((70, 90),), windows=[(-1, -1), (7, 3)])
+                  + option_cases(dtypes=("bfloat16", "float16"), seqlens=((90, 70),), windows=[(-1, -1), (7, 3)],
+                                 head_dim=64)
+                  + empty_row_cases() + LARGE_CASES[:6])
+
+DETERMINISTIC_CASES = [
+    LARGE_CASES[0],
+    Case(batch=2, seqlen_q=130, seqlen_k=700, heads_q=8, heads_kv=1, head_dim=64, dtype="bfloat16", sinks=True,
+         causal=True),
+    Case(batch=1, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=1, head_dim=72, dtype="float16", softcap=5.0),
+    Case(batch=1, seqlen_q=200, seqlen_k=250, heads_q=2, heads_kv=1, head_dim=32, dtype="float32", sinks=True),
+]
 
 
 @pytest.fixture(params=PATHS)
@@ -38,39 +67,45 @@ def kernel_path(request, monkeypatch):
     return request.param
 
 
-def gpu():
-    return jax.devices("gpu")[0]
-
-
 def test_build_has_cuda_kernels():
     assert flashjax.has_cuda_kernels()
 
 
-@pytest.mark.parametrize("case", FORWARD_CASES, ids=str)
-def test_forward(case, kernel_path):
-    check_forward(case, device=gpu())
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=ids(FORWARD_CASES))
+def test_forward(case, kernel_path, gpu_device):
+    check_forward(case, device=gpu_device)
 
 
-@pytest.mark.parametrize("case", GRADIENT_CASES, ids=str)
-def test_gradients(case, kernel_path):
-    check_gradients(case, device=gpu())
+@pytest.mark.parametrize("case", GRADIENT_CASES, ids=ids(GRADIENT_CASES))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradients(case, deterministic, gpu_device):
+    check_gradients(case, device=gpu_device, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("case", [GRADIENT_CASES[0], GRADIENT_CASES[3]], ids=str)
-def test_deterministic_backward_repeats_bitwise(case):
-    a = check_gradients(case, device=gpu(), deterministic=True)
-    b = check_gradients(case, device=gpu(), deterministic=True)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+SIMT_GRADIENT_CASES = GRADIENT_CASES[::7] + LARGE_CASES[:3]
 
 
-def test_outputs_fully_written():
-    # Poison: run once on NaN-filled inputs of the same shape so that stale
-    # buffers would hold NaN, then check a real call leaves no NaN anywhere.
-    case = Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads_q=2, heads_kv=2, head_dim=128,
-                dtype="bfloat16", causal=True)
-    q, k, v, _ = inputs(case, device=gpu())
-    f = jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, causal=True, return_lse=True))
-    jax.block_until_ready(f(q * np.nan, k, v))
-    out, lse = f(q, k, v)
-    assert not np.isnan(np.asarray(out, np.float32)).any() and not np.isnan(np.asarray(lse)).any()
+@pytest.mark.parametrize("case", SIMT_GRADIENT_CASES, ids=ids(SIMT_GRADIENT_CASES))
+def test_gradients_simt_path(case, gpu_device, monkeypatch):
+    monkeypatch.setenv("FLASHJAX_FORWARD_KERNEL", "simt")
+    check_gradients(case, device=gpu_device)
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=ids(DETERMINISTIC_CASES))
+def test_deterministic_backward_is_bitwise_repeatable(case, gpu_device):
+    a = check_gradients(case, device=gpu_device, deterministic=True)
+    b = check_gradients(case, device=gpu_device, deterministic=True)
+    for name, x, y in zip(("dq", "dk", "dv", "dsinks"), a, b):
+        np.testing.assert_array_equal(x, y, err_msg=f"{case}: {name} differs between two runs")
+
+
+@pytest.mark.parametrize("case", [LARGE_CASES[0], LARGE_CASES[3], LARGE_CASES[8]], ids=str)
+def test_outputs_fully_written(case, gpu_device):
+    # Fill the allocator's free list with NaN results of the same shapes, then check a
+    # real call writes every element (stale NaN would show) and matches the reference.
+    q, k, v, s = case_inputs(case, device=gpu_device)
+    f = jax.jit(lambda q, k, v, s: flashjax.flash_attention(q, k, v, sinks=s, return_lse=True, **case.options()))
+    poisoned = f(q * np.nan, k, v, s)
+    jax.block_until_ready(poisoned)
+    del poisoned
+    check_forward(case, device=gpu_device)

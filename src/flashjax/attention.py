@@ -114,7 +114,9 @@ def _make_config(head_dim, softmax_scale, causal, window_size, softcap, has_sink
     left, right = (int(w) for w in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size}")
-    if not _is_real(softcap) or not (float(softcap) >= 0.0) or not math.isfinite(float(softcap)):
+    if not _is_real(softcap):
+        raise TypeError(f"softcap must be a real number (0 = off), got {softcap!r}")
+    if not (float(softcap) >= 0.0) or not math.isfinite(float(softcap)):
         raise ValueError(f"softcap must be a finite real >= 0 (0 = off), got {softcap!r}")
     if causal:
         right = 0
