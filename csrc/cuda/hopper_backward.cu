@@ -147,21 +147,8 @@ template <class T, int kHeadDim>
 __device__ __forceinline__ void store_block(void* base, int64_t b, int64_t seqlen, int64_t heads,
                                             int64_t h, int64_t dim, int64_t row0,
                                             const float (&acc)[kHeadDim / 2], float scale) {
-  const int lane = threadIdx.x % 32, t = lane % 4;
-  const int64_t row_g = row0 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = row_g + 8 * r;
-    if (row >= seqlen) continue;
-    T* dst = static_cast<T*>(base) + ((b * seqlen + row) * heads + h) * dim;
-#pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n) {
-      const int col = n * 8 + 2 * t;
-      if (col < dim)
-        *reinterpret_cast<uint32_t*>(dst + col) =
-            pack2<T>(acc[4 * n + 2 * r] * scale, acc[4 * n + 2 * r + 1] * scale);
-    }
-  }
+  store_rows<T, kHeadDim>(base, b, seqlen, heads, h, dim, row0 + ((threadIdx.x / 32) % 4) * 16,
+                          acc, scale);
 }
 
 template <int kN>
@@ -386,16 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       });
   store_block<T, kHeadDim>(p.dq, b, p.seqlen_q, p.heads_q, h, p.head_dim, q0 + consumer * 64, dq,
                            p.softmax_scale);
-  if (p.sinks && lane % 4 == 0) {  // d lse / d sink = p_sink; dL / d lse = -D
-    const float sink = p.sinks[bh] * kLog2e;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t i = rows.row + 8 * r;
-      if (i < p.seqlen_q)
-        dsink_rows[bh * p.seqlen_q + i] =
-            lse2[r] == -kNegInf ? 0.0f : -fast_exp2(sink - lse2[r]) * D[r];
-    }
-  }
+  write_dsink_rows(p, bh, rows.row, lse2, D, dsink_rows);
 }
 
 #else  // not compiled for sm_90a: never launched (hopper_backward_supports says no)

@@ -188,15 +188,7 @@ __global__ void __launch_bounds__(kThreads) query_kernel(AttentionParams p, cons
   }
   store_rows<T, kHeadDim>(p.dq, b, p.seqlen_q, p.heads_q, h, p.head_dim, q0 + warp * 16, dq,
                           p.softmax_scale);
-  if (p.sinks && lane % 4 == 0) {  // d lse / d sink = p_sink; dL / d lse = -D
-    const float sink = p.sinks[bh] * kLog2e;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t i = rows.row + 8 * r;
-      if (i < p.seqlen_q)
-        dsink_rows[bh * p.seqlen_q + i] = lse2[r] == -kNegInf ? 0.0f : -fast_exp2(sink - lse2[r]) * D[r];
-    }
-  }
+  write_dsink_rows(p, bh, rows.row, lse2, D, dsink_rows);
 }
 
 template <class Kernel>
