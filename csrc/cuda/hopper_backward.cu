@@ -1,14 +1,19 @@
 // Hopper (sm_90a) backward: TMA-fed, wgmma-based, warp-specialised like the
-// forward, and deterministic (no atomics): two kernels as in the mma.sync path.
+// forward.
 //
 //  * key kernel: a CTA owns 128 keys of one kv head (64 per consumer
 //    warpgroup); the producer streams (Q_j, dO_j) tiles of 64 queries for every
-//    query head of the group. Per tile: S^T = K Q_j^T and dP^T = V dO_j^T
-//    (both operands in shared memory), P^T and dS^T in registers, then
-//    dV += P^T dO_j and dK += dS^T Q_j with the left operand from registers.
-//  * query kernel: a CTA owns 128 query rows; the producer streams (K_j, V_j)
-//    tiles of 64 keys. Per tile: S = Q K_j^T, dP = dO V_j^T, dS in registers,
-//    dQ += dS K_j. It also writes each row's share of dsinks.
+//    query head of the group, with those rows' lse and D. Per tile:
+//    S^T = K Q_j^T and dP^T = V dO_j^T (both operands in shared memory), P^T
+//    and dS^T in registers, then dV += P^T dO_j and dK += dS^T Q_j with the
+//    left operand from registers. With kFusedDq (the default, non-deterministic
+//    mode) it also stores dS^T in shared memory and computes this key block's
+//    share of dQ_j = dS_j K, added to a float32 buffer with atomics; a last
+//    kernel converts that buffer to dq (5 products per tile pair in all).
+//  * query kernel (deterministic mode): a CTA owns 128 query rows; the
+//    producer streams (K_j, V_j) tiles of 64 keys. Per tile: S = Q K_j^T,
+//    dP = dO V_j^T, dS in registers, dQ += dS K_j (7 products in all, no
+//    atomics). It also writes each row's share of dsinks.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -33,21 +38,71 @@ template <int kHeadDim>
 struct Layout {
   static constexpr int kOwnBytes = kOwnRows * kHeadDim * 2;       // one owned tensor
   static constexpr int kStreamBytes = kStreamRows * kHeadDim * 2; // one streamed tile
-  static constexpr int kBarrierOffset = 2 * kOwnBytes + 2 * kStages * kStreamBytes;
+  static constexpr int kDsBytes = kOwnRows * kStreamRows * 2;     // dS^T [keys][queries]
+  static constexpr int kStatBytes = 2 * kStreamRows * 4;          // a tile's lse2 and D
+  static constexpr int kDsOffset = 2 * kOwnBytes + 2 * kStages * kStreamBytes;
+  static constexpr int kStatOffset = kDsOffset + 2 * kDsBytes;    // dS^T double-buffered
+  static constexpr int kBarrierOffset = kStatOffset + kStages * kStatBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kStages) + 1024;
+};
+
+// Where the key kernel finds the streamed rows' statistics (padded rows).
+struct RowStats {
+  const float* lse2 = nullptr;  // null: not streamed (query kernel)
+  const float* D = nullptr;
+  int64_t rows_padded = 0;
 };
 
 struct BackwardMaps {
   CUtensorMap own_a, own_b, stream_a, stream_b;  // key kernel: K, V, Q, dO; query: Q, dO, K, V
 };
 
+// Per padded row: lse in log2 units and D for the key kernel's producer
+// (+inf and 0 past seqlen_q, so those rows get P = dS = 0), and, when dQ is
+// fused into the key kernel, each row's share of dsinks (as the query kernel
+// writes it otherwise).
+__global__ void stage_rows_kernel(const AttentionParams p, BackwardWorkspace ws, bool dsinks) {
+  const int64_t n = p.batch * p.heads_q * ws.rows_padded;
+  for (int64_t at = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; at < n;
+       at += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t bh = at / ws.rows_padded, i = at % ws.rows_padded;
+    float lse2 = -kNegInf, D = 0.0f;
+    if (i < p.seqlen_q) {
+      lse2 = lse_to_log2(p.lse[bh * p.seqlen_q + i]);
+      D = ws.D[bh * p.seqlen_q + i];
+      if (dsinks && p.sinks)
+        ws.dsink_rows[bh * p.seqlen_q + i] =
+            lse2 == -kNegInf ? 0.0f : -fast_exp2(p.sinks[bh] * kLog2e - lse2) * D;
+    }
+    ws.lse2_padded[at] = lse2;
+    ws.D_padded[at] = D;
+  }
+}
+
+// dq = scale * the float32 accumulation (rows of kHeadDim columns).
+template <class T, int kHeadDim>
+__global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum,
+                                  int64_t rows_padded) {
+  const int64_t n = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
+  for (int64_t at = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; at < n;
+       at += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = at % p.head_dim, rest = at / p.head_dim;
+    const int64_t h = rest % p.heads_q, bi = rest / p.heads_q;
+    const int64_t b = bi / p.seqlen_q, i = bi % p.seqlen_q;
+    const float x = dq_accum[((b * p.heads_q + h) * rows_padded + i) * kHeadDim + c];
+    static_cast<T*>(p.dq)[at] = from_float<T>(x * p.softmax_scale);
+  }
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Shared memory and barriers of both kernels: two owned [128][d] tensors and
-// a ring of (a, b) streamed tile pairs with one full/empty barrier pair each.
+// Shared memory and barriers of both kernels: two owned [128][d] tensors, a
+// ring of (a, b) streamed tile pairs (with their rows' lse2 and D) with one
+// full/empty barrier pair each, and two dS^T buffers (fused key kernel).
 template <int kHeadDim>
 struct Smem {
-  unsigned char *own_a, *own_b, *stream_a, *stream_b;
+  unsigned char *own_a, *own_b, *stream_a, *stream_b, *ds;
+  float* stats;
   uint64_t *owned, *full, *empty;
   __device__ explicit Smem(unsigned char* raw) {
     using L = Layout<kHeadDim>;
@@ -57,6 +112,8 @@ struct Smem {
     own_b = own_a + L::kOwnBytes;
     stream_a = own_b + L::kOwnBytes;
     stream_b = stream_a + kStages * L::kStreamBytes;
+    ds = base + L::kDsOffset;
+    stats = reinterpret_cast<float*>(base + L::kStatOffset);
     owned = reinterpret_cast<uint64_t*>(base + L::kBarrierOffset);
     full = owned + 1;
     empty = full + kStages;
@@ -75,10 +132,12 @@ struct Smem {
 };
 
 // Producer: owned tensors once, then `tiles` streamed pairs; tile i sits at
-// row stream_row(i) of head stream_head(i).
+// row stream_row(i) of head stream_head(i). With stats.lse2, also those rows'
+// lse2 and D.
 template <int kHeadDim, class RowOf, class HeadOf>
 __device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_row, int own_head,
-                        int batch, int64_t tiles, RowOf&& stream_row, HeadOf&& stream_head) {
+                        int batch, int64_t tiles, RowOf&& stream_row, HeadOf&& stream_head,
+                        const AttentionParams& p, const RowStats& stats) {
   using L = Layout<kHeadDim>;
   mbar_expect_tx(sm.owned, 2 * L::kOwnBytes);
   tma_tile<kHeadDim, kOwnRows>(sm.own_a, &maps.own_a, sm.owned, own_row, own_head, batch);
@@ -86,8 +145,14 @@ __device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_ro
   for (int64_t it = 0; it < tiles; ++it) {
     const int stage = it % kStages, phase = (it / kStages) & 1;
     mbar_wait(&sm.empty[stage], phase ^ 1);
-    mbar_expect_tx(&sm.full[stage], 2 * L::kStreamBytes);
+    mbar_expect_tx(&sm.full[stage], 2 * L::kStreamBytes + (stats.lse2 ? L::kStatBytes : 0));
     const int row = static_cast<int>(stream_row(it)), head = static_cast<int>(stream_head(it));
+    if (stats.lse2) {
+      const int64_t at = (batch * p.heads_q + head) * stats.rows_padded + row;
+      float* dst = sm.stats + stage * (L::kStatBytes / 4);
+      bulk_load(dst, stats.lse2 + at, L::kStatBytes / 2, &sm.full[stage]);
+      bulk_load(dst + kStreamRows, stats.D + at, L::kStatBytes / 2, &sm.full[stage]);
+    }
     tma_tile<kHeadDim, kStreamRows>(sm.stream_a + stage * L::kStreamBytes, &maps.stream_a,
                                     &sm.full[stage], row, head, batch);
     tma_tile<kHeadDim, kStreamRows>(sm.stream_b + stage * L::kStreamBytes, &maps.stream_b,
@@ -201,10 +266,66 @@ __device__ __forceinline__ void pipeline(int64_t tiles, Products&& products,
   release(tiles - 1);
 }
 
+// Stores a consumer's dS^T fragment (its 64 keys x 64 queries, packed) into
+// the [128 keys][64 queries] tile in the 128-byte-swizzled layout wgmma reads
+// as an MN-major operand: key row r is 128 bytes, 16-byte chunk c at c ^ (r % 8).
+__device__ __forceinline__ void store_transposed_ds(unsigned char* tile, int consumer,
+                                                    const uint32_t (&ds)[4][4]) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  const int row0 = consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = row0 + 8 * (j & 1), chunk = 2 * kk + j / 2;
+      *reinterpret_cast<uint32_t*>(tile + row * 128 + ((chunk ^ (row % 8)) << 4) + 4 * t) =
+          ds[kk][j];
+    }
+}
+
+// This key block's share of dQ_j (64 queries x 64 head dims) = dS_j K. At
+// head dim 128 the consumers split the head dims and share all 128 keys (both
+// dS^T halves, hence the 256-thread barrier); at 64 each consumer takes its own
+// 64 keys and all head dims, and the atomics add the two halves.
 template <class T, int kHeadDim>
+__device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* ds_tile,
+                                         const unsigned char* k_tile, int consumer) {
+  constexpr bool kOwnKeys = kHeadDim == 64;
+  const int key0 = kOwnKeys ? consumer * 64 : 0;
+  const unsigned char* k_cols = k_tile + (kOwnKeys ? 0 : consumer * kOwnRows * 128);
+  // The first product overwrites dq; zeroing it first tells the compiler that
+  // the last tile's values are dead (they would stay live through the softmax).
+#pragma unroll
+  for (int i = 0; i < 32; ++i) dq[i] = 0.0f;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < (kOwnKeys ? 4 : 8); ++kk) {
+    const int row = key0 + 16 * kk;
+    wgmma_ss_mn_n64<T>(dq, smem_desc(ds_tile + row * 128, 1024, 1024),
+                       smem_desc(k_cols + row * 128, 1024, 1024), kk > 0);
+  }
+}
+
+// Adds a consumer's dQ fragment (rows q0 + [0, 64), its 64 columns) to the
+// float32 buffer.
+template <int kHeadDim>
+__device__ __forceinline__ void add_dq(float* dq_accum, int64_t row0, int consumer,
+                                       const float (&dq)[32]) {
+  const int lane = threadIdx.x % 32;
+  const int col0 = (kHeadDim == 64 ? 0 : consumer * 64) + 2 * (lane % 4);
+  float* rows = dq_accum + (row0 + ((threadIdx.x / 32) % 4) * 16 + lane / 4) * kHeadDim + col0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+      atomicAdd(reinterpret_cast<float2*>(rows + 8 * r * kHeadDim + 8 * n),
+                make_float2(dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]));
+}
+
+template <class T, int kHeadDim, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
-                      const float* D_all) {
+                      const RowStats stats, float* dq_accum) {
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
   using L = Layout<kHeadDim>;
@@ -222,13 +343,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (threadIdx.x == 0)
       produce(sm, maps, static_cast<int>(k0), static_cast<int>(hk), static_cast<int>(b), tiles,
-              tile_row, tile_head);
+              tile_row, tile_head, p, stats);
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int consumer = warpgroup - 1, lane = threadIdx.x % 32, t = lane % 4;
   const int64_t my_key = k0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
   const unsigned char* k_rows = sm.own_a + consumer * 64 * 128;
@@ -237,8 +358,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const auto q_tile = [&](int64_t it) { return sm.stream_a + (it % kStages) * L::kStreamBytes; };
   const auto do_tile = [&](int64_t it) { return sm.stream_b + (it % kStages) * L::kStreamBytes; };
+  const auto tile_stats = [&](int64_t it) { return sm.stats + (it % kStages) * (L::kStatBytes / 4); };
   float st[32], dpt[32];
   uint32_t pa[4][4], dsa[4][4];
+  float dq[32];
   mbar_wait(sm.owned, 0);
   pipeline<false>(
       tiles,
@@ -252,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       [&](int64_t it) {  // P^T, dS^T
         fence_regs(st);
         fence_regs(dpt);
-        const int64_t q0 = tile_row(it), h = tile_head(it);
+        const int64_t q0 = tile_row(it);
         scores_log2(st, p);
         const bool needs_mask = q0 < p.first_query(last_key) ||
                                 q0 + kStreamRows - 1 > p.last_query(k0) ||
@@ -268,30 +391,43 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           mask_columns<8>(st, lo, hi);
         }
-        const int64_t row_base = (b * p.heads_q + h) * p.seqlen_q + q0;
+        // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
+        const float* lse2 = tile_stats(it);
+        const float* D = lse2 + kStreamRows;
         const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
-        probabilities_and_grad(
-            st, dpt, p,
-            [&](int i) {
-              return q0 + column(i) < p.seqlen_q ? lse_to_log2(p.lse[row_base + column(i)])
-                                                 : -kNegInf;
-            },
-            [&](int i) { return q0 + column(i) < p.seqlen_q ? D_all[row_base + column(i)] : 0.0f; });
+        probabilities_and_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
+                               [&](int i) { return D[column(i)]; });
       },
-      [&](int64_t) {
+      [&](int64_t it) {
         pack_fragments<T>(pa, st);
         pack_fragments<T>(dsa, dpt);
+        if constexpr (kFusedDq) {
+          store_transposed_ds(sm.ds + (it % 2) * L::kDsBytes, consumer, dsa);
+          fence_proxy_async();
+        }
       },
-      [&](int64_t it) {  // dV += P^T dO_j, dK += dS^T Q_j
+      [&](int64_t it) {  // dV += P^T dO_j, dK += dS^T Q_j (, dQ_j = dS_j K)
         wgmma_fence();
         issue_ab<T, kHeadDim>(dv, pa, do_tile(it));
         issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
         wgmma_commit();
+        if constexpr (kFusedDq) {
+          // Both halves of dS^T (or this consumer's, at head dim 64) are stored.
+          if constexpr (kHeadDim == 64) named_sync(3 + consumer, 128);
+          else named_sync(3);
+          issue_dq<T, kHeadDim>(dq, sm.ds + (it % 2) * L::kDsBytes, sm.own_a, consumer);
+          wgmma_commit();
+        }
       },
       [&](int64_t it) {
         fence_regs(dv);
         fence_regs(dk);
         if (lane == 0) mbar_arrive(&sm.empty[it % kStages]);
+        if constexpr (kFusedDq) {
+          fence_regs(dq);
+          const int64_t bh = b * p.heads_q + tile_head(it);
+          add_dq<kHeadDim>(dq_accum, bh * stats.rows_padded + tile_row(it), consumer, dq);
+        }
       });
   const int64_t row0 = k0 + consumer * 64;
   store_block<T, kHeadDim>(p.dk, b, p.seqlen_k, p.heads_kv, hk, p.head_dim, row0, dk,
@@ -316,14 +452,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (threadIdx.x == 0)
       produce(sm, maps, static_cast<int>(q0), static_cast<int>(h), static_cast<int>(b), tiles,
               [&](int64_t it) { return keys.tile_begin + it * kStreamRows; },
-              [&](int64_t) { return hk; });
+              [&](int64_t) { return hk; }, p, RowStats{});
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int consumer = warpgroup - 1, lane = threadIdx.x % 32;
   RowSoftmax rows{q0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4};
   const unsigned char* q_rows = sm.own_a + consumer * 64 * 128;
@@ -378,26 +514,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #else  // not compiled for sm_90a: never launched (hopper_backward_supports says no)
 
-template <class T, int kHeadDim>
+template <class T, int kHeadDim, bool kFusedDq>
 __global__ void hopper_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
-                                  const float*) {}
+                                  const RowStats, float*) {}
 template <class T, int kHeadDim>
 __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                     const float*, float*) {}
 
 #endif
 
+// Kernel attributes are set once per instantiation.
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
 template <class T, int kHeadDim>
-cudaError_t launch(const AttentionParams& p, float* D, float* dsink_rows, cudaStream_t stream) {
+cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
   constexpr int kSmem = Layout<kHeadDim>::kSmemBytes;
+  const bool fused = ws.dq_accum != nullptr;
   static std::once_flag configured;
   static cudaError_t config_status = cudaSuccess;
   std::call_once(configured, [] {
-    config_status = cudaFuncSetAttribute(hopper_key_kernel<T, kHeadDim>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (config_status == cudaSuccess)
-      config_status = cudaFuncSetAttribute(hopper_query_kernel<T, kHeadDim>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    for (cudaError_t e : {allow_smem(hopper_key_kernel<T, kHeadDim, true>, kSmem),
+                          allow_smem(hopper_key_kernel<T, kHeadDim, false>, kSmem),
+                          allow_smem(hopper_query_kernel<T, kHeadDim>, kSmem)})
+      if (e != cudaSuccess && config_status == cudaSuccess) config_status = e;
   });
   if (config_status != cudaSuccess) return config_status;
   const auto map = [&](CUtensorMap* m, const void* data, int64_t seqlen, int64_t heads,
@@ -417,11 +559,27 @@ cudaError_t launch(const AttentionParams& p, float* D, float* dsink_rows, cudaSt
   const int64_t key_blocks = (p.seqlen_k + kOwnRows - 1) / kOwnRows * p.batch * p.heads_kv;
   const int64_t query_blocks = (p.seqlen_q + kOwnRows - 1) / kOwnRows * p.batch * p.heads_q;
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  hopper_key_kernel<T, kHeadDim>
-      <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, D);
-  hopper_query_kernel<T, kHeadDim>
-      <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, query_maps, D,
-                                                                          dsink_rows);
+  const RowStats stats{ws.lse2_padded, ws.D_padded, ws.rows_padded};
+  const unsigned elementwise_blocks = 132 * 8;
+  stage_rows_kernel<<<elementwise_blocks, 256, 0, stream>>>(p, ws, fused);
+  if (!fused) {
+    hopper_key_kernel<T, kHeadDim, false>
+        <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, stats,
+                                                                          nullptr);
+    hopper_query_kernel<T, kHeadDim>
+        <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, query_maps, ws.D,
+                                                                            ws.dsink_rows);
+    return cudaGetLastError();
+  }
+  const size_t accum_bytes =
+      sizeof(float) * static_cast<size_t>(p.batch * p.heads_q * ws.rows_padded * ws.dq_cols);
+  if (cudaError_t e = cudaMemsetAsync(ws.dq_accum, 0, accum_bytes, stream); e != cudaSuccess)
+    return e;
+  hopper_key_kernel<T, kHeadDim, true>
+      <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, stats,
+                                                                        ws.dq_accum);
+  convert_dq_kernel<T, kHeadDim><<<elementwise_blocks, 256, 0, stream>>>(p, ws.dq_accum,
+                                                                         ws.rows_padded);
   return cudaGetLastError();
 }
 
@@ -440,17 +598,20 @@ bool hopper_backward_supports(const AttentionParams& p) {
 #endif
 }
 
+BackwardWorkspace hopper_backward_workspace(const AttentionParams& p, void* base) {
+  // Deterministic mode computes dQ in its own kernel, without the float32 buffer.
+  return BackwardWorkspace(p, base, true, p.deterministic ? 0 : head_dim_bucket(p));
+}
+
 cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  float* D = static_cast<float*>(workspace);
-  float* dsink_rows = D + p.batch * p.heads_q * p.seqlen_q;
-  if (cudaError_t e = backward_preprocess(p, D, stream); e != cudaSuccess) return e;
+  const BackwardWorkspace ws = hopper_backward_workspace(p, workspace);
+  if (cudaError_t e = backward_preprocess(p, ws.D, stream); e != cudaSuccess) return e;
   cudaError_t status = with_half_type(p.dtype, [&](auto tag) {
-    const int bucket = head_dim_bucket(p);
-    if (bucket == 64) return launch<decltype(tag), 64>(p, D, dsink_rows, stream);
-    return launch<decltype(tag), 128>(p, D, dsink_rows, stream);
+    if (head_dim_bucket(p) == 64) return launch<decltype(tag), 64>(p, ws, stream);
+    return launch<decltype(tag), 128>(p, ws, stream);
   });
   if (status != cudaSuccess) return status;
-  return backward_dsinks(p, dsink_rows, stream);
+  return backward_dsinks(p, ws.dsink_rows, stream);
 }
 
 }  // namespace flashjax::cuda

@@ -1,13 +1,18 @@
-// Hopper (sm_90a) backward: TMA loads, wgmma, warp specialisation; deterministic.
+// Hopper (sm_90a) backward: TMA loads, wgmma, warp specialisation. dQ is
+// accumulated with float32 atomics, or by a second kernel when deterministic.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include "backward_workspace.h"
 
 #include "flashjax/params.h"
 
 namespace flashjax::cuda {
 
 bool hopper_backward_supports(const AttentionParams& p);
+// The workspace layout of hopper_backward (base null: sizing only).
+BackwardWorkspace hopper_backward_workspace(const AttentionParams& p, void* base);
 // `workspace`: backward_workspace_bytes(p) bytes (launch.h).
 cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 

@@ -54,6 +54,14 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
       : "memory");
 }
 
+// Plain (non-tensor) bulk copy of `bytes` (a multiple of 16, 16-byte aligned).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // All column blocks of a [rows][kHeadDim] tile; block c lands at c * rows * 128 B.
 template <int kHeadDim, int kRows>
 __device__ __forceinline__ void tma_tile(unsigned char* dst, const CUtensorMap* map,
@@ -83,9 +91,14 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-// Named barriers 1 and 2 order the two consumer warpgroups' wgmma issues.
-__device__ __forceinline__ void named_sync(int id) {
-  asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+// Makes this thread's shared-memory stores visible to wgmma (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Named barriers among consumer threads (id 0 is __syncthreads'). The forward
+// uses 1 and 2 to order its two consumer warpgroups' wgmma issues.
+__device__ __forceinline__ void named_sync(int id, int threads = 256) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ void named_arrive(int id) {
   asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "backward_workspace.h"
 #include "hopper_backward.h"
 #include "hopper_forward.h"
 #include "launch.h"
@@ -24,6 +25,10 @@ ForwardCap forward_cap() {
   return ForwardCap::kHopper;
 }
 
+bool use_hopper_backward(const AttentionParams& p) {
+  return forward_cap() == ForwardCap::kHopper && hopper_backward_supports(p);
+}
+
 }  // namespace
 
 cudaError_t forward(const AttentionParams& p, cudaStream_t stream) {
@@ -34,11 +39,14 @@ cudaError_t forward(const AttentionParams& p, cudaStream_t stream) {
   return simt_forward(p, stream);
 }
 
+size_t backward_workspace_bytes(const AttentionParams& p) {
+  if (use_hopper_backward(p)) return hopper_backward_workspace(p, nullptr).bytes;
+  return BackwardWorkspace(p, nullptr, false, 0).bytes;
+}
+
 cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  const ForwardCap cap = forward_cap();
-  if (cap == ForwardCap::kHopper && hopper_backward_supports(p))
-    return hopper_backward(p, workspace, stream);
-  if (cap != ForwardCap::kSimt && tensor_core_backward_supports(p))
+  if (use_hopper_backward(p)) return hopper_backward(p, workspace, stream);
+  if (forward_cap() != ForwardCap::kSimt && tensor_core_backward_supports(p))
     return tensor_core_backward(p, workspace, stream);
   return simt_backward(p, workspace, stream);
 }

@@ -2,6 +2,7 @@
 // split the head dimension. Slow but exact for every dtype, head dim and
 // GPU; the tensor-core kernels take over where they apply.
 #include "common.cuh"
+#include "backward_workspace.h"
 #include "launch.h"
 #include "simt_attention.h"
 
@@ -223,10 +224,6 @@ cudaError_t simt_forward(const AttentionParams& p, cudaStream_t stream) {
   });
 }
 
-size_t backward_workspace_bytes(const AttentionParams& p) {
-  return 2 * sizeof(float) * static_cast<size_t>(p.batch * p.heads_q * p.seqlen_q);
-}
-
 cudaError_t backward_preprocess(const AttentionParams& p, float* D, cudaStream_t stream) {
   return dispatch_dtype(p.dtype, [&](auto tag) {
     const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
@@ -243,19 +240,19 @@ cudaError_t backward_dsinks(const AttentionParams& p, const float* dsink_rows,
 }
 
 cudaError_t simt_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
-  float* D = static_cast<float*>(workspace);
-  float* dsink_rows = D + rows;
+  const BackwardWorkspace ws(p, workspace, false, 0);
+  float* D = ws.D;
   if (cudaError_t e = backward_preprocess(p, D, stream); e != cudaSuccess) return e;
   cudaError_t status = dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const int threads = kWarpsPerBlock * 32;
     dkdv_kernel<T><<<warp_blocks(p.batch * p.heads_kv * p.seqlen_k), threads, 0, stream>>>(p, D);
-    dq_kernel<T><<<warp_blocks(rows), threads, 0, stream>>>(p, D, dsink_rows);
+    dq_kernel<T><<<warp_blocks(p.batch * p.heads_q * p.seqlen_q), threads, 0, stream>>>(
+        p, D, ws.dsink_rows);
     return cudaGetLastError();
   });
   if (status != cudaSuccess) return status;
-  return backward_dsinks(p, dsink_rows, stream);
+  return backward_dsinks(p, ws.dsink_rows, stream);
 }
 
 }  // namespace flashjax::cuda

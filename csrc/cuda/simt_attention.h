@@ -11,7 +11,7 @@ namespace flashjax::cuda {
 
 cudaError_t simt_forward(const AttentionParams& p, cudaStream_t stream);
 
-// The workspace (backward_workspace_bytes, launch.h) holds D = rowsum(dO * O) -
+// The workspace (BackwardWorkspace, backward_workspace.h) holds D = rowsum(dO * O) -
 // dlse and each row's dsinks share: two float32 per (batch, head, query row).
 cudaError_t simt_backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 

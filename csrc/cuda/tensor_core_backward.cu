@@ -21,6 +21,7 @@
 #include "fragment_softmax.cuh"
 #include "mma_sm80.cuh"
 #include "simt_attention.h"
+#include "backward_workspace.h"
 #include "tensor_core_backward.h"
 
 namespace flashjax::cuda {
@@ -231,16 +232,15 @@ bool tensor_core_backward_supports(const AttentionParams& p) {
 
 cudaError_t tensor_core_backward(const AttentionParams& p, void* workspace,
                                  cudaStream_t stream) {
-  float* D = static_cast<float*>(workspace);
-  float* dsink_rows = D + p.batch * p.heads_q * p.seqlen_q;
-  if (cudaError_t e = backward_preprocess(p, D, stream); e != cudaSuccess) return e;
+  const BackwardWorkspace ws(p, workspace, false, 0);
+  if (cudaError_t e = backward_preprocess(p, ws.D, stream); e != cudaSuccess) return e;
   cudaError_t status = with_half_type(p.dtype, [&](auto tag) {
     return with_bucket(head_dim_bucket(p), [&](auto dim) {
-      return launch<decltype(tag), decltype(dim)::value>(p, D, dsink_rows, stream);
+      return launch<decltype(tag), decltype(dim)::value>(p, ws.D, ws.dsink_rows, stream);
     });
   });
   if (status != cudaSuccess) return status;
-  return backward_dsinks(p, dsink_rows, stream);
+  return backward_dsinks(p, ws.dsink_rows, stream);
 }
 
 }  // namespace flashjax::cuda
