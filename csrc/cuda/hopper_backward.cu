@@ -34,6 +34,20 @@ constexpr int kStreamRows = 64; // rows of each streamed tile
 constexpr int kStages = 3;  // 3: the next tile loads while one is computed and one drains
 constexpr int kThreads = 384;
 
+// dQ is accumulated in float32 blocks of 64 rows x 64 head dims (one per
+// consumer and tile), 16 KB each, contiguous so that one bulk reduction adds a
+// block: block (bh, row tile, column block) starts at
+// ((bh * row_tiles + tile) * kHeadDim / 64 + column block) * kDqBlock floats,
+// and element (r, c) sits at r * 64 + (c ^ 8 * (r % 8)) in it (pairs of
+// columns swizzled by row, so that staging it in shared memory spreads banks).
+constexpr int kDqBlock = 64 * 64;
+constexpr int kDqBlockBytes = kDqBlock * 4;
+
+__host__ __device__ __forceinline__ int64_t dq_block_offset(int64_t row, int64_t col) {
+  const int64_t r = row % 64;
+  return r * 64 + ((col % 64) ^ (8 * (r % 8)));
+}
+
 template <int kHeadDim>
 struct Layout {
   static constexpr int kOwnBytes = kOwnRows * kHeadDim * 2;       // one owned tensor
@@ -41,9 +55,11 @@ struct Layout {
   static constexpr int kDsBytes = kOwnRows * kStreamRows * 2;     // dS^T [keys][queries]
   static constexpr int kStatBytes = 2 * kStreamRows * 4;          // a tile's lse2 and D
   static constexpr int kDsOffset = 2 * kOwnBytes + 2 * kStages * kStreamBytes;
-  static constexpr int kStatOffset = kDsOffset + 2 * kDsBytes;    // dS^T double-buffered
+  static constexpr int kDqStageOffset = kDsOffset + 2 * kDsBytes;  // dS^T double-buffered
+  static constexpr int kStatOffset = kDqStageOffset + 2 * kDqBlockBytes;  // one per consumer
   static constexpr int kBarrierOffset = kStatOffset + kStages * kStatBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kStages) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of sm_90");
 };
 
 // Where the key kernel finds the streamed rows' statistics (padded rows).
@@ -89,7 +105,8 @@ __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum
     const int64_t c = at % p.head_dim, rest = at / p.head_dim;
     const int64_t h = rest % p.heads_q, bi = rest / p.heads_q;
     const int64_t b = bi / p.seqlen_q, i = bi % p.seqlen_q;
-    const float x = dq_accum[((b * p.heads_q + h) * rows_padded + i) * kHeadDim + c];
+    const int64_t block = ((b * p.heads_q + h) * (rows_padded / 64) + i / 64) * (kHeadDim / 64) + c / 64;
+    const float x = dq_accum[block * kDqBlock + dq_block_offset(i, c)];
     static_cast<T*>(p.dq)[at] = from_float<T>(x * p.softmax_scale);
   }
 }
@@ -102,7 +119,7 @@ __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum
 template <int kHeadDim>
 struct Smem {
   unsigned char *own_a, *own_b, *stream_a, *stream_b, *ds;
-  float* stats;
+  float *dq_stage, *stats;
   uint64_t *owned, *full, *empty;
   __device__ explicit Smem(unsigned char* raw) {
     using L = Layout<kHeadDim>;
@@ -113,6 +130,7 @@ struct Smem {
     stream_a = own_b + L::kOwnBytes;
     stream_b = stream_a + kStages * L::kStreamBytes;
     ds = base + L::kDsOffset;
+    dq_stage = reinterpret_cast<float*>(base + L::kDqStageOffset);
     stats = reinterpret_cast<float*>(base + L::kStatOffset);
     owned = reinterpret_cast<uint64_t*>(base + L::kBarrierOffset);
     full = owned + 1;
@@ -306,20 +324,25 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* d
   }
 }
 
-// Adds a consumer's dQ fragment (rows q0 + [0, 64), its 64 columns) to the
-// float32 buffer.
-template <int kHeadDim>
-__device__ __forceinline__ void add_dq(float* dq_accum, int64_t row0, int consumer,
+// Adds a consumer's dQ fragment (64 rows x 64 columns) to its float32 block:
+// the warpgroup stages it in shared memory, then one thread issues a bulk
+// reduction (per-thread atomics cost more than a third of the kernel's time).
+// The stage is free again once that thread's bulk_wait_reads() returns.
+__device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
                                        const float (&dq)[32]) {
   const int lane = threadIdx.x % 32;
-  const int col0 = (kHeadDim == 64 ? 0 : consumer * 64) + 2 * (lane % 4);
-  float* rows = dq_accum + (row0 + ((threadIdx.x / 32) % 4) * 16 + lane / 4) * kHeadDim + col0;
+  const int row0 = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
-      atomicAdd(reinterpret_cast<float2*>(rows + 8 * r * kHeadDim + 8 * n),
-                make_float2(dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]));
+    for (int n = 0; n < 8; ++n) {
+      const int row = row0 + 8 * r;
+      *reinterpret_cast<float2*>(stage + dq_block_offset(row, 8 * n + 2 * (lane % 4))) =
+          make_float2(dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+    }
+  fence_proxy_async();
+  named_sync(5 + consumer, 128);
+  if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes);
 }
 
 template <class T, int kHeadDim, bool kFusedDq>
@@ -412,7 +435,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
         wgmma_commit();
         if constexpr (kFusedDq) {
-          // Both halves of dS^T (or this consumer's, at head dim 64) are stored.
+          // Both halves of dS^T (or this consumer's, at head dim 64) are
+          // stored, and the last tile's dQ stage has been read.
+          if (threadIdx.x % 128 == 0) bulk_wait_reads();
           if constexpr (kHeadDim == 64) named_sync(3 + consumer, 128);
           else named_sync(3);
           issue_dq<T, kHeadDim>(dq, sm.ds + (it % 2) * L::kDsBytes, sm.own_a, consumer);
@@ -426,9 +451,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kFusedDq) {
           fence_regs(dq);
           const int64_t bh = b * p.heads_q + tile_head(it);
-          add_dq<kHeadDim>(dq_accum, bh * stats.rows_padded + tile_row(it), consumer, dq);
+          const int64_t block = (bh * (stats.rows_padded / 64) + tile_row(it) / 64) * (kHeadDim / 64) +
+                                (kHeadDim == 64 ? 0 : consumer);
+          add_dq(dq_accum + block * kDqBlock, sm.dq_stage + consumer * kDqBlock, consumer, dq);
         }
       });
+  if (kFusedDq && threadIdx.x % 128 == 0) bulk_wait_all();
   const int64_t row0 = k0 + consumer * 64;
   store_block<T, kHeadDim>(p.dk, b, p.seqlen_k, p.heads_kv, hk, p.head_dim, row0, dk,
                            p.softmax_scale);

@@ -62,6 +62,24 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes,
       : "memory");
 }
 
+// Adds `bytes` of float32 from shared memory to global memory (one bulk
+// reduction, atomic per element); completion is tracked by bulk groups.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+      ::"l"(reinterpret_cast<uint64_t>(dst)), "r"(smem_u32(src)), "r"(bytes)
+      : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until the issued bulk groups have read their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_reads() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// Waits until the issued bulk groups are complete.
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
 // All column blocks of a [rows][kHeadDim] tile; block c lands at c * rows * 128 B.
 template <int kHeadDim, int kRows>
 __device__ __forceinline__ void tma_tile(unsigned char* dst, const CUtensorMap* map,
