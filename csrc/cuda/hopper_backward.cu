@@ -429,11 +429,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           fence_proxy_async();
         }
       },
-      [&](int64_t it) {  // dV += P^T dO_j, dK += dS^T Q_j (, dQ_j = dS_j K)
+      [&](int64_t it) {  // dV += P^T dO_j, (dQ_j = dS_j K,) dK += dS^T Q_j
         wgmma_fence();
         issue_ab<T, kHeadDim>(dv, pa, do_tile(it));
-        issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
-        wgmma_commit();
         if constexpr (kFusedDq) {
           // Both halves of dS^T (or this consumer's, at head dim 64) are
           // stored, and the last tile's dQ stage has been read.
@@ -442,19 +440,24 @@ __global__ void __launch_bounds__(kThreads, 1)
           else named_sync(3);
           issue_dq<T, kHeadDim>(dq, sm.ds + (it % 2) * L::kDsBytes, sm.own_a, consumer);
           wgmma_commit();
+          issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
+          wgmma_commit();
+          // dQ is staged and sent while dK's product runs.
+          wgmma_wait<1>();
+          fence_regs(dq);
+          const int64_t bh = b * p.heads_q + tile_head(it);
+          const int64_t block = (bh * (stats.rows_padded / 64) + tile_row(it) / 64) * (kHeadDim / 64) +
+                                (kHeadDim == 64 ? 0 : consumer);
+          add_dq(dq_accum + block * kDqBlock, sm.dq_stage + consumer * kDqBlock, consumer, dq);
+        } else {
+          issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
+          wgmma_commit();
         }
       },
       [&](int64_t it) {
         fence_regs(dv);
         fence_regs(dk);
         if (lane == 0) mbar_arrive(&sm.empty[it % kStages]);
-        if constexpr (kFusedDq) {
-          fence_regs(dq);
-          const int64_t bh = b * p.heads_q + tile_head(it);
-          const int64_t block = (bh * (stats.rows_padded / 64) + tile_row(it) / 64) * (kHeadDim / 64) +
-                                (kHeadDim == 64 ? 0 : consumer);
-          add_dq(dq_accum + block * kDqBlock, sm.dq_stage + consumer * kDqBlock, consumer, dq);
-        }
       });
   if (kFusedDq && threadIdx.x % 128 == 0) bulk_wait_all();
   const int64_t row0 = k0 + consumer * 64;
