@@ -51,6 +51,17 @@ cudaError_t with_half_type(DType dtype, Fn&& fn) {
   return fn(__nv_bfloat16{});
 }
 
+// Multiprocessors of the current GPU (1 if it cannot be read); persistent
+// kernels launch one CTA per multiprocessor.
+inline int multiprocessor_count() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      count < 1)
+    return 1;
+  return count;
+}
+
 // 10 * major + minor of the current GPU, 0 if it cannot be read.
 inline int compute_capability() {
   int device = 0, major = 0, minor = 0;

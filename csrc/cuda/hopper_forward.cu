@@ -1,8 +1,11 @@
 // Hopper (sm_90a) forward: warp-specialised, TMA-fed, wgmma-based.
 //
-// A CTA has three warpgroups. Warpgroup 0 is the producer: one thread issues
-// TMA loads of Q (once) and of K and V tiles into a kStages-deep ring of
-// shared-memory buffers, each guarded by a "full" and an "empty" mbarrier.
+// Persistent: one CTA per SM walks a static schedule of query tiles
+// (TileSchedule). A CTA has three warpgroups. Warpgroup 0 is the producer: one
+// thread issues TMA loads of each tile's Q and of K and V tiles into a
+// kStages-deep ring of shared-memory buffers, each guarded by a "full" and an
+// "empty" mbarrier; the next tile's Q and first K/V tiles load while the
+// consumers finish the current one.
 // Warpgroups 1 and 2 are consumers, each owning 64 query rows: S = Q K^T with
 // both operands in shared memory, the online softmax in registers, then
 // O += P V with P taken straight from registers. TMA writes the 128-byte
@@ -12,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "common.cuh"
@@ -34,17 +38,53 @@ struct Tiles {
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
   // Q, K ring, V ring, then barriers; +1024 to align the base for the swizzle.
-  static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 4 * kStages) + 1024;
+  static constexpr int kSmemBytes = kBarrierOffset + 8 * (2 + 4 * kStages) + 1024;
 };
 
 struct TensorMaps {
   CUtensorMap q, k, v;
 };
 
+// Persistent static schedule. A work item is a pair of query tiles of one
+// head, tile j and tile q_tiles - 1 - j, done one after the other: under a
+// causal mask their costs add up to the same total for every j, so items cost
+// alike under any mask. gridDim.x CTAs (one per SM) take the items in rounds
+// of gridDim.x, one head's items consecutive so that the CTAs running together
+// read the same K and V from L2; odd rounds go in mirrored order (zig-zag) to
+// even out what remains.
+struct TileSchedule {
+  int64_t q_tiles, pairs_per_head, total_pairs;
+  enum Step { kTile, kSkip, kEnd };
+  // The k-th tile of this CTA (kSkip: the missing half of a middle pair).
+  __device__ Step tile(int64_t k, QueryTile& out) const {
+    const int64_t g = gridDim.x, round = k / 2;
+    const int64_t item = round * g + ((round & 1) ? g - 1 - blockIdx.x : blockIdx.x);
+    if (item >= total_pairs) return kEnd;
+    const int64_t j = item % pairs_per_head, heavy = q_tiles - 1 - j;
+    if (k % 2 == 1 && j == heavy) return kSkip;
+    out = {k % 2 == 0 ? heavy : j, item / pairs_per_head};
+    return kTile;
+  }
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// One work item of a CTA: a tile of kBlockM query rows of one head.
+template <int kBlockN>
+struct WorkItem {
+  int64_t b, h, hk, q0, last_row;
+  KeyRange keys;
+  int64_t n_tiles;
+  __device__ WorkItem(const AttentionParams& p, QueryTile t)
+      : b(t.bh / p.heads_q), h(t.bh % p.heads_q), hk(h / p.group_size()),
+        q0(t.tile * kBlockM), last_row(min(q0 + kBlockM, p.seqlen_q) - 1),
+        keys(p, q0, last_row, kBlockN), n_tiles(keys.tiles(kBlockN)) {}
+};
+
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 1)
-    hopper_forward_kernel(const AttentionParams p, const __grid_constant__ TensorMaps maps) {
+    hopper_forward_kernel(const AttentionParams p, const __grid_constant__ TensorMaps maps,
+                          const TileSchedule schedule) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int kBlockN = Cfg::kBlockN;
   extern __shared__ unsigned char smem_raw[];
@@ -53,49 +93,53 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* sQ = smem;
   unsigned char* sK = sQ + Cfg::kQBytes;              // kStages tiles
   unsigned char* sV = sK + kStages * Cfg::kKVBytes;   // kStages tiles
-  uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + Cfg::kBarrierOffset);
-  uint64_t* k_full = bar_q + 1;
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Cfg::kBarrierOffset);
+  uint64_t* q_empty = q_full + 1;
+  uint64_t* k_full = q_empty + 1;
   uint64_t* k_empty = k_full + kStages;
   uint64_t* v_full = k_empty + kStages;
   uint64_t* v_empty = v_full + kStages;
 
-  const int64_t q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
-  const auto [q_tile, bh] = query_tile(q_tiles);
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
-  const int64_t q0 = q_tile * kBlockM;
-  const int64_t last_row = min(q0 + kBlockM, p.seqlen_q) - 1;
-  const KeyRange keys(p, q0, last_row, kBlockN);
-  const int64_t n_tiles = keys.tiles(kBlockN);
-
   if (threadIdx.x == 0) {
-    mbar_init(bar_q, 1);
+    mbar_init(q_full, 1);
+    mbar_init(q_empty, 8);  // one arrival per consumer warp
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
-      mbar_init(&k_empty[s], 8);  // one arrival per consumer warp
+      mbar_init(&k_empty[s], 8);
       mbar_init(&v_empty[s], 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
+  // Both roles walk the same items; the K/V ring position (kv) and the
+  // count of Q loads (local) run on across items.
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) {
-      mbar_expect_tx(bar_q, Cfg::kQBytes);
-      tma_tile<kHeadDim, kBlockM>(sQ, &maps.q, bar_q, q0, h, b);
-      for (int64_t it = 0; it < n_tiles; ++it) {
-        const int stage = it % kStages, phase = (it / kStages) & 1;
-        const int k0 = static_cast<int>(keys.tile_begin + it * kBlockN);
+    if (threadIdx.x != 0) return;
+    int64_t kv = 0, local = 0;
+    QueryTile tile;
+    for (int64_t k = 0;; ++k) {
+      const auto step = schedule.tile(k, tile);
+      if (step == TileSchedule::kEnd) break;
+      if (step == TileSchedule::kSkip) continue;
+      const WorkItem<kBlockN> w(p, tile);
+      mbar_wait(q_empty, (local++ & 1) ^ 1);
+      mbar_expect_tx(q_full, Cfg::kQBytes);
+      tma_tile<kHeadDim, kBlockM>(sQ, &maps.q, q_full, w.q0, w.h, w.b);
+      for (int64_t it = 0; it < w.n_tiles; ++it, ++kv) {
+        const int stage = kv % kStages, phase = (kv / kStages) & 1;
+        const int k0 = static_cast<int>(w.keys.tile_begin + it * kBlockN);
         mbar_wait(&k_empty[stage], phase ^ 1);
         mbar_expect_tx(&k_full[stage], Cfg::kKVBytes);
         tma_tile<kHeadDim, kBlockN>(sK + stage * Cfg::kKVBytes, &maps.k, &k_full[stage], k0,
-                                    hk, b);
+                                    w.hk, w.b);
         mbar_wait(&v_empty[stage], phase ^ 1);
         mbar_expect_tx(&v_full[stage], Cfg::kKVBytes);
         tma_tile<kHeadDim, kBlockN>(sV + stage * Cfg::kKVBytes, &maps.v, &v_full[stage], k0,
-                                    hk, b);
+                                    w.hk, w.b);
       }
     }
     return;
@@ -105,95 +149,119 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = warpgroup - 1;
   const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   constexpr int kKeyTiles = kBlockN / 8, kDimTiles = kHeadDim / 8;
-  float o[kDimTiles * 4] = {};
-  RowSoftmax softmax{q0 + consumer * 64 + warp_in_group * 16 + lane / 4};
   const unsigned char* q_rows = sQ + consumer * 64 * 128;  // this warpgroup's 64 rows
+  int64_t kv = 0, local = 0;
+  QueryTile tile;
+  for (int64_t k = 0;; ++k) {
+    const auto step = schedule.tile(k, tile);
+    if (step == TileSchedule::kEnd) break;
+    if (step == TileSchedule::kSkip) continue;
+    const WorkItem<kBlockN> w(p, tile);
+    const int64_t n_tiles = w.n_tiles;
+    float o[kDimTiles * 4] = {};
+    RowSoftmax softmax{w.q0 + consumer * 64 + warp_in_group * 16 + lane / 4};
 
-  // S_j = Q K_j^T for the ring slot of tile j; the caller waits for it.
-  auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
-    const unsigned char* k_tile = sK + (it % kStages) * Cfg::kKVBytes;
-    mbar_wait(&k_full[it % kStages], (it / kStages) & 1);
-    wgmma_fence();
+    // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
+    auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
+      const int64_t g = kv + it;
+      const unsigned char* k_tile = sK + (g % kStages) * Cfg::kKVBytes;
+      mbar_wait(&k_full[g % kStages], (g / kStages) & 1);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk)
-      wgmma_ss<T, kBlockN>(s, k_major_desc<kBlockM>(q_rows, kk),
-                           k_major_desc<kBlockN>(k_tile, kk), kk > 0);
-    wgmma_commit();
-  };
-  // O += P_j V_j; the caller waits for it.
-  auto issue_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it) {
-    const unsigned char* v_tile = sV + (it % kStages) * Cfg::kKVBytes;
-    mbar_wait(&v_full[it % kStages], (it / kStages) & 1);
-    wgmma_fence();
+      for (int kk = 0; kk < kHeadDim / 16; ++kk)
+        wgmma_ss<T, kBlockN>(s, k_major_desc<kBlockM>(q_rows, kk),
+                             k_major_desc<kBlockN>(k_tile, kk), kk > 0);
+      wgmma_commit();
+    };
+    // O += P_j V_j; the caller waits for it.
+    auto issue_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it) {
+      const int64_t g = kv + it;
+      const unsigned char* v_tile = sV + (g % kStages) * Cfg::kKVBytes;
+      mbar_wait(&v_full[g % kStages], (g / kStages) & 1);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      // V is N-major: 16 keys = 2 groups of 8 rows (1024 B apart); column
-      // blocks of 64 head dims are kBlockN * 128 B apart.
-      wgmma_rs<T, kHeadDim>(o, pa[kk], smem_desc(v_tile + kk * 16 * 128, kBlockN * 128, 1024));
-    }
-    wgmma_commit();
-  };
-  auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
-    const int64_t k0 = keys.tile_begin + it * kBlockN;
-    softmax.scores<kKeyTiles>(s, p, k0,
-                              RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlockN,
-                                                          keys.key_begin, keys.key_end));
-    softmax.exponentiate<kKeyTiles>(s, alpha);
-  };
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        // V is N-major: 16 keys = 2 groups of 8 rows (1024 B apart); column
+        // blocks of 64 head dims are kBlockN * 128 B apart.
+        wgmma_rs<T, kHeadDim>(o, pa[kk], smem_desc(v_tile + kk * 16 * 128, kBlockN * 128, 1024));
+      }
+      wgmma_commit();
+    };
+    // S_j has been read: free K_j, and Q after the item's last S.
+    auto scores_done = [&](int64_t it) {
+      if (lane != 0) return;
+      mbar_arrive(&k_empty[(kv + it) % kStages]);
+      if (it == n_tiles - 1) mbar_arrive(q_empty);
+    };
+    auto values_done = [&](int64_t it) {
+      if (lane == 0) mbar_arrive(&v_empty[(kv + it) % kStages]);
+    };
+    auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
+      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
+      softmax.scores<kKeyTiles>(s, p, k0,
+                                RowSoftmax::tile_needs_mask(p, w.q0, w.last_row, k0, kBlockN,
+                                                            w.keys.key_begin, w.keys.key_end));
+      softmax.exponentiate<kKeyTiles>(s, alpha);
+    };
 
-  // Ping-pong: the consumers take turns to issue their matrix products, so
-  // that one warpgroup's softmax runs while the other's products occupy the
-  // tensor cores. Consumer 0 goes first; each turn ends by passing it on.
-  const auto wait_turn = [&] { named_sync(1 + consumer); };
-  const auto pass_turn = [&] { named_arrive(2 - consumer); };
+    // Ping-pong: the consumers take turns to issue their matrix products, so
+    // that one warpgroup's softmax runs while the other's products occupy the
+    // tensor cores. Consumer 0 goes first; each turn ends by passing it on.
+    const auto wait_turn = [&] { named_sync(1 + consumer); };
+    const auto pass_turn = [&] { named_arrive(2 - consumer); };
 
-  mbar_wait(bar_q, 0);
-  if (n_tiles > 0) {
-    // Software pipeline across tiles: while the softmax of S_j runs on the
-    // CUDA cores, the tensor cores compute O += P_{j-1} V_{j-1}.
-    float s[kKeyTiles * 4];
-    uint32_t pa[kBlockN / 16][4];
-    float alpha[2];
-    if (consumer == 1) named_arrive(1);
-    wait_turn();
-    issue_scores(s, 0);
-    pass_turn();
-    wgmma_wait<0>();
-    fence_operands(s);
-    if (lane == 0) mbar_arrive(&k_empty[0]);
-    softmax_step(s, 0, alpha);
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
-    for (int64_t it = 1; it < n_tiles; ++it) {
+    mbar_wait(q_full, local++ & 1);
+    if (n_tiles > 0) {
+      // Software pipeline across tiles: while the softmax of S_j runs on the
+      // CUDA cores, the tensor cores compute O += P_{j-1} V_{j-1}.
+      float s[kKeyTiles * 4];
+      uint32_t pa[kBlockN / 16][4];
+      float alpha[2];
+      if (consumer == 1) named_arrive(1);
       wait_turn();
-      issue_scores(s, it);
-      issue_values(pa, it - 1);
+      issue_scores(s, 0);
       pass_turn();
-      wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
-      fence_operands(s);
-      if (lane == 0) mbar_arrive(&k_empty[it % kStages]);
-      softmax_step(s, it, alpha);
       wgmma_wait<0>();
-      fence_operands(o);
-      if (lane == 0) mbar_arrive(&v_empty[(it - 1) % kStages]);
-      RowSoftmax::rescale<kDimTiles>(o, alpha);
+      fence_operands(s);
+      scores_done(0);
+      softmax_step(s, 0, alpha);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
+      for (int64_t it = 1; it < n_tiles; ++it) {
+        wait_turn();
+        issue_scores(s, it);
+        issue_values(pa, it - 1);
+        pass_turn();
+        wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
+        fence_operands(s);
+        scores_done(it);
+        softmax_step(s, it, alpha);
+        wgmma_wait<0>();
+        fence_operands(o);
+        values_done(it - 1);
+        RowSoftmax::rescale<kDimTiles>(o, alpha);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
+      }
+      wait_turn();
+      issue_values(pa, n_tiles - 1);
+      if (consumer == 0) pass_turn();  // keeps the arrivals balanced at the item's end
+      wgmma_wait<0>();
+      fence_operands(o);
+      values_done(n_tiles - 1);
+    } else if (lane == 0) {
+      mbar_arrive(q_empty);
     }
-    wait_turn();
-    issue_values(pa, n_tiles - 1);
-    if (consumer == 0) pass_turn();  // keeps the arrivals balanced at exit
-    wgmma_wait<0>();
-    fence_operands(o);
-    if (lane == 0) mbar_arrive(&v_empty[(n_tiles - 1) % kStages]);
+    kv += n_tiles;
+    softmax.write<T, kDimTiles>(p, o, w.b, w.h);
   }
-  softmax.write<T, kDimTiles>(p, o, b, h);
 }
 
 #else  // not compiled for sm_90a: never launched (hopper_forward_supports says no)
 
 template <class T, int kHeadDim>
-__global__ void hopper_forward_kernel(const AttentionParams, const __grid_constant__ TensorMaps) {}
+__global__ void hopper_forward_kernel(const AttentionParams, const __grid_constant__ TensorMaps,
+                                      const TileSchedule) {}
 
 #endif
 
@@ -215,9 +283,13 @@ cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
       !make_map(&maps.v, p.v, p.dtype, p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v,
                 Cfg::kBlockN))
     return cudaErrorInvalidValue;
-  const int64_t blocks = (p.seqlen_q + kBlockM - 1) / kBlockM * p.batch * p.heads_q;
+  TileSchedule schedule;
+  schedule.q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  schedule.pairs_per_head = (schedule.q_tiles + 1) / 2;
+  schedule.total_pairs = schedule.pairs_per_head * p.batch * p.heads_q;
+  const int64_t blocks = std::min<int64_t>(schedule.total_pairs, multiprocessor_count());
   hopper_forward_kernel<T, kHeadDim>
-      <<<static_cast<unsigned>(blocks), kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+      <<<static_cast<unsigned>(blocks), kThreads, Cfg::kSmemBytes, stream>>>(p, maps, schedule);
   return cudaGetLastError();
 }
 
