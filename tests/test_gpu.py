@@ -38,10 +38,21 @@ LARGE_CASES = [
          window_size=(100, 0), softcap=20.0, sinks=True),
 ]
 
+# GQA packing of the Hopper forward: a kv head's whole group of query heads in
+# one tile when heads_q / heads_kv * seqlen_q <= 128 (decoding, short prompts).
+PACKED_CASES = [
+    Case(batch=2, seqlen_q=5, seqlen_k=300, heads_q=12, heads_kv=3, head_dim=64, dtype="bfloat16", causal=True),
+    Case(batch=1, seqlen_q=16, seqlen_k=200, heads_q=8, heads_kv=1, head_dim=128, dtype="float16", softcap=15.0,
+         sinks=True),
+    Case(batch=3, seqlen_q=3, seqlen_k=140, heads_q=6, heads_kv=2, head_dim=96, dtype="bfloat16", causal=True,
+         window_size=(40, 0)),
+    Case(batch=1, seqlen_q=1, seqlen_k=1000, heads_q=32, heads_kv=4, head_dim=128, dtype="bfloat16", sinks=True),
+]
+
 FORWARD_CASES = (head_dim_cases() + seqlen_cases() + gqa_cases() + option_cases()
                  + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),), windows=[(-1, -1), (10, 5)],
                                 head_dim=64)
-                 + empty_row_cases() + LARGE_CASES)
+                 + empty_row_cases() + LARGE_CASES + PACKED_CASES)
 
 GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
                   + seqlen_cases(seqlens=[(1, 1), (1, 33), (17, 128), (128, 17)], head_dim=16)

@@ -73,6 +73,9 @@ __device__ __forceinline__ void mask_columns(float (&s)[kTiles * 4], const int (
 // The query rows of one thread and the running softmax statistics (log2 units).
 struct RowSoftmax {
   int64_t row;  // first of the thread's two rows (the other is row + 8)
+  // GQA packing (0: off): tile row r is query r % packed_rows of head
+  // h + r / packed_rows, for the group's heads.
+  int packed_rows = 0;  // (tile rows are then < 128: 32-bit arithmetic)
   float m[2] = {kNegInf, kNegInf};
   float l[2] = {0.0f, 0.0f};  // this thread's partial sums; the quad reduces at the end
 
@@ -92,9 +95,14 @@ struct RowSoftmax {
     int lo[2], hi[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      visible_columns(p.first_key(row + 8 * r), min(p.last_key(row + 8 * r), p.seqlen_k - 1), k0,
-                      kKeyTiles * 8, lo[r], hi[r]);
+      visible_columns(p.first_key(query(row + 8 * r)),
+                      min(p.last_key(query(row + 8 * r)), p.seqlen_k - 1), k0, kKeyTiles * 8,
+                      lo[r], hi[r]);
     mask_columns<kKeyTiles>(s, lo, hi);
+  }
+
+  __device__ int64_t query(int64_t tile_row) const {
+    return packed_rows ? static_cast<int>(tile_row) % packed_rows : tile_row;
   }
 
   // s becomes exp2(s - m_new); alpha = exp2(m_old - m_new) is what the output
@@ -141,17 +149,20 @@ struct RowSoftmax {
   }
 
   // Folds in the sink, normalises o and writes out (head_dim_v % 8 == 0) and lse.
+  // h: the head of the tile (the group's first head when packed).
   template <class T, int kDimTiles>
   __device__ void write(const AttentionParams& p, const float (&o)[kDimTiles * 4], int64_t b,
-                        int64_t h) const {
+                        int64_t h0) const {
     const int t = threadIdx.x % 4;
-    const float sink = p.sinks ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float total = l[r];
       total += __shfl_xor_sync(0xffffffffu, total, 1);
       total += __shfl_xor_sync(0xffffffffu, total, 2);
-      const int64_t out_row = row + 8 * r;
+      const int64_t tile_row = row + 8 * r, out_row = query(tile_row);
+      const int64_t h = h0 + (packed_rows ? static_cast<int>(tile_row) / packed_rows : 0);
+      if (packed_rows && tile_row >= packed_rows * p.group_size()) continue;
+      const float sink = p.sinks ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
       const float m_final = fmaxf(m[r], sink);
       float factor = 0.0f, lse = kNegInf;  // no key and no sink: out 0, lse -inf
       if (m_final != kNegInf) {

@@ -30,6 +30,10 @@ namespace {
 constexpr int kBlockM = 128;  // query rows per CTA: 64 per consumer warpgroup
 constexpr int kStages = 2;
 constexpr int kThreads = 384;
+// GQA packing is compiled for head dims up to 128 (at 256 its row arithmetic
+// makes the kernel spill).
+template <int kHeadDim>
+constexpr bool kPacksGroups = kHeadDim <= 128;
 
 template <int kHeadDim>
 struct Tiles {
@@ -52,8 +56,14 @@ struct TensorMaps {
 // of gridDim.x, one head's items consecutive so that the CTAs running together
 // read the same K and V from L2; odd rounds go in mirrored order (zig-zag) to
 // even out what remains.
+//
+// GQA packing: when a group's heads times seqlen_q fit in one tile
+// (packed_rows = seqlen_q, e.g. decoding), a tile holds every query of a kv
+// head's group of query heads, so K and V are read once for the group; the
+// "heads" of the schedule are then the kv heads.
 struct TileSchedule {
   int64_t q_tiles, pairs_per_head, total_pairs;
+  int64_t packed_rows;  // 0: one query head per tile
   enum Step { kTile, kSkip, kEnd };
   // The k-th tile of this CTA (kSkip: the missing half of a middle pair).
   __device__ Step tile(int64_t k, QueryTile& out) const {
@@ -70,15 +80,20 @@ struct TileSchedule {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // One work item of a CTA: a tile of kBlockM query rows of one head.
+// (Packed: bh indexes batch * heads_kv, h is the group's first query head.)
 template <int kBlockN>
 struct WorkItem {
   int64_t b, h, hk, q0, last_row;
   KeyRange keys;
   int64_t n_tiles;
-  __device__ WorkItem(const AttentionParams& p, QueryTile t)
-      : b(t.bh / p.heads_q), h(t.bh % p.heads_q), hk(h / p.group_size()),
-        q0(t.tile * kBlockM), last_row(min(q0 + kBlockM, p.seqlen_q) - 1),
-        keys(p, q0, last_row, kBlockN), n_tiles(keys.tiles(kBlockN)) {}
+  __device__ WorkItem(const AttentionParams& p, QueryTile t, bool packed)
+      : b(t.bh / (packed ? p.heads_kv : p.heads_q)),
+        h(packed ? t.bh % p.heads_kv * p.group_size() : t.bh % p.heads_q),
+        hk(h / p.group_size()),
+        q0(t.tile * kBlockM),
+        last_row(min(q0 + kBlockM, p.seqlen_q) - 1),
+        keys(p, q0, last_row, kBlockN),
+        n_tiles(keys.tiles(kBlockN)) {}
 };
 
 template <class T, int kHeadDim>
@@ -87,6 +102,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                           const TileSchedule schedule) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int kBlockN = Cfg::kBlockN;
+  constexpr bool kPacks = kPacksGroups<kHeadDim>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -113,6 +129,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
+  const bool packed = kPacks && schedule.packed_rows > 0;
+  const int q_bytes = packed ? static_cast<int>(schedule.packed_rows * p.group_size()) * kHeadDim * 2
+                             : Cfg::kQBytes;
   // Both roles walk the same items; the K/V ring position (kv) and the
   // count of Q loads (local) run on across items.
   const int warpgroup = threadIdx.x / 128;
@@ -125,9 +144,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const auto step = schedule.tile(k, tile);
       if (step == TileSchedule::kEnd) break;
       if (step == TileSchedule::kSkip) continue;
-      const WorkItem<kBlockN> w(p, tile);
+      const WorkItem<kBlockN> w(p, tile, packed);
       mbar_wait(q_empty, (local++ & 1) ^ 1);
-      mbar_expect_tx(q_full, Cfg::kQBytes);
+      mbar_expect_tx(q_full, q_bytes);
       tma_tile<kHeadDim, kBlockM>(sQ, &maps.q, q_full, w.q0, w.h, w.b);
       for (int64_t it = 0; it < w.n_tiles; ++it, ++kv) {
         const int stage = kv % kStages, phase = (kv / kStages) & 1;
@@ -156,10 +175,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const auto step = schedule.tile(k, tile);
     if (step == TileSchedule::kEnd) break;
     if (step == TileSchedule::kSkip) continue;
-    const WorkItem<kBlockN> w(p, tile);
+    const WorkItem<kBlockN> w(p, tile, packed);
     const int64_t n_tiles = w.n_tiles;
     float o[kDimTiles * 4] = {};
-    RowSoftmax softmax{w.q0 + consumer * 64 + warp_in_group * 16 + lane / 4};
+    RowSoftmax softmax{w.q0 + consumer * 64 + warp_in_group * 16 + lane / 4,
+                       kPacks ? static_cast<int>(schedule.packed_rows) : 0};
 
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
@@ -277,16 +297,21 @@ cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
   });
   if (config_status != cudaSuccess) return config_status;
   TensorMaps maps;
-  if (!make_map(&maps.q, p.q, p.dtype, p.batch, p.seqlen_q, p.heads_q, p.head_dim, kBlockM) ||
+  const bool packed =
+      kPacksGroups<kHeadDim> && p.group_size() > 1 && p.seqlen_q * p.group_size() <= kBlockM;
+  if (!make_map(&maps.q, p.q, p.dtype, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
+                packed ? static_cast<int>(p.seqlen_q) : kBlockM,
+                packed ? static_cast<int>(p.group_size()) : 1) ||
       !make_map(&maps.k, p.k, p.dtype, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
                 Cfg::kBlockN) ||
       !make_map(&maps.v, p.v, p.dtype, p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v,
                 Cfg::kBlockN))
     return cudaErrorInvalidValue;
   TileSchedule schedule;
+  schedule.packed_rows = packed ? p.seqlen_q : 0;
   schedule.q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
   schedule.pairs_per_head = (schedule.q_tiles + 1) / 2;
-  schedule.total_pairs = schedule.pairs_per_head * p.batch * p.heads_q;
+  schedule.total_pairs = schedule.pairs_per_head * p.batch * (packed ? p.heads_kv : p.heads_q);
   const int64_t blocks = std::min<int64_t>(schedule.total_pairs, multiprocessor_count());
   hopper_forward_kernel<T, kHeadDim>
       <<<static_cast<unsigned>(blocks), kThreads, Cfg::kSmemBytes, stream>>>(p, maps, schedule);
