@@ -75,7 +75,7 @@ struct RowSoftmax {
   int64_t row;  // first of the thread's two rows (the other is row + 8)
   // GQA packing (0: off): tile row r is query r % packed_rows of head
   // h + r / packed_rows, for the group's heads.
-  int packed_rows = 0;  // (tile rows are then < 128: 32-bit arithmetic)
+  int packed_rows = 0;  // (tile rows are then < 256: 32-bit arithmetic)
   float m[2] = {kNegInf, kNegInf};
   float l[2] = {0.0f, 0.0f};  // this thread's partial sums; the quad reduces at the end
 

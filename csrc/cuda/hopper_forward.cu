@@ -1,15 +1,15 @@
 // Hopper (sm_90a) forward: warp-specialised, TMA-fed, wgmma-based.
 //
 // Persistent: one CTA per SM walks a static schedule of query tiles
-// (TileSchedule). A CTA has three warpgroups. Warpgroup 0 is the producer: one
-// thread issues TMA loads of each tile's Q and of K and V tiles into a
-// kStages-deep ring of shared-memory buffers, each guarded by a "full" and an
-// "empty" mbarrier; the next tile's Q and first K/V tiles load while the
-// consumers finish the current one.
-// Warpgroups 1 and 2 are consumers, each owning 64 query rows: S = Q K^T with
-// both operands in shared memory, the online softmax in registers, then
-// O += P V with P taken straight from registers. TMA writes the 128-byte
-// swizzled layout that wgmma reads, so no thread touches the tiles.
+// (TileSchedule). Warpgroup 0 is the producer: one thread issues TMA loads of
+// each tile's Q and of K and V tiles into a kStages-deep ring of shared-memory
+// buffers, each guarded by a "full" and an "empty" mbarrier; the next tile's Q
+// and first K/V tiles load while the consumers finish the current one. The
+// other warpgroups (two, or three at head dim 64) are consumers, each owning
+// 64 query rows of the tile: S = Q K^T with both operands in shared memory,
+// the online softmax in registers, then O += P V with P taken straight from
+// registers. TMA writes the 128-byte swizzled layout that wgmma reads, so no
+// thread touches the tiles.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,9 +27,7 @@
 namespace flashjax::cuda {
 namespace {
 
-constexpr int kBlockM = 128;  // query rows per CTA: 64 per consumer warpgroup
 constexpr int kStages = 2;
-constexpr int kThreads = 384;
 // GQA packing is compiled for head dims up to 128 (at 256 its row arithmetic
 // makes the kernel spill).
 template <int kHeadDim>
@@ -37,6 +35,14 @@ constexpr bool kPacksGroups = kHeadDim <= 128;
 
 template <int kHeadDim>
 struct Tiles {
+  // Consumer warpgroups, 64 query rows each: three at head dim 64, where the
+  // products are short and the softmax needs more warps to hide behind them.
+  static constexpr int kConsumers = kHeadDim == 64 ? 3 : 2;
+  static constexpr int kBlockM = 64 * kConsumers;  // query rows per tile
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // Registers per thread: the producer gives its share to the consumers.
+  static constexpr int kProducerRegs = kConsumers == 3 ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;  // keys per tile
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
@@ -81,7 +87,7 @@ struct TileSchedule {
 
 // One work item of a CTA: a tile of kBlockM query rows of one head.
 // (Packed: bh indexes batch * heads_kv, h is the group's first query head.)
-template <int kBlockN>
+template <int kBlockM, int kBlockN>
 struct WorkItem {
   int64_t b, h, hk, q0, last_row;
   KeyRange keys;
@@ -97,11 +103,11 @@ struct WorkItem {
 };
 
 template <class T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     hopper_forward_kernel(const AttentionParams p, const __grid_constant__ TensorMaps maps,
                           const TileSchedule schedule) {
   using Cfg = Tiles<kHeadDim>;
-  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kConsumers = Cfg::kConsumers;
   constexpr bool kPacks = kPacksGroups<kHeadDim>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -118,12 +124,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
-    mbar_init(q_empty, 8);  // one arrival per consumer warp
+    mbar_init(q_empty, 4 * kConsumers);  // one arrival per consumer warp
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
-      mbar_init(&k_empty[s], 8);
-      mbar_init(&v_empty[s], 8);
+      mbar_init(&k_empty[s], 4 * kConsumers);
+      mbar_init(&v_empty[s], 4 * kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -136,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // count of Q loads (local) run on across items.
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::kProducerRegs));
     if (threadIdx.x != 0) return;
     int64_t kv = 0, local = 0;
     QueryTile tile;
@@ -144,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const auto step = schedule.tile(k, tile);
       if (step == TileSchedule::kEnd) break;
       if (step == TileSchedule::kSkip) continue;
-      const WorkItem<kBlockN> w(p, tile, packed);
+      const WorkItem<kBlockM, kBlockN> w(p, tile, packed);
       mbar_wait(q_empty, (local++ & 1) ^ 1);
       mbar_expect_tx(q_full, q_bytes);
       tma_tile<kHeadDim, kBlockM>(sQ, &maps.q, q_full, w.q0, w.h, w.b);
@@ -164,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::kConsumerRegs));
   const int consumer = warpgroup - 1;
   const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   constexpr int kKeyTiles = kBlockN / 8, kDimTiles = kHeadDim / 8;
@@ -175,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const auto step = schedule.tile(k, tile);
     if (step == TileSchedule::kEnd) break;
     if (step == TileSchedule::kSkip) continue;
-    const WorkItem<kBlockN> w(p, tile, packed);
+    const WorkItem<kBlockM, kBlockN> w(p, tile, packed);
     const int64_t n_tiles = w.n_tiles;
     float o[kDimTiles * 4] = {};
     RowSoftmax softmax{w.q0 + consumer * 64 + warp_in_group * 16 + lane / 4,
@@ -224,11 +230,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       softmax.exponentiate<kKeyTiles>(s, alpha);
     };
 
-    // Ping-pong: the consumers take turns to issue their matrix products, so
-    // that one warpgroup's softmax runs while the other's products occupy the
-    // tensor cores. Consumer 0 goes first; each turn ends by passing it on.
+    // Ping-pong: the consumers take turns (round robin) to issue their matrix
+    // products, so that one warpgroup's softmax runs while another's products
+    // occupy the tensor cores. Named barrier 1 + c is consumer c's turn; the
+    // last consumer opens the first turn, and each turn ends by passing it on.
     const auto wait_turn = [&] { named_sync(1 + consumer); };
-    const auto pass_turn = [&] { named_arrive(2 - consumer); };
+    const auto pass_turn = [&] { named_arrive(1 + (consumer + 1) % kConsumers); };
 
     mbar_wait(q_full, local++ & 1);
     if (n_tiles > 0) {
@@ -237,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float s[kKeyTiles * 4];
       uint32_t pa[kBlockN / 16][4];
       float alpha[2];
-      if (consumer == 1) named_arrive(1);
+      if (consumer == kConsumers - 1) named_arrive(1);
       wait_turn();
       issue_scores(s, 0);
       pass_turn();
@@ -265,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wait_turn();
       issue_values(pa, n_tiles - 1);
-      if (consumer == 0) pass_turn();  // keeps the arrivals balanced at the item's end
+      if (consumer != kConsumers - 1) pass_turn();  // balanced arrivals at the item's end
       wgmma_wait<0>();
       fence_operands(o);
       values_done(n_tiles - 1);
@@ -297,6 +304,7 @@ cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
   });
   if (config_status != cudaSuccess) return config_status;
   TensorMaps maps;
+  constexpr int kBlockM = Cfg::kBlockM;
   const bool packed =
       kPacksGroups<kHeadDim> && p.group_size() > 1 && p.seqlen_q * p.group_size() <= kBlockM;
   if (!make_map(&maps.q, p.q, p.dtype, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
@@ -314,7 +322,8 @@ cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
   schedule.total_pairs = schedule.pairs_per_head * p.batch * (packed ? p.heads_kv : p.heads_q);
   const int64_t blocks = std::min<int64_t>(schedule.total_pairs, multiprocessor_count());
   hopper_forward_kernel<T, kHeadDim>
-      <<<static_cast<unsigned>(blocks), kThreads, Cfg::kSmemBytes, stream>>>(p, maps, schedule);
+      <<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps,
+                                                                                 schedule);
   return cudaGetLastError();
 }
 
