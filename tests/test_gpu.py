@@ -49,10 +49,20 @@ PACKED_CASES = [
     Case(batch=1, seqlen_q=1, seqlen_k=1000, heads_q=32, heads_kv=4, head_dim=128, dtype="bfloat16", sinks=True),
 ]
 
+# The Hopper forward's native 96 and 192 buckets (and head dims padded into them).
+NATIVE_DIM_CASES = [
+    Case(batch=1, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2, head_dim=192, dtype="bfloat16", causal=True),
+    Case(batch=2, seqlen_q=200, seqlen_k=333, heads_q=2, heads_kv=2, head_dim=160, head_dim_v=176, dtype="float16",
+         window_size=(50, 20), sinks=True),
+    Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads_q=2, heads_kv=1, head_dim=96, dtype="bfloat16", softcap=20.0),
+    Case(batch=2, seqlen_q=130, seqlen_k=257, heads_q=4, heads_kv=4, head_dim=80, head_dim_v=96, dtype="float16",
+         causal=True),
+]
+
 FORWARD_CASES = (head_dim_cases() + seqlen_cases() + gqa_cases() + option_cases()
                  + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),), windows=[(-1, -1), (10, 5)],
                                 head_dim=64)
-                 + empty_row_cases() + LARGE_CASES + PACKED_CASES)
+                 + empty_row_cases() + LARGE_CASES + PACKED_CASES + NATIVE_DIM_CASES)
 
 GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
                   + seqlen_cases(seqlens=[(1, 1), (1, 33), (17, 128), (128, 17)], head_dim=16)

@@ -80,12 +80,13 @@ __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
-// All column blocks of a [rows][kHeadDim] tile; block c lands at c * rows * 128 B.
+// All column blocks of a [rows][kHeadDim] tile; block c lands at c * rows * 128 B
+// (a partial last block, e.g. at head dim 96, is zero-filled past the tensor).
 template <int kHeadDim, int kRows>
 __device__ __forceinline__ void tma_tile(unsigned char* dst, const CUtensorMap* map,
                                          uint64_t* bar, int row, int head, int batch) {
 #pragma unroll
-  for (int c = 0; c < kHeadDim / kSwizzleCols; ++c)
+  for (int c = 0; c < (kHeadDim + kSwizzleCols - 1) / kSwizzleCols; ++c)
     tma_load(dst + c * kRows * 128, map, bar, c * kSwizzleCols, row, head, batch);
 }
 
@@ -142,7 +143,9 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t
 template <class T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
   if constexpr (N == 64) wgmma_rs_n64<T>(d, a, b, 1);
+  else if constexpr (N == 96) wgmma_rs_n96<T>(d, a, b, 1);
   else if constexpr (N == 128) wgmma_rs_n128<T>(d, a, b, 1);
+  else if constexpr (N == 192) wgmma_rs_n192<T>(d, a, b, 1);
   else wgmma_rs_n256<T>(d, a, b, 1);
 }
 

@@ -44,8 +44,10 @@ struct Tiles {
   static constexpr int kProducerRegs = kConsumers == 3 ? 24 : 40;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;  // keys per tile
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  // Tiles are whole 64-column swizzle blocks (96 -> 128 columns, zero-filled).
+  static constexpr int kPaddedDim = (kHeadDim + kSwizzleCols - 1) / kSwizzleCols * kSwizzleCols;
+  static constexpr int kQBytes = kBlockM * kPaddedDim * 2;
+  static constexpr int kKVBytes = kBlockN * kPaddedDim * 2;
   static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
   // Q, K ring, V ring, then barriers; +1024 to align the base for the swizzle.
   static constexpr int kSmemBytes = kBarrierOffset + 8 * (2 + 4 * kStages) + 1024;
@@ -136,7 +138,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
   __syncthreads();
 
   const bool packed = kPacks && schedule.packed_rows > 0;
-  const int q_bytes = packed ? static_cast<int>(schedule.packed_rows * p.group_size()) * kHeadDim * 2
+  const int q_bytes = packed ? static_cast<int>(schedule.packed_rows * p.group_size()) *
+                                   Cfg::kPaddedDim * 2
                              : Cfg::kQBytes;
   // Both roles walk the same items; the K/V ring position (kv) and the
   // count of Q loads (local) run on across items.
@@ -327,13 +330,61 @@ cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Head-dim buckets of this kernel: those of FLASHJAX_HEAD_DIMS, which for this
+// kernel may also list 96 and 192 (the other kernels pad those to 128 / 256).
+int hopper_forward_bucket(const AttentionParams& p) {
+  const int64_t d = std::max(p.head_dim, p.head_dim_v);
+  for (int bucket : {
+#ifdef FLASHJAX_TC_HEAD_DIM_64
+           64,
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_96
+           96,
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_128
+           128,
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_192
+           192,
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_256
+           256,
+#endif
+           0})
+    if (bucket == 0 || d <= bucket) return bucket;
+  return 0;
+}
+
+template <class T>
+cudaError_t launch_bucket(const AttentionParams& p, cudaStream_t stream) {
+  switch (hopper_forward_bucket(p)) {
+#ifdef FLASHJAX_TC_HEAD_DIM_64
+    case 64: return launch<T, 64>(p, stream);
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_96
+    case 96: return launch<T, 96>(p, stream);
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_128
+    case 128: return launch<T, 128>(p, stream);
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_192
+    case 192: return launch<T, 192>(p, stream);
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_256
+    case 256: return launch<T, 256>(p, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
 
 bool hopper_forward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
   // TMA needs 16-byte row strides (head dims % 8) and a 64-column box inside
   // the tensor (head dims >= 64); int32 TMA coordinates bound the sizes.
-  return tensor_core_shapes(p) && p.head_dim >= 64 && p.head_dim_v >= 64 &&
+  return p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0 &&
+         hopper_forward_bucket(p) != 0 && p.head_dim >= 64 && p.head_dim_v >= 64 &&
          p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && compute_capability() == 90 &&
          encode_fn() != nullptr;
 #else
@@ -343,11 +394,8 @@ bool hopper_forward_supports(const AttentionParams& p) {
 }
 
 cudaError_t hopper_forward(const AttentionParams& p, cudaStream_t stream) {
-  return with_half_type(p.dtype, [&](auto tag) {
-    return with_bucket(head_dim_bucket(p), [&](auto dim) {
-      return launch<decltype(tag), decltype(dim)::value>(p, stream);
-    });
-  });
+  return with_half_type(p.dtype,
+                        [&](auto tag) { return launch_bucket<decltype(tag)>(p, stream); });
 }
 
 }  // namespace flashjax::cuda
