@@ -94,6 +94,17 @@ def test_vmap_of_grad():
         check_close(g, w)
 
 
+def test_vmap_over_an_empty_axis():
+    # The handlers return at once (a GPU kernel cannot be launched with no blocks).
+    q, k, v, s = case_inputs(CASE)
+    empty = lambda x: jnp.zeros((0,) + x.shape, x.dtype)
+    grad = jax.grad(lambda q, k, v, s: jnp.sum(attn(q, k, v, s)), argnums=(0, 1, 2, 3))
+    out = jax.vmap(attn)(empty(q), empty(k), empty(v), empty(s))
+    grads = jax.jit(jax.vmap(grad))(empty(q), empty(k), empty(v), empty(s))
+    assert out.shape == (0,) + q.shape
+    assert [g.shape for g in grads] == [(0,) + x.shape for x in (q, k, v, s)]
+
+
 def test_jit_grad_and_checkpoint():
     q, k, v, s = case_inputs(CASE)
 

@@ -23,6 +23,7 @@ ffi::Error forward_handler(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   if (ffi::Error e = expect_rows("lse", lse, p, p.seqlen_q); e.failure()) return e;
   p.out = out.untyped_data();
   p.lse = static_cast<float*>(lse.untyped_data());
+  if (p.batch == 0) return ffi::Error::Success();  // vmap over an empty axis: nothing to do
   return run(p);
 }
 
@@ -55,6 +56,7 @@ ffi::Error backward_handler(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   p.dv = dv.untyped_data();
   p.dsinks = static_cast<float*>(dsinks.untyped_data());
   p.deterministic = deterministic;
+  if (p.batch == 0) return ffi::Error::Success();  // (no zero-block kernel launches)
   return run(p);
 }
 
