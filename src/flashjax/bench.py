@@ -6,6 +6,7 @@ Usage::
     python -m flashjax.bench --seqlen 1k 4k --head-dim 64 128 --causal yes
     python -m flashjax.bench --mode bwd --impl flashjax,cudnn --dtype bfloat16
     python -m flashjax.bench --heads 32 --heads-kv 8 --seqlen 2048 --seqlen-k 8192
+    python -m flashjax.bench --mode bwd --deterministic   # the cost of a repeatable backward
     python -m flashjax.bench --fa3-shapes --json out.jsonl --plot out.png
 
 List options take several values, space- or comma-separated; sequence lengths accept a
@@ -72,6 +73,7 @@ class Case:
     head_dim_v: int
     dtype: str
     causal: bool
+    deterministic: bool = False  # flashjax's option (the baselines ignore it)
 
     def fwd_flops(self) -> float:
         flops = 2.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k
@@ -81,7 +83,7 @@ class Case:
     def label(self) -> str:
         return (f"b={self.batch} sq={self.seqlen_q} sk={self.seqlen_k} h={self.heads}"
                 f"/{self.heads_kv} d={self.head_dim}/{self.head_dim_v} {self.dtype}"
-                f" causal={int(self.causal)}")
+                f" causal={int(self.causal)}" + (" deterministic" if self.deterministic else ""))
 
 
 @dataclasses.dataclass
@@ -112,7 +114,8 @@ def load_flash_attention() -> Callable:
 
 def _flashjax_attention(case: Case) -> Callable:
     flash_attention = load_flash_attention()
-    return lambda q, k, v: flash_attention(q, k, v, causal=case.causal)
+    return lambda q, k, v: flash_attention(q, k, v, causal=case.causal,
+                                           deterministic=case.deterministic)
 
 
 def _jax_nn_attention(implementation: str, case: Case) -> Callable:
@@ -235,6 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--causal", choices=("no", "yes", "both"))
     p.add_argument("--mode", nargs="+", help=f"any of {','.join(MODES)}")
+    p.add_argument("--deterministic", action="store_true",
+                   help="flashjax with deterministic=True (bitwise-repeatable GPU backward)")
     p.add_argument("--impl", nargs="+", help=f"any of {','.join(IMPLS)}")
     p.add_argument("--iters", type=int, help="timed runs (default 20 on GPU, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs after compilation")
@@ -285,7 +290,7 @@ def make_cases(args: argparse.Namespace) -> list[Case]:
                     batch=batch, seqlen_q=seqlen, seqlen_k=args.seqlen_k or seqlen,
                     heads=heads, heads_kv=args.heads_kv or heads, head_dim=head_dim,
                     head_dim_v=args.head_dim_v or head_dim, dtype=args.dtype,
-                    causal=causal))
+                    causal=causal, deterministic=args.deterministic))
     return cases
 
 
