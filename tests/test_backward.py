@@ -1,5 +1,7 @@
 """Gradients (the C++ backward behind jax.custom_vjp) against jax.vjp of the float64
-reference: dq, dk, dv, dsinks, with random cotangents on out and on lse."""
+reference: dq, dk, dv, dsinks, with random cotangents on out and on lse. Every test
+runs on both CPU backward paths (one pass per kv-head group, two passes per tile),
+chosen with FLASHJAX_CPU_BACKWARD (read by the library at each call)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,12 @@ import flashjax
 from flashjax import reference
 from helpers import (Case, case_inputs, check_close, check_gradients, empty_row_cases, gqa_cases,
                      head_dim_cases, ids, option_cases, seqlen_cases)
+
+@pytest.fixture(autouse=True, params=["one-pass", "two-pass"])
+def cpu_backward_path(request, monkeypatch):
+    monkeypatch.setenv("FLASHJAX_CPU_BACKWARD", request.param)
+    return request.param
+
 
 HEAD_DIM_CASES = head_dim_cases(seqlen=70)
 SEQLEN_CASES = seqlen_cases(seqlens=[(1, 1), (1, 33), (33, 1), (17, 128), (128, 17), (200, 200)],

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -266,6 +268,11 @@ struct BackwardHead {
               head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim), q0, rows, p.head_dim);
     load_tile(t.dO, shape.dvp, kBlockQ, static_cast<const T*>(p.dout),
               head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim_v), q0, rows, p.head_dim_v);
+    load_stats(t, q0, rows);
+  }
+
+  // The rows' lse and D (-inf and 0 past `rows`).
+  void load_stats(BackwardTiles& t, int64_t q0, int64_t rows) const {
     const int64_t row_base = (b * p.heads_q + h) * p.seqlen_q + q0;
     for (int64_t r = 0; r < kBlockQ; ++r) {
       t.lse[r] = r < rows ? p.lse[row_base + r] : kNegInf;
@@ -295,6 +302,17 @@ struct BackwardHead {
   }
 };
 
+// A query tile's share of dsinks[b, h]: d lse_i / d sink = p_sink_i and
+// dL / d lse_i = -D_i.
+float dsink_share(const AttentionParams& p, int64_t b, int64_t h, const float* lse,
+                  const float* D, int64_t rows) {
+  const float sink = sink_logit(p, b, h);
+  float part = 0.0f;
+  for (int64_t r = 0; r < rows; ++r)
+    if (lse[r] != kNegInf) part -= std::exp(sink - lse[r]) * D[r];
+  return part;
+}
+
 // D = rowsum(dO * O) - dlse for one (batch, head, q-tile).
 template <class T>
 void backward_preprocess(const AttentionParams& p, const Shape& shape, int64_t task,
@@ -314,19 +332,15 @@ void backward_preprocess(const AttentionParams& p, const Shape& shape, int64_t t
   }
 }
 
-// dK and dV of one key tile of one kv head, summed over its query-head group.
+// dK and dV of key tile [k0, k0 + cols) of kv head hk, summed over its
+// query-head group, stored to p.dk / p.dv; with dQ (the group's heads, each
+// rows_padded rows of shape.dp), also adds each query row's share of dQ.
 template <class T>
-void backward_key_tile(const AttentionParams& p, const Shape& shape, const float* D_all,
-                       int64_t task) {
-  const auto [b, hk, kt] = Task(task, shape.k_tiles, p.heads_kv);
-  const int64_t k0 = kt * kBlockK, cols = std::min(kBlockK, p.seqlen_k - k0);
-
-  thread_local Scratch scratch, accum;
-  BackwardTiles t(scratch, shape);
-  float* dK = accum.get(kBlockK * (shape.dp + shape.dvp));
+void key_tile_gradients(const AttentionParams& p, const Shape& shape, const float* D_all,
+                        BackwardTiles& t, float* dK, int64_t b, int64_t hk, int64_t k0,
+                        int64_t cols, float* dQ, int64_t rows_padded) {
   float* dV = dK + kBlockK * shape.dp;
   std::fill(dK, dK + kBlockK * (shape.dp + shape.dvp), 0.0f);
-
   const int64_t row_begin = p.first_query(k0), row_end = p.last_query(k0 + cols - 1) + 1;
   const int64_t first_head = hk * p.group_size();
   BackwardHead<T>{p, shape, D_all, b, first_head}.load_keys(t, k0, cols);
@@ -340,12 +354,28 @@ void backward_key_tile(const AttentionParams& p, const Shape& shape, const float
       matmul_acc(dV, shape.dvp, t.T, kBlockQ, t.dO, shape.dvp, kBlockK, shape.dvp, kBlockQ);
       transpose(t.T, kBlockQ, t.dS, kBlockK, kBlockQ, kBlockK);
       matmul_acc(dK, shape.dp, t.T, kBlockQ, t.Q, shape.dp, kBlockK, shape.dp, kBlockQ);
+      if (dQ)
+        matmul_acc(dQ + ((h - first_head) * rows_padded + q0) * shape.dp, shape.dp, t.dS, kBlockK,
+                   t.Kr, shape.dp, kBlockQ, shape.dp, kBlockK);
     }
   }
   store_tile(static_cast<T*>(p.dk), head_view(b, p.seqlen_k, hk, p.heads_kv, p.head_dim), k0,
              cols, p.head_dim, dK, shape.dp, p.softmax_scale);
   store_tile(static_cast<T*>(p.dv), head_view(b, p.seqlen_k, hk, p.heads_kv, p.head_dim_v), k0,
              cols, p.head_dim_v, dV, shape.dvp, 1.0f);
+}
+
+// Two-pass backward, pass 1: one key tile of one kv head.
+template <class T>
+void backward_key_tile(const AttentionParams& p, const Shape& shape, const float* D_all,
+                       int64_t task) {
+  const auto [b, hk, kt] = Task(task, shape.k_tiles, p.heads_kv);
+  thread_local Scratch scratch, accum;
+  BackwardTiles t(scratch, shape);
+  float* dK = accum.get(kBlockK * (shape.dp + shape.dvp));
+  const int64_t k0 = kt * kBlockK;
+  key_tile_gradients<T>(p, shape, D_all, t, dK, b, hk, k0, std::min(kBlockK, p.seqlen_k - k0),
+                        nullptr, 0);
 }
 
 // dQ of one query tile, and this tile's share of dsinks.
@@ -372,13 +402,55 @@ void backward_query_tile(const AttentionParams& p, const Shape& shape, const flo
   store_tile(static_cast<T*>(p.dq), head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim), q0, rows,
              p.head_dim, dQ, shape.dp, p.softmax_scale);
 
-  if (p.sinks) {  // d lse_i / d sink = p_sink_i, and dL/d lse_i = -D_i
-    const float sink = sink_logit(p, b, h);
-    float part = 0.0f;
-    for (int64_t r = 0; r < rows; ++r)
-      if (t.lse[r] != kNegInf) part -= std::exp(sink - t.lse[r]) * t.D[r];
-    dsink_parts[task] = part;
+  if (p.sinks) dsink_parts[task] = dsink_share(p, b, h, t.lse, t.D, rows);
+}
+
+// dQ, dK and dV of one kv head's whole query-head group in one task: each tile
+// pair costs 5 tile products instead of the two-pass 7 (dQ accumulates in a
+// per-task buffer instead of being recomputed per query tile). Deterministic:
+// one thread, fixed order.
+template <class T>
+void backward_group(const AttentionParams& p, const Shape& shape, const float* D_all,
+                    int64_t task, float* dsink_parts) {
+  const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
+  const int64_t group = p.group_size(), first_head = hk * group;
+  const int64_t rows_padded = p.seqlen_q + kBlockQ;  // a tile may overrun the last row
+
+  thread_local Scratch scratch, accum, dq_accum;
+  BackwardTiles t(scratch, shape);
+  float* dK = accum.get(kBlockK * (shape.dp + shape.dvp));
+  float* dQ = dq_accum.get(group * rows_padded * shape.dp);
+  std::fill(dQ, dQ + group * rows_padded * shape.dp, 0.0f);
+  for (int64_t kt = 0; kt < shape.k_tiles; ++kt) {
+    const int64_t k0 = kt * kBlockK;
+    key_tile_gradients<T>(p, shape, D_all, t, dK, b, hk, k0,
+                          std::min(kBlockK, p.seqlen_k - k0), dQ, rows_padded);
   }
+  for (int64_t h = first_head; h < first_head + group; ++h) {
+    const float* dQ_head = dQ + (h - first_head) * rows_padded * shape.dp;
+    store_tile(static_cast<T*>(p.dq), head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim), 0,
+               p.seqlen_q, p.head_dim, dQ_head, shape.dp, p.softmax_scale);
+    if (!p.sinks) continue;
+    const BackwardHead<T> head{p, shape, D_all, b, h};
+    for (int64_t qt = 0; qt < shape.q_tiles; ++qt) {  // the same shares as the two-pass path
+      const int64_t q0 = qt * kBlockQ, rows = std::min(kBlockQ, p.seqlen_q - q0);
+      head.load_stats(t, q0, rows);
+      dsink_parts[(b * p.heads_q + h) * shape.q_tiles + qt] =
+          dsink_share(p, b, h, t.lse, t.D, rows);
+    }
+  }
+}
+
+// One pass (backward_group) when there are enough (batch, kv head) pairs to
+// keep every thread busy and their dQ buffers are small; else two passes.
+// FLASHJAX_CPU_BACKWARD=one-pass|two-pass forces a choice (tests run both).
+bool use_one_pass(const AttentionParams& p, const Shape& shape) {
+  const char* env = std::getenv("FLASHJAX_CPU_BACKWARD");
+  if (env && std::strcmp(env, "one-pass") == 0) return true;
+  if (env && std::strcmp(env, "two-pass") == 0) return false;
+  constexpr int64_t kMaxBufferBytes = 64 << 20;
+  const int64_t buffer = p.group_size() * (p.seqlen_q + kBlockQ) * shape.dp * 4;
+  return p.batch * p.heads_kv >= 2 * num_threads() && buffer <= kMaxBufferBytes;
 }
 
 template <class T>
@@ -388,13 +460,19 @@ void backward_impl(const AttentionParams& p) {
   std::vector<float> D_all(bh_q * p.seqlen_q);
   parallel_for(bh_q * shape.q_tiles,
                [&](int64_t task) { backward_preprocess<T>(p, shape, task, D_all.data()); });
-  parallel_for(p.batch * p.heads_kv * shape.k_tiles, [&](int64_t task) {
-    backward_key_tile<T>(p, shape, D_all.data(), task);
-  });
   std::vector<float> dsink_parts(p.sinks ? bh_q * shape.q_tiles : 0);
-  parallel_for(bh_q * shape.q_tiles, [&](int64_t task) {
-    backward_query_tile<T>(p, shape, D_all.data(), task, dsink_parts.data());
-  });
+  if (use_one_pass(p, shape)) {
+    parallel_for(p.batch * p.heads_kv, [&](int64_t task) {
+      backward_group<T>(p, shape, D_all.data(), task, dsink_parts.data());
+    });
+  } else {
+    parallel_for(p.batch * p.heads_kv * shape.k_tiles, [&](int64_t task) {
+      backward_key_tile<T>(p, shape, D_all.data(), task);
+    });
+    parallel_for(bh_q * shape.q_tiles, [&](int64_t task) {
+      backward_query_tile<T>(p, shape, D_all.data(), task, dsink_parts.data());
+    });
+  }
   if (p.sinks && p.dsinks) {  // fixed-order sum: deterministic
     for (int64_t bh = 0; bh < bh_q; ++bh) {
       float total = 0.0f;
