@@ -130,3 +130,17 @@ def test_outputs_fully_written(case, gpu_device):
     jax.block_until_ready(poisoned)
     del poisoned
     check_forward(case, device=gpu_device)
+
+
+def test_vmap_over_an_empty_axis(gpu_device):
+    # No kernel may be launched with zero blocks: the handlers return at once.
+    case = Case(batch=1, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16",
+                sinks=True, causal=True)
+    q, k, v, s = case_inputs(case, device=gpu_device)
+    empty = lambda x: jax.numpy.zeros((0,) + x.shape, x.dtype)
+    attn = lambda q, k, v, s: flashjax.flash_attention(q, k, v, sinks=s, causal=True)
+    grad = jax.grad(lambda q, k, v, s: attn(q, k, v, s).astype(jax.numpy.float32).sum(), argnums=(0, 1, 2, 3))
+    out = jax.vmap(attn)(empty(q), empty(k), empty(v), empty(s))
+    grads = jax.jit(jax.vmap(grad))(empty(q), empty(k), empty(v), empty(s))
+    assert out.shape == (0,) + q.shape
+    assert [g.shape for g in grads] == [(0,) + x.shape for x in (q, k, v, s)]
