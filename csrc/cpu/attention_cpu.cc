@@ -416,11 +416,12 @@ void backward_group(const AttentionParams& p, const Shape& shape, const float* D
   const int64_t group = p.group_size(), first_head = hk * group;
   const int64_t rows_padded = p.seqlen_q + kBlockQ;  // a tile may overrun the last row
 
-  thread_local Scratch scratch, accum, dq_accum;
+  thread_local Scratch scratch, accum;
   BackwardTiles t(scratch, shape);
   float* dK = accum.get(kBlockK * (shape.dp + shape.dvp));
-  float* dQ = dq_accum.get(group * rows_padded * shape.dp);
-  std::fill(dQ, dQ + group * rows_padded * shape.dp, 0.0f);
+  // Not thread_local: up to a few tens of MB per task, freed with the task.
+  std::vector<float> dQ_buffer(group * rows_padded * shape.dp, 0.0f);
+  float* dQ = dQ_buffer.data();
   for (int64_t kt = 0; kt < shape.k_tiles; ++kt) {
     const int64_t k0 = kt * kBlockK;
     key_tile_gradients<T>(p, shape, D_all, t, dK, b, hk, k0,
@@ -442,15 +443,18 @@ void backward_group(const AttentionParams& p, const Shape& shape, const float* D
 }
 
 // One pass (backward_group) when there are enough (batch, kv head) pairs to
-// keep every thread busy and their dQ buffers are small; else two passes.
+// keep every thread busy and their dQ buffers are small (64 MB a task, 1 GB
+// for all running at once); else two passes.
 // FLASHJAX_CPU_BACKWARD=one-pass|two-pass forces a choice (tests run both).
 bool use_one_pass(const AttentionParams& p, const Shape& shape) {
   const char* env = std::getenv("FLASHJAX_CPU_BACKWARD");
   if (env && std::strcmp(env, "one-pass") == 0) return true;
   if (env && std::strcmp(env, "two-pass") == 0) return false;
-  constexpr int64_t kMaxBufferBytes = 64 << 20;
+  constexpr int64_t kMaxTaskBytes = int64_t{64} << 20, kMaxTotalBytes = int64_t{1} << 30;
   const int64_t buffer = p.group_size() * (p.seqlen_q + kBlockQ) * shape.dp * 4;
-  return p.batch * p.heads_kv >= 2 * num_threads() && buffer <= kMaxBufferBytes;
+  const int64_t tasks = p.batch * p.heads_kv;
+  return tasks >= 2 * num_threads() && buffer <= kMaxTaskBytes &&
+         buffer * std::min<int64_t>(tasks, num_threads()) <= kMaxTotalBytes;
 }
 
 template <class T>
