@@ -128,23 +128,52 @@ def _batch_shape(q):
     return q.shape[:-3]
 
 
+# Inside jax.shard_map, arrays carry the mesh axes they vary over. An FFI call's
+# results must be declared with them (the union over its operands), and a
+# cotangent must vary over no more axes than its primal: the rest is a sum over
+# shards (e.g. dk for a k replicated across a query-sharded axis).
+def _varying_axes(*xs) -> frozenset:
+    axes = frozenset()
+    for x in xs:
+        aval = jax.typeof(x)
+        manual = getattr(aval, "manual_axis_type", None)
+        axes |= manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+    return axes
+
+
+def _result_types(like, varying: frozenset, *shape_dtypes):
+    """ShapeDtypeStructs for an FFI call's results, varying over `varying` (the mesh
+    is taken from the operand `like`)."""
+    if not varying:
+        return tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shape_dtypes)
+    if not hasattr(jax.sharding, "ManualAxisType"):  # jax < 0.10
+        return tuple(jax.ShapeDtypeStruct(shape, dtype, vma=varying) for shape, dtype in shape_dtypes)
+    mesh = jax.typeof(like).sharding.mesh
+    manual = jax.sharding.ManualAxisType(varying=varying)
+    return tuple(
+        jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual,
+                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        for shape, dtype in shape_dtypes)
+
+
+def _sum_to_varying(cotangent, primal):
+    extra = _varying_axes(cotangent) - _varying_axes(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
 def _forward_call(q, k, v, sinks_rows, cfg: _Config):
     lead, (seqlen_q, heads_q) = _batch_shape(q), q.shape[-3:-1]
-    out_types = (
-        jax.ShapeDtypeStruct(q.shape[:-1] + (v.shape[-1],), q.dtype),
-        jax.ShapeDtypeStruct(lead + (heads_q, seqlen_q), jnp.float32),
-    )
+    out_types = _result_types(q, _varying_axes(q, k, v, sinks_rows),
+                              (q.shape[:-1] + (v.shape[-1],), q.dtype),
+                              (lead + (heads_q, seqlen_q), jnp.float32))
     call = jax.ffi.ffi_call(_ffi.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
     return call(q, k, v, sinks_rows, **cfg.attributes())
 
 
 def _backward_call(q, k, v, out, dout, lse, dlse, sinks_rows, cfg: _Config):
-    out_types = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct(k.shape, k.dtype),
-        jax.ShapeDtypeStruct(v.shape, v.dtype),
-        jax.ShapeDtypeStruct(sinks_rows.shape, jnp.float32),
-    )
+    out_types = _result_types(q, _varying_axes(q, k, v, out, dout, lse, dlse, sinks_rows),
+                              (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype),
+                              (sinks_rows.shape, jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     return call(q, k, v, out, dout, lse, dlse, sinks_rows, **cfg.attributes(),
                 deterministic=np.bool_(cfg.deterministic))
@@ -171,8 +200,9 @@ def _attention_bwd(cfg: _Config, residuals, cotangents):
     dq, dk, dv, dsink_rows = _backward_call(
         q, k, v, out, dout.astype(out.dtype), lse, dlse.astype(jnp.float32),
         _sink_rows(q, sinks), cfg)
-    dsinks = jnp.sum(dsink_rows, axis=tuple(range(dsink_rows.ndim - 1)))
-    return dq, dk, dv, dsinks.astype(sinks.dtype)
+    dsinks = jnp.sum(dsink_rows, axis=tuple(range(dsink_rows.ndim - 1))).astype(sinks.dtype)
+    return tuple(_sum_to_varying(ct, primal)
+                 for ct, primal in zip((dq, dk, dv, dsinks), (q, k, v, sinks)))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
