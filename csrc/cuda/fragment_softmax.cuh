@@ -245,18 +245,22 @@ __device__ __forceinline__ void store_rows(void* base, int64_t b, int64_t seqlen
   }
 }
 
-// Each of a thread's two rows' share of dsinks: d lse / d sink = p_sink and
-// dL / d lse = -D, so the share is -exp(sink - lse) * D (0 for a row with no key).
+// One row's share of dsinks: d lse / d sink = p_sink and dL / d lse = -D, so the
+// share is -exp(sink - lse) * D (0 for a row with no key); log2 units.
+__device__ __forceinline__ float dsink_share(float sink2, float lse2, float D) {
+  return lse2 == -kNegInf ? 0.0f : -fast_exp2(sink2 - lse2) * D;
+}
+
+// Each of a thread's two rows' share of dsinks.
 __device__ __forceinline__ void write_dsink_rows(const AttentionParams& p, int64_t bh, int64_t row,
                                                  const float (&lse2)[2], const float (&D)[2],
                                                  float* dsink_rows) {
   if (!p.sinks || threadIdx.x % 4 != 0) return;
-  const float sink = p.sinks[bh] * kLog2e;
+  const float sink2 = p.sinks[bh] * kLog2e;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t i = row + 8 * r;
-    if (i < p.seqlen_q)
-      dsink_rows[bh * p.seqlen_q + i] = lse2[r] == -kNegInf ? 0.0f : -fast_exp2(sink - lse2[r]) * D[r];
+    if (i < p.seqlen_q) dsink_rows[bh * p.seqlen_q + i] = dsink_share(sink2, lse2[r], D[r]);
   }
 }
 

@@ -8,8 +8,8 @@
 //    and dS^T in registers, then dV += P^T dO_j and dK += dS^T Q_j with the
 //    left operand from registers. With kFusedDq (the default, non-deterministic
 //    mode) it also stores dS^T in shared memory and computes this key block's
-//    share of dQ_j = dS_j K, added to a float32 buffer with atomics; a last
-//    kernel converts that buffer to dq (5 products per tile pair in all).
+//    share of dQ_j = dS_j K, added to a float32 buffer by bulk reductions; a
+//    last kernel converts that buffer to dq (5 products per tile pair in all).
 //  * query kernel (deterministic mode): a CTA owns 128 query rows; the
 //    producer streams (K_j, V_j) tiles of 64 keys. Per tile: S = Q K_j^T,
 //    dP = dO V_j^T, dS in registers, dQ += dS K_j (7 products in all, no
@@ -46,6 +46,15 @@ constexpr int kDqBlockBytes = kDqBlock * 4;
 __host__ __device__ __forceinline__ int64_t dq_block_offset(int64_t row, int64_t col) {
   const int64_t r = row % 64;
   return r * 64 + ((col % 64) ^ (8 * (r % 8)));
+}
+
+// The float32 block (in floats from the buffer's start) of head bh's rows
+// [64 * (row / 64), +64) and head dims [64 * col_block, +64).
+template <int kHeadDim>
+__host__ __device__ __forceinline__ int64_t dq_block_start(int64_t bh, int64_t row,
+                                                           int64_t col_block,
+                                                           int64_t rows_padded) {
+  return ((bh * (rows_padded / 64) + row / 64) * (kHeadDim / 64) + col_block) * kDqBlock;
 }
 
 template <int kHeadDim>
@@ -87,8 +96,7 @@ __global__ void stage_rows_kernel(const AttentionParams p, BackwardWorkspace ws,
       lse2 = lse_to_log2(p.lse[bh * p.seqlen_q + i]);
       D = ws.D[bh * p.seqlen_q + i];
       if (dsinks && p.sinks)
-        ws.dsink_rows[bh * p.seqlen_q + i] =
-            lse2 == -kNegInf ? 0.0f : -fast_exp2(p.sinks[bh] * kLog2e - lse2) * D;
+        ws.dsink_rows[bh * p.seqlen_q + i] = dsink_share(p.sinks[bh] * kLog2e, lse2, D);
     }
     ws.lse2_padded[at] = lse2;
     ws.D_padded[at] = D;
@@ -105,8 +113,8 @@ __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum
     const int64_t c = at % p.head_dim, rest = at / p.head_dim;
     const int64_t h = rest % p.heads_q, bi = rest / p.heads_q;
     const int64_t b = bi / p.seqlen_q, i = bi % p.seqlen_q;
-    const int64_t block = ((b * p.heads_q + h) * (rows_padded / 64) + i / 64) * (kHeadDim / 64) + c / 64;
-    const float x = dq_accum[block * kDqBlock + dq_block_offset(i, c)];
+    const float x = dq_accum[dq_block_start<kHeadDim>(b * p.heads_q + h, i, c / 64, rows_padded) +
+                             dq_block_offset(i, c)];
     static_cast<T*>(p.dq)[at] = from_float<T>(x * p.softmax_scale);
   }
 }
@@ -304,7 +312,7 @@ __device__ __forceinline__ void store_transposed_ds(unsigned char* tile, int con
 // This key block's share of dQ_j (64 queries x 64 head dims) = dS_j K. At
 // head dim 128 the consumers split the head dims and share all 128 keys (both
 // dS^T halves, hence the 256-thread barrier); at 64 each consumer takes its own
-// 64 keys and all head dims, and the atomics add the two halves.
+// 64 keys and all head dims, and the reductions add the two halves.
 template <class T, int kHeadDim>
 __device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* ds_tile,
                                          const unsigned char* k_tile, int consumer) {
@@ -445,10 +453,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           // dQ is staged and sent while dK's product runs.
           wgmma_wait<1>();
           fence_regs(dq);
-          const int64_t bh = b * p.heads_q + tile_head(it);
-          const int64_t block = (bh * (stats.rows_padded / 64) + tile_row(it) / 64) * (kHeadDim / 64) +
-                                (kHeadDim == 64 ? 0 : consumer);
-          add_dq(dq_accum + block * kDqBlock, sm.dq_stage + consumer * kDqBlock, consumer, dq);
+          const int64_t block = dq_block_start<kHeadDim>(b * p.heads_q + tile_head(it), tile_row(it),
+                                                         kHeadDim == 64 ? 0 : consumer,
+                                                         stats.rows_padded);
+          add_dq(dq_accum + block, sm.dq_stage + consumer * kDqBlock, consumer, dq);
         } else {
           issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
           wgmma_commit();
@@ -591,7 +599,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   const int64_t query_blocks = (p.seqlen_q + kOwnRows - 1) / kOwnRows * p.batch * p.heads_q;
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const RowStats stats{ws.lse2_padded, ws.D_padded, ws.rows_padded};
-  const unsigned elementwise_blocks = 132 * 8;
+  const unsigned elementwise_blocks = 8 * multiprocessor_count();  // grid-stride kernels
   stage_rows_kernel<<<elementwise_blocks, 256, 0, stream>>>(p, ws, fused);
   if (!fused) {
     hopper_key_kernel<T, kHeadDim, false>
