@@ -212,6 +212,19 @@ def _forward_references(case: Case, seed):
     return np.asarray(ref_out), np.asarray(ref_lse), ref_lo
 
 
+def check_empty_vmap(case: Case, device=None):
+    """vmap over an empty leading axis, forward and gradients: empty results of the
+    right shapes (the handlers return at once; a GPU kernel cannot run with no blocks)."""
+    q, k, v, sinks = case_inputs(case, device=device)
+    args = [jnp.zeros((0,) + x.shape, x.dtype) for x in (q, k, v, sinks)]
+    attn = flash(case, return_lse=False)
+    grad = jax.grad(lambda *a: jnp.sum(attn(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3))
+    out = jax.vmap(attn)(*args)
+    grads = jax.jit(jax.vmap(grad))(*args)
+    assert out.shape == (0,) + q.shape
+    assert [g.shape for g in grads] == [(0,) + x.shape for x in (q, k, v, sinks)]
+
+
 def check_forward(case: Case, device=None, seed=0):
     """flash_attention (out and lse) against the float64 reference; returns numpy (out, lse)."""
     q, k, v, sinks = case_inputs(case, seed, device)

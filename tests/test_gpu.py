@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import flashjax
-from helpers import (Case, case_inputs, check_forward, check_gradients, empty_row_cases, gqa_cases,
-                     head_dim_cases, ids, option_cases, seqlen_cases)
+from helpers import (Case, case_inputs, check_empty_vmap, check_forward, check_gradients, empty_row_cases,
+                     gqa_cases, head_dim_cases, ids, option_cases, seqlen_cases)
 
 pytestmark = pytest.mark.gpu
 
@@ -133,14 +133,5 @@ def test_outputs_fully_written(case, gpu_device):
 
 
 def test_vmap_over_an_empty_axis(gpu_device):
-    # No kernel may be launched with zero blocks: the handlers return at once.
-    case = Case(batch=1, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16",
-                sinks=True, causal=True)
-    q, k, v, s = case_inputs(case, device=gpu_device)
-    empty = lambda x: jax.numpy.zeros((0,) + x.shape, x.dtype)
-    attn = lambda q, k, v, s: flashjax.flash_attention(q, k, v, sinks=s, causal=True)
-    grad = jax.grad(lambda q, k, v, s: attn(q, k, v, s).astype(jax.numpy.float32).sum(), argnums=(0, 1, 2, 3))
-    out = jax.vmap(attn)(empty(q), empty(k), empty(v), empty(s))
-    grads = jax.jit(jax.vmap(grad))(empty(q), empty(k), empty(v), empty(s))
-    assert out.shape == (0,) + q.shape
-    assert [g.shape for g in grads] == [(0,) + x.shape for x in (q, k, v, s)]
+    check_empty_vmap(Case(batch=1, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=128,
+                          dtype="bfloat16", sinks=True, causal=True), device=gpu_device)

@@ -10,7 +10,7 @@ import pytest
 
 import flashjax
 from flashjax import reference
-from helpers import Case, case_inputs, check_close, rand
+from helpers import Case, case_inputs, check_close, check_empty_vmap, rand
 
 CASE = Case(batch=2, seqlen_q=40, seqlen_k=48, heads_q=4, heads_kv=2, head_dim=16, sinks=True)
 OPTIONS = dict(causal=True, window_size=(20, -1), softcap=6.0)
@@ -95,14 +95,7 @@ def test_vmap_of_grad():
 
 
 def test_vmap_over_an_empty_axis():
-    # The handlers return at once (a GPU kernel cannot be launched with no blocks).
-    q, k, v, s = case_inputs(CASE)
-    empty = lambda x: jnp.zeros((0,) + x.shape, x.dtype)
-    grad = jax.grad(lambda q, k, v, s: jnp.sum(attn(q, k, v, s)), argnums=(0, 1, 2, 3))
-    out = jax.vmap(attn)(empty(q), empty(k), empty(v), empty(s))
-    grads = jax.jit(jax.vmap(grad))(empty(q), empty(k), empty(v), empty(s))
-    assert out.shape == (0,) + q.shape
-    assert [g.shape for g in grads] == [(0,) + x.shape for x in (q, k, v, s)]
+    check_empty_vmap(CASE)
 
 
 def test_jit_grad_and_checkpoint():
