@@ -59,6 +59,17 @@ NATIVE_DIM_CASES = [
          causal=True),
 ]
 
+# The Hopper wide backward (head dims 129-256, 64 keys per CTA): GQA, windows,
+# softcap, sinks, head_dim_v != head_dim, ragged lengths.
+WIDE_GRADIENT_CASES = [
+    Case(batch=2, seqlen_q=333, seqlen_k=270, heads_q=4, heads_kv=1, head_dim=256, dtype="float16",
+         window_size=(60, 20), softcap=10.0),
+    Case(batch=1, seqlen_q=64, seqlen_k=640, heads_q=6, heads_kv=2, head_dim=256, head_dim_v=136,
+         dtype="bfloat16", causal=True, sinks=True),
+    NATIVE_DIM_CASES[0],
+    NATIVE_DIM_CASES[1],
+]
+
 FORWARD_CASES = (head_dim_cases() + seqlen_cases() + gqa_cases() + option_cases()
                  + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),), windows=[(-1, -1), (10, 5)],
                                 head_dim=64)
@@ -70,7 +81,7 @@ GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
                   + option_cases(seqlens=((70, 90),), windows=[(-1, -1), (7, 3)])
                   + option_cases(dtypes=("bfloat16", "float16"), seqlens=((90, 70),), windows=[(-1, -1), (7, 3)],
                                  head_dim=64)
-                  + empty_row_cases() + LARGE_CASES[:6])
+                  + empty_row_cases() + LARGE_CASES[:6] + WIDE_GRADIENT_CASES)
 
 DETERMINISTIC_CASES = [
     LARGE_CASES[0],

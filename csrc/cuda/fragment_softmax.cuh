@@ -224,11 +224,13 @@ __device__ __forceinline__ float lse_to_log2(float lse) {
   return lse == kNegInf ? -kNegInf : lse * kLog2e;
 }
 
-// Writes a 16 x kHeadDim fragment (rows row0 + g, + 8) of one head, times scale.
+// Writes a 16 x kHeadDim fragment (rows row0 + g, + 8; columns col0 + [0,
+// kHeadDim)) of one head, times scale.
 template <class T, int kHeadDim>
 __device__ __forceinline__ void store_rows(void* base, int64_t b, int64_t seqlen, int64_t heads,
                                            int64_t h, int64_t dim, int64_t row0,
-                                           const float (&acc)[kHeadDim / 2], float scale) {
+                                           const float (&acc)[kHeadDim / 2], float scale,
+                                           int col0 = 0) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -237,7 +239,7 @@ __device__ __forceinline__ void store_rows(void* base, int64_t b, int64_t seqlen
     T* dst = static_cast<T*>(base) + ((b * seqlen + row) * heads + h) * dim;
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n) {
-      const int col = n * 8 + 2 * t;
+      const int col = col0 + n * 8 + 2 * t;
       if (col < dim)
         *reinterpret_cast<uint32_t*>(dst + col) =
             pack2<T>(acc[4 * n + 2 * r] * scale, acc[4 * n + 2 * r + 1] * scale);

@@ -209,13 +209,13 @@ __device__ __forceinline__ void issue_ab(float (&acc)[kHeadDim / 2], const uint3
 }
 
 // P (in s, from log2 scores) and dS (in dp), in place; lse2/D per element.
-template <class LseOf, class DOf>
-__device__ __forceinline__ void probabilities_and_grad(float (&s)[32], float (&dp)[32],
+template <int kN, class LseOf, class DOf>
+__device__ __forceinline__ void probabilities_and_grad(float (&s)[kN], float (&dp)[kN],
                                                        const AttentionParams& p, LseOf&& lse2,
                                                        DOf&& d_of) {
   const float inv_cap_log2 = p.softcap > 0.0f ? 1.0f / (p.softcap * kLog2e) : 0.0f;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < kN; ++i) {
     const float prob = fast_exp2(s[i] - lse2(i));
     float ds = prob * (dp[i] - d_of(i));
     if (p.softcap > 0.0f) {
@@ -227,10 +227,10 @@ __device__ __forceinline__ void probabilities_and_grad(float (&s)[32], float (&d
   }
 }
 
-template <class T>
-__device__ __forceinline__ void pack_fragments(uint32_t (&a)[4][4], const float (&x)[32]) {
+template <class T, int kK>
+__device__ __forceinline__ void pack_fragments(uint32_t (&a)[kK][4], const float (&x)[kK * 8]) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) p_fragment<T, 8>(a[kk], x, kk);
+  for (int kk = 0; kk < kK; ++kk) p_fragment<T, 2 * kK>(a[kk], x, kk);
 }
 
 // Writes rows row0 + [0, 64) of a consumer's 64 x kHeadDim accumulator.
@@ -292,20 +292,23 @@ __device__ __forceinline__ void pipeline(int64_t tiles, Products&& products,
   release(tiles - 1);
 }
 
-// Stores a consumer's dS^T fragment (its 64 keys x 64 queries, packed) into
-// the [128 keys][64 queries] tile in the 128-byte-swizzled layout wgmma reads
-// as an MN-major operand: key row r is 128 bytes, 16-byte chunk c at c ^ (r % 8).
-__device__ __forceinline__ void store_transposed_ds(unsigned char* tile, int consumer,
-                                                    const uint32_t (&ds)[4][4]) {
+// Stores a warpgroup's packed [64 keys][16 kK queries] fragment (P^T or dS^T)
+// at key rows key0 + [0, 64) and query columns 8 chunk0 + [0, 16 kK) of a
+// [keys][64 queries] tile, in the 128-byte-swizzled layout wgmma reads (as a
+// K-major or an MN-major operand): key row r is 128 bytes, 16-byte chunk c at
+// c ^ (r % 8).
+template <int kK>
+__device__ __forceinline__ void store_transposed(unsigned char* tile, int key0, int chunk0,
+                                                 const uint32_t (&x)[kK][4]) {
   const int lane = threadIdx.x % 32, t = lane % 4;
-  const int row0 = consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+  const int row0 = key0 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
+  for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int row = row0 + 8 * (j & 1), chunk = 2 * kk + j / 2;
+      const int row = row0 + 8 * (j & 1), chunk = chunk0 + 2 * kk + j / 2;
       *reinterpret_cast<uint32_t*>(tile + row * 128 + ((chunk ^ (row % 8)) << 4) + 4 * t) =
-          ds[kk][j];
+          x[kk][j];
     }
 }
 
@@ -335,10 +338,15 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* d
 // Adds a consumer's dQ fragment (64 rows x 64 columns) to its float32 block:
 // the warpgroup stages it in shared memory, then one thread issues a bulk
 // reduction (per-thread atomics cost more than a third of the kernel's time).
-// The stage is free again once that thread's bulk_wait_reads() returns.
+// The stage is free again once that thread's bulk_wait_reads() returns; with
+// wait_stage, add_dq waits for that itself first.
 __device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
-                                       const float (&dq)[32]) {
+                                       const float (&dq)[32], bool wait_stage = false) {
   const int lane = threadIdx.x % 32;
+  if (wait_stage) {
+    if (threadIdx.x % 128 == 0) bulk_wait_reads();
+    named_sync(5 + consumer, 128);
+  }
   const int row0 = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -353,6 +361,48 @@ __device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
   if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes);
 }
 
+// The keys [k0, last_key] of kv head hk a key-kernel CTA owns, and the
+// streamed query tiles that see them: tile it is rows [row(it), +kStreamRows)
+// of query head head(it).
+struct KeyBlock {
+  int64_t b, hk, k0, last_key, row_begin, q_tiles, tiles;
+  int own_rows, group;
+  __device__ KeyBlock(const AttentionParams& p, int rows) : own_rows(rows), group(p.group_size()) {
+    const int64_t k_tiles = (p.seqlen_k + own_rows - 1) / own_rows;
+    const int64_t k_tile = blockIdx.x % k_tiles, bhk = blockIdx.x / k_tiles;
+    b = bhk / p.heads_kv;
+    hk = bhk % p.heads_kv;
+    k0 = k_tile * own_rows;
+    last_key = min(k0 + own_rows, p.seqlen_k) - 1;
+    row_begin = p.first_query(k0) / kStreamRows * kStreamRows;
+    const int64_t row_end = p.last_query(last_key) + 1;
+    q_tiles = row_end > row_begin ? (row_end - row_begin + kStreamRows - 1) / kStreamRows : 0;
+    tiles = q_tiles * group;
+  }
+  __device__ int64_t row(int64_t it) const { return row_begin + (it % q_tiles) * kStreamRows; }
+  __device__ int64_t head(int64_t it) const { return hk * group + it / q_tiles; }
+
+  // Masks a thread's S^T fragment (keys key, key + 8; queries col0 + [0, 8 kTiles))
+  // where some of the block's (key, query) pairs are invisible.
+  template <int kTiles>
+  __device__ void mask(float (&st)[kTiles * 4], const AttentionParams& p, int64_t key,
+                       int64_t col0) const {
+    constexpr int kCols = kTiles * 8;
+    if (col0 >= p.first_query(last_key) && col0 + kCols - 1 <= p.last_query(k0) &&
+        col0 + kCols <= p.seqlen_q && last_key - k0 + 1 == own_rows)
+      return;
+    int lo[2], hi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t k = key + 8 * r;
+      visible_columns(p.first_query(k), min(p.last_query(k), p.seqlen_q - 1), col0, kCols, lo[r],
+                      hi[r]);
+      if (k >= p.seqlen_k) hi[r] = -1;
+    }
+    mask_columns<kTiles>(st, lo, hi);
+  }
+};
+
 template <class T, int kHeadDim, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
@@ -360,16 +410,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
   using L = Layout<kHeadDim>;
-  const int64_t k_tiles = (p.seqlen_k + kOwnRows - 1) / kOwnRows;
-  const int64_t k_tile = blockIdx.x % k_tiles, bhk = blockIdx.x / k_tiles;
-  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
-  const int64_t k0 = k_tile * kOwnRows, last_key = min(k0 + kOwnRows, p.seqlen_k) - 1;
-  const int64_t row_begin = p.first_query(k0) / kStreamRows * kStreamRows;
-  const int64_t row_end = p.last_query(last_key) + 1;
-  const int64_t q_tiles = row_end > row_begin ? (row_end - row_begin + kStreamRows - 1) / kStreamRows : 0;
-  const int64_t tiles = q_tiles * p.group_size();
-  const auto tile_row = [&](int64_t it) { return row_begin + (it % q_tiles) * kStreamRows; };
-  const auto tile_head = [&](int64_t it) { return hk * p.group_size() + it / q_tiles; };
+  const KeyBlock kb(p, kOwnRows);
+  const int64_t b = kb.b, hk = kb.hk, k0 = kb.k0, tiles = kb.tiles;
+  const auto tile_row = [&](int64_t it) { return kb.row(it); };
+  const auto tile_head = [&](int64_t it) { return kb.head(it); };
   sm.init();
 
   const int warpgroup = threadIdx.x / 128;
@@ -406,22 +450,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       [&](int64_t it) {  // P^T, dS^T
         fence_regs(st);
         fence_regs(dpt);
-        const int64_t q0 = tile_row(it);
         scores_log2(st, p);
-        const bool needs_mask = q0 < p.first_query(last_key) ||
-                                q0 + kStreamRows - 1 > p.last_query(k0) ||
-                                q0 + kStreamRows > p.seqlen_q || last_key - k0 + 1 < kOwnRows;
-        if (needs_mask) {
-          int lo[2], hi[2];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int64_t key = my_key + 8 * r;
-            visible_columns(p.first_query(key), min(p.last_query(key), p.seqlen_q - 1), q0,
-                            kStreamRows, lo[r], hi[r]);
-            if (key >= p.seqlen_k) hi[r] = -1;
-          }
-          mask_columns<8>(st, lo, hi);
-        }
+        kb.mask<8>(st, p, my_key, tile_row(it));
         // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
         const float* lse2 = tile_stats(it);
         const float* D = lse2 + kStreamRows;
@@ -430,10 +460,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                                [&](int i) { return D[column(i)]; });
       },
       [&](int64_t it) {
-        pack_fragments<T>(pa, st);
-        pack_fragments<T>(dsa, dpt);
+        pack_fragments<T, 4>(pa, st);
+        pack_fragments<T, 4>(dsa, dpt);
         if constexpr (kFusedDq) {
-          store_transposed_ds(sm.ds + (it % 2) * L::kDsBytes, consumer, dsa);
+          store_transposed(sm.ds + (it % 2) * L::kDsBytes, consumer * 64, 0, dsa);
           fence_proxy_async();
         }
       },
@@ -536,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
                                [&](int i) { return D[(i % 4) / 2]; });
       },
-      [&](int64_t) { pack_fragments<T>(dsa, dp); },
+      [&](int64_t) { pack_fragments<T, 4>(dsa, dp); },
       [&](int64_t it) {  // dQ += dS K_j
         wgmma_fence();
         issue_ab<T, kHeadDim>(dq, dsa, k_tile(it));
@@ -562,32 +592,268 @@ __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant
 
 #endif
 
+// Head dims 129-256 ("wide"): dK and dV of 128 keys do not fit in registers,
+// so a CTA owns 64 keys and its two consumers split the work of each
+// streamed tile of 64 queries two ways:
+//  * consumer c computes S^T and dP^T for queries [32c, +32) (all 64 keys),
+//    and stores P^T and dS^T (16-bit) to shared memory;
+//  * after a 256-thread barrier, consumer c accumulates dV and dK for head
+//    dims [128c, +128) from the whole P^T and dS^T tiles (operands from
+//    shared memory), and computes those head dims of dQ_j = dS_j K in two
+//    64-column blocks, added to the float32 buffer by bulk reductions.
+// Registers: dK, dV 64 each, dQ 2 x 32; S^T, dP^T 16 each (dead by then).
+// Shared memory: K, V, two Q stages and one dO stage (so dO_{j+1} loads once
+// dV_j is done), two P^T/dS^T buffers and a dQ stage per consumer.
+namespace wide {
+constexpr int kKeys = 64;
+constexpr int kHeadDim = 256;
+constexpr int kTileBytes = 64 * kHeadDim * 2;  // K, V, a Q or a dO tile
+constexpr int kGradBytes = kKeys * kStreamRows * 2;  // one P^T or dS^T tile
+constexpr int kQStages = 2;
+constexpr int kColBlock = 64 * 128;  // one 64-column block of a 64-row tile
+constexpr int kQOffset = 2 * kTileBytes;
+constexpr int kDoOffset = kQOffset + kQStages * kTileBytes;
+constexpr int kGradOffset = kDoOffset + kTileBytes;
+constexpr int kDqStageOffset = kGradOffset + 2 * 2 * kGradBytes;
+constexpr int kStatOffset = kDqStageOffset + 2 * kDqBlockBytes;
+constexpr int kStatBytes = kStreamRows * 4;  // a tile's lse2 (with Q) or D (with dO)
+constexpr int kBarrierOffset = kStatOffset + (kQStages + 1) * kStatBytes;
+constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kQStages + 2) + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of sm_90");
+}  // namespace wide
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+struct WideSmem {
+  unsigned char *k, *v, *q, *dout, *grads;
+  float *dq_stage, *lse2, *D;
+  uint64_t *owned, *q_full, *q_empty, *do_full, *do_empty;
+  __device__ explicit WideSmem(unsigned char* raw) {
+    using namespace wide;
+    unsigned char* base = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    k = base;
+    v = base + kTileBytes;
+    q = base + kQOffset;
+    dout = base + kDoOffset;
+    grads = base + kGradOffset;
+    dq_stage = reinterpret_cast<float*>(base + kDqStageOffset);
+    lse2 = reinterpret_cast<float*>(base + kStatOffset);
+    D = lse2 + kQStages * kStreamRows;
+    owned = reinterpret_cast<uint64_t*>(base + kBarrierOffset);
+    q_full = owned + 1;
+    q_empty = q_full + kQStages;
+    do_full = q_empty + kQStages;
+    do_empty = do_full + 1;
+    if (threadIdx.x == 0) {
+      mbar_init(owned, 1);
+      for (int s = 0; s < kQStages; ++s) {
+        mbar_init(&q_full[s], 1);
+        mbar_init(&q_empty[s], 8);  // one arrival per consumer warp
+      }
+      mbar_init(do_full, 1);
+      mbar_init(do_empty, 8);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
+  // Tile it's P^T and dS^T (double-buffered: the other consumer may still
+  // read tile it - 1's while this one writes tile it's).
+  __device__ unsigned char* pt(int64_t it) const { return grads + (it % 2) * 2 * wide::kGradBytes; }
+  __device__ unsigned char* dst(int64_t it) const { return pt(it) + wide::kGradBytes; }
+};
+
+__device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps, const KeyBlock& kb,
+                             const AttentionParams& p, const RowStats& stats) {
+  using namespace wide;
+  const int batch = static_cast<int>(kb.b);
+  mbar_expect_tx(sm.owned, 2 * kTileBytes);
+  tma_tile<kHeadDim, kKeys>(sm.k, &maps.own_a, sm.owned, static_cast<int>(kb.k0),
+                            static_cast<int>(kb.hk), batch);
+  tma_tile<kHeadDim, kKeys>(sm.v, &maps.own_b, sm.owned, static_cast<int>(kb.k0),
+                            static_cast<int>(kb.hk), batch);
+  for (int64_t it = 0; it < kb.tiles; ++it) {
+    const int row = static_cast<int>(kb.row(it)), head = static_cast<int>(kb.head(it));
+    const int64_t at = (kb.b * p.heads_q + head) * stats.rows_padded + row;
+    const int s = it % kQStages;
+    mbar_wait(&sm.q_empty[s], ((it / kQStages) & 1) ^ 1);
+    mbar_expect_tx(&sm.q_full[s], kTileBytes + kStatBytes);
+    bulk_load(sm.lse2 + s * kStreamRows, stats.lse2 + at, kStatBytes, &sm.q_full[s]);
+    tma_tile<kHeadDim, kStreamRows>(sm.q + s * kTileBytes, &maps.stream_a, &sm.q_full[s], row,
+                                    head, batch);
+    mbar_wait(sm.do_empty, (it & 1) ^ 1);
+    mbar_expect_tx(sm.do_full, kTileBytes + kStatBytes);
+    bulk_load(sm.D, stats.D + at, kStatBytes, sm.do_full);
+    tma_tile<kHeadDim, kStreamRows>(sm.dout, &maps.stream_b, sm.do_full, row, head, batch);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_wide_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
+                           const RowStats stats, float* dq_accum) {
+  using namespace wide;
+  extern __shared__ unsigned char smem_raw[];
+  WideSmem sm(smem_raw);
+  const KeyBlock kb(p, kKeys);
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (threadIdx.x == 0) produce_wide(sm, maps, kb, p, stats);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int c = warpgroup - 1, lane = threadIdx.x % 32, t = lane % 4;
+  const int key_row = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+  float dk[64] = {}, dv[64] = {};
+  mbar_wait(sm.owned, 0);
+  for (int64_t it = 0; it < kb.tiles; ++it) {
+    const int s = it % kQStages;
+    const unsigned char* q_tile = sm.q + s * kTileBytes;
+    mbar_wait(&sm.q_full[s], (it / kQStages) & 1);
+    mbar_wait(sm.do_full, it & 1);
+    // S^T = K Q^T and dP^T = V dO^T for this consumer's 32 queries.
+    float st[16], dpt[16];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk)
+      wgmma_ss_n32<T>(st, k_major_desc<kKeys>(sm.k, kk),
+                      k_major_desc<kStreamRows>(q_tile + c * 32 * 128, kk), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk)
+      wgmma_ss_n32<T>(dpt, k_major_desc<kKeys>(sm.v, kk),
+                      k_major_desc<kStreamRows>(sm.dout + c * 32 * 128, kk), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(st);
+    fence_regs(dpt);
+    scores_log2(st, p);
+    kb.mask<4>(st, p, kb.k0 + key_row, kb.row(it) + 32 * c);
+    // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
+    const float* lse2 = sm.lse2 + s * kStreamRows + 32 * c;
+    const float* D = sm.D + 32 * c;
+    const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
+    probabilities_and_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
+                           [&](int i) { return D[column(i)]; });
+    {
+      uint32_t frag[2][4];
+      pack_fragments<T, 2>(frag, st);
+      store_transposed(sm.pt(it), 0, 4 * c, frag);
+      pack_fragments<T, 2>(frag, dpt);
+      store_transposed(sm.dst(it), 0, 4 * c, frag);
+    }
+    fence_proxy_async();
+    named_sync(3);  // both consumers' halves of P^T and dS^T are stored
+
+    // dV += P^T dO, dQ_j = dS K (two 64-column blocks), dK += dS^T Q for head
+    // dims [128c, +128); four commit groups, retired in order.
+    float dq0[32], dq1[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dq0[i] = dq1[i] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kStreamRows / 16; ++kk)
+      wgmma_ss_bmn_n128<T>(dv, k_major_desc<kKeys>(sm.pt(it), kk),
+                           smem_desc(sm.dout + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024),
+                           1);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk)
+      wgmma_ss_mn_n64<T>(dq0, smem_desc(sm.dst(it) + kk * 16 * 128, 1024, 1024),
+                         smem_desc(sm.k + 2 * c * kColBlock + kk * 16 * 128, 1024, 1024), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk)
+      wgmma_ss_mn_n64<T>(dq1, smem_desc(sm.dst(it) + kk * 16 * 128, 1024, 1024),
+                         smem_desc(sm.k + (2 * c + 1) * kColBlock + kk * 16 * 128, 1024, 1024),
+                         kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kStreamRows / 16; ++kk)
+      wgmma_ss_bmn_n128<T>(dk, k_major_desc<kKeys>(sm.dst(it), kk),
+                           smem_desc(q_tile + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024),
+                           1);
+    wgmma_commit();
+    wgmma_wait<3>();
+    fence_regs(dv);
+    if (lane == 0) mbar_arrive(sm.do_empty);
+    const int64_t bh = kb.b * p.heads_q + kb.head(it);
+    float* stage = sm.dq_stage + c * kDqBlock;
+    wgmma_wait<2>();
+    fence_regs(dq0);
+    add_dq(dq_accum + dq_block_start<kHeadDim>(bh, kb.row(it), 2 * c, stats.rows_padded), stage,
+           c, dq0, true);
+    wgmma_wait<1>();
+    fence_regs(dq1);
+    add_dq(dq_accum + dq_block_start<kHeadDim>(bh, kb.row(it), 2 * c + 1, stats.rows_padded),
+           stage, c, dq1, true);
+    wgmma_wait<0>();
+    fence_regs(dk);
+    if (lane == 0) mbar_arrive(&sm.q_empty[s]);
+  }
+  if (threadIdx.x % 128 == 0) bulk_wait_all();
+  const int64_t row0 = kb.k0 + ((threadIdx.x / 32) % 4) * 16;
+  store_rows<T, 128>(p.dk, kb.b, p.seqlen_k, p.heads_kv, kb.hk, p.head_dim, row0, dk,
+                     p.softmax_scale, 128 * c);
+  store_rows<T, 128>(p.dv, kb.b, p.seqlen_k, p.heads_kv, kb.hk, p.head_dim_v, row0, dv, 1.0f,
+                     128 * c);
+}
+
+#else
+
+template <class T>
+__global__ void hopper_wide_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
+                                       const RowStats, float*) {}
+
+#endif
+
 // Kernel attributes are set once per instantiation.
 template <class Kernel>
 cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
+// Head dims above 128 take the wide key kernel (fused dQ only).
+template <int kHeadDim>
+constexpr bool kWide = kHeadDim > 128;
+
+template <int kHeadDim>
+constexpr int smem_bytes() {
+  if constexpr (kWide<kHeadDim>) return wide::kSmemBytes;
+  else return Layout<kHeadDim>::kSmemBytes;
+}
+
 template <class T, int kHeadDim>
-cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
-  constexpr int kSmem = Layout<kHeadDim>::kSmemBytes;
-  const bool fused = ws.dq_accum != nullptr;
+cudaError_t configure_kernels() {
+  constexpr int kSmem = smem_bytes<kHeadDim>();
   static std::once_flag configured;
   static cudaError_t config_status = cudaSuccess;
   std::call_once(configured, [] {
-    for (cudaError_t e : {allow_smem(hopper_key_kernel<T, kHeadDim, true>, kSmem),
-                          allow_smem(hopper_key_kernel<T, kHeadDim, false>, kSmem),
-                          allow_smem(hopper_query_kernel<T, kHeadDim>, kSmem)})
-      if (e != cudaSuccess && config_status == cudaSuccess) config_status = e;
+    if constexpr (kWide<kHeadDim>) {
+      config_status = allow_smem(hopper_wide_key_kernel<T>, kSmem);
+    } else {
+      for (cudaError_t e : {allow_smem(hopper_key_kernel<T, kHeadDim, true>, kSmem),
+                            allow_smem(hopper_key_kernel<T, kHeadDim, false>, kSmem),
+                            allow_smem(hopper_query_kernel<T, kHeadDim>, kSmem)})
+        if (e != cudaSuccess && config_status == cudaSuccess) config_status = e;
+    }
   });
-  if (config_status != cudaSuccess) return config_status;
+  return config_status;
+}
+
+template <class T, int kHeadDim>
+cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
+  constexpr int kSmem = smem_bytes<kHeadDim>();
+  constexpr int kKeysPerBlock = kWide<kHeadDim> ? wide::kKeys : kOwnRows;
+  const bool fused = ws.dq_accum != nullptr;
+  if (cudaError_t e = configure_kernels<T, kHeadDim>(); e != cudaSuccess) return e;
   const auto map = [&](CUtensorMap* m, const void* data, int64_t seqlen, int64_t heads,
                        int64_t dim, int rows) {
     return make_map(m, data, p.dtype, p.batch, seqlen, heads, dim, rows);
   };
   BackwardMaps key_maps, query_maps;
-  if (!map(&key_maps.own_a, p.k, p.seqlen_k, p.heads_kv, p.head_dim, kOwnRows) ||
-      !map(&key_maps.own_b, p.v, p.seqlen_k, p.heads_kv, p.head_dim_v, kOwnRows) ||
+  if (!map(&key_maps.own_a, p.k, p.seqlen_k, p.heads_kv, p.head_dim, kKeysPerBlock) ||
+      !map(&key_maps.own_b, p.v, p.seqlen_k, p.heads_kv, p.head_dim_v, kKeysPerBlock) ||
       !map(&key_maps.stream_a, p.q, p.seqlen_q, p.heads_q, p.head_dim, kStreamRows) ||
       !map(&key_maps.stream_b, p.dout, p.seqlen_q, p.heads_q, p.head_dim_v, kStreamRows) ||
       !map(&query_maps.own_a, p.q, p.seqlen_q, p.heads_q, p.head_dim, kOwnRows) ||
@@ -595,13 +861,14 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
       !map(&query_maps.stream_a, p.k, p.seqlen_k, p.heads_kv, p.head_dim, kStreamRows) ||
       !map(&query_maps.stream_b, p.v, p.seqlen_k, p.heads_kv, p.head_dim_v, kStreamRows))
     return cudaErrorInvalidValue;
-  const int64_t key_blocks = (p.seqlen_k + kOwnRows - 1) / kOwnRows * p.batch * p.heads_kv;
+  const int64_t key_blocks =
+      (p.seqlen_k + kKeysPerBlock - 1) / kKeysPerBlock * p.batch * p.heads_kv;
   const int64_t query_blocks = (p.seqlen_q + kOwnRows - 1) / kOwnRows * p.batch * p.heads_q;
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const RowStats stats{ws.lse2_padded, ws.D_padded, ws.rows_padded};
   const unsigned elementwise_blocks = 8 * multiprocessor_count();  // grid-stride kernels
   stage_rows_kernel<<<elementwise_blocks, 256, 0, stream>>>(p, ws, fused);
-  if (!fused) {
+  if constexpr (!kWide<kHeadDim>) if (!fused) {
     hopper_key_kernel<T, kHeadDim, false>
         <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, stats,
                                                                           nullptr);
@@ -614,9 +881,13 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
       sizeof(float) * static_cast<size_t>(p.batch * p.heads_q * ws.rows_padded * ws.dq_cols);
   if (cudaError_t e = cudaMemsetAsync(ws.dq_accum, 0, accum_bytes, stream); e != cudaSuccess)
     return e;
-  hopper_key_kernel<T, kHeadDim, true>
-      <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, stats,
-                                                                        ws.dq_accum);
+  if constexpr (kWide<kHeadDim>)
+    hopper_wide_key_kernel<T><<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
+        p, key_maps, stats, ws.dq_accum);
+  else
+    hopper_key_kernel<T, kHeadDim, true>
+        <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, stats,
+                                                                          ws.dq_accum);
   convert_dq_kernel<T, kHeadDim><<<elementwise_blocks, 256, 0, stream>>>(p, ws.dq_accum,
                                                                          ws.rows_padded);
   return cudaGetLastError();
@@ -626,9 +897,10 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
 
 bool hopper_backward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
-  // As the forward, and head dims up to 128: at 256 the owned tiles and the
-  // dK/dV accumulators do not fit (the mma.sync path takes those).
-  return tensor_core_shapes(p) && head_dim_bucket(p) <= 128 && p.head_dim >= 64 &&
+  // As the forward. Above head dim 128 only the fused (non-deterministic)
+  // kernel exists; deterministic mode takes the mma.sync path there.
+  return tensor_core_shapes(p) && (head_dim_bucket(p) <= 128 || !p.deterministic) &&
+         p.head_dim >= 64 &&
          p.head_dim_v >= 64 && p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) &&
          compute_capability() == 90 && encode_fn() != nullptr;
 #else
@@ -647,6 +919,9 @@ cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStrea
   if (cudaError_t e = backward_preprocess(p, ws.D, stream); e != cudaSuccess) return e;
   cudaError_t status = with_half_type(p.dtype, [&](auto tag) {
     if (head_dim_bucket(p) == 64) return launch<decltype(tag), 64>(p, ws, stream);
+#ifdef FLASHJAX_TC_HEAD_DIM_256
+    if (head_dim_bucket(p) == 256) return launch<decltype(tag), 256>(p, ws, stream);
+#endif
     return launch<decltype(tag), 128>(p, ws, stream);
   });
   if (status != cudaSuccess) return status;
