@@ -34,28 +34,39 @@ constexpr int kStreamRows = 64; // rows of each streamed tile
 constexpr int kStages = 3;  // 3: the next tile loads while one is computed and one drains
 constexpr int kThreads = 384;
 
-// dQ is accumulated in float32 blocks of 64 rows x 64 head dims (one per
-// consumer and tile), 16 KB each, contiguous so that one bulk reduction adds a
-// block: block (bh, row tile, column block) starts at
-// ((bh * row_tiles + tile) * kHeadDim / 64 + column block) * kDqBlock floats,
-// and element (r, c) sits at r * 64 + (c ^ 8 * (r % 8)) in it (pairs of
-// columns swizzled by row, so that staging it in shared memory spreads banks).
-constexpr int kDqBlock = 64 * 64;
-constexpr int kDqBlockBytes = kDqBlock * 4;
+// dQ is accumulated in float32 blocks of 64 rows x kCols head dims (64; 32 in
+// the wide kernel, whose shared memory holds only 8 KB stages), contiguous so
+// that one bulk reduction adds a block: block (bh, row tile, column block)
+// starts at ((bh * row_tiles + tile) * kHeadDim / kCols + column block) * 64 *
+// kCols floats, and element (r, c) sits at r * kCols + (c ^ 8 * (r % (kCols /
+// 8))) in it (pairs of columns swizzled by row, so that staging it in shared
+// memory spreads banks).
+template <int kCols>
+constexpr int kDqBlock = 64 * kCols;
+template <int kCols>
+constexpr int kDqBlockBytes = kDqBlock<kCols> * 4;
 
+template <int kCols>
 __host__ __device__ __forceinline__ int64_t dq_block_offset(int64_t row, int64_t col) {
   const int64_t r = row % 64;
-  return r * 64 + ((col % 64) ^ (8 * (r % 8)));
+  return r * kCols + ((col % kCols) ^ (8 * (r % (kCols / 8))));
 }
 
 // The float32 block (in floats from the buffer's start) of head bh's rows
-// [64 * (row / 64), +64) and head dims [64 * col_block, +64).
-template <int kHeadDim>
+// [64 * (row / 64), +64) and head dims [kCols * col_block, +kCols).
+template <int kHeadDim, int kCols>
 __host__ __device__ __forceinline__ int64_t dq_block_start(int64_t bh, int64_t row,
                                                            int64_t col_block,
                                                            int64_t rows_padded) {
-  return ((bh * (rows_padded / 64) + row / 64) * (kHeadDim / 64) + col_block) * kDqBlock;
+  return ((bh * (rows_padded / 64) + row / 64) * (kHeadDim / kCols) + col_block) *
+         kDqBlock<kCols>;
 }
+
+// Head dims above 128 take the wide key kernel (fused dQ only).
+template <int kHeadDim>
+constexpr bool kWide = kHeadDim > 128;
+template <int kHeadDim>
+constexpr int kDqCols = kWide<kHeadDim> ? 32 : 64;
 
 template <int kHeadDim>
 struct Layout {
@@ -65,7 +76,7 @@ struct Layout {
   static constexpr int kStatBytes = 2 * kStreamRows * 4;          // a tile's lse2 and D
   static constexpr int kDsOffset = 2 * kOwnBytes + 2 * kStages * kStreamBytes;
   static constexpr int kDqStageOffset = kDsOffset + 2 * kDsBytes;  // dS^T double-buffered
-  static constexpr int kStatOffset = kDqStageOffset + 2 * kDqBlockBytes;  // one per consumer
+  static constexpr int kStatOffset = kDqStageOffset + 2 * kDqBlockBytes<64>;  // one per consumer
   static constexpr int kBarrierOffset = kStatOffset + kStages * kStatBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kStages) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of sm_90");
@@ -113,8 +124,10 @@ __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum
     const int64_t c = at % p.head_dim, rest = at / p.head_dim;
     const int64_t h = rest % p.heads_q, bi = rest / p.heads_q;
     const int64_t b = bi / p.seqlen_q, i = bi % p.seqlen_q;
-    const float x = dq_accum[dq_block_start<kHeadDim>(b * p.heads_q + h, i, c / 64, rows_padded) +
-                             dq_block_offset(i, c)];
+    constexpr int kCols = kDqCols<kHeadDim>;
+    const float x = dq_accum[dq_block_start<kHeadDim, kCols>(b * p.heads_q + h, i, c / kCols,
+                                                             rows_padded) +
+                             dq_block_offset<kCols>(i, c)];
     static_cast<T*>(p.dq)[at] = from_float<T>(x * p.softmax_scale);
   }
 }
@@ -335,13 +348,16 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* d
   }
 }
 
-// Adds a consumer's dQ fragment (64 rows x 64 columns) to its float32 block:
-// the warpgroup stages it in shared memory, then one thread issues a bulk
-// reduction (per-thread atomics cost more than a third of the kernel's time).
-// The stage is free again once that thread's bulk_wait_reads() returns; with
-// wait_stage, add_dq waits for that itself first.
+// Adds columns [kCols * part, +kCols) of a consumer's dQ fragment (64 rows x
+// 64 columns) to its float32 block: the warpgroup stages them in shared
+// memory, then one thread issues a bulk reduction (per-thread atomics cost
+// more than a third of the kernel's time). The stage is free again once that
+// thread's bulk_wait_reads() returns; with wait_stage, add_dq waits for that
+// itself first.
+template <int kCols>
 __device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
-                                       const float (&dq)[32], bool wait_stage = false) {
+                                       const float (&dq)[32], int part = 0,
+                                       bool wait_stage = false) {
   const int lane = threadIdx.x % 32;
   if (wait_stage) {
     if (threadIdx.x % 128 == 0) bulk_wait_reads();
@@ -351,14 +367,14 @@ __device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      const int row = row0 + 8 * r;
-      *reinterpret_cast<float2*>(stage + dq_block_offset(row, 8 * n + 2 * (lane % 4))) =
-          make_float2(dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+    for (int n = 0; n < kCols / 8; ++n) {
+      const int row = row0 + 8 * r, i = 4 * (n + part * kCols / 8) + 2 * r;
+      *reinterpret_cast<float2*>(stage + dq_block_offset<kCols>(row, 8 * n + 2 * (lane % 4))) =
+          make_float2(dq[i], dq[i + 1]);
     }
   fence_proxy_async();
   named_sync(5 + consumer, 128);
-  if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes);
+  if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes<kCols>);
 }
 
 // The keys [k0, last_key] of kv head hk a key-kernel CTA owns, and the
@@ -483,10 +499,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           // dQ is staged and sent while dK's product runs.
           wgmma_wait<1>();
           fence_regs(dq);
-          const int64_t block = dq_block_start<kHeadDim>(b * p.heads_q + tile_head(it), tile_row(it),
-                                                         kHeadDim == 64 ? 0 : consumer,
-                                                         stats.rows_padded);
-          add_dq(dq_accum + block, sm.dq_stage + consumer * kDqBlock, consumer, dq);
+          const int64_t block = dq_block_start<kHeadDim, 64>(
+              b * p.heads_q + tile_head(it), tile_row(it), kHeadDim == 64 ? 0 : consumer,
+              stats.rows_padded);
+          add_dq<64>(dq_accum + block, sm.dq_stage + consumer * kDqBlock<64>, consumer, dq);
         } else {
           issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
           wgmma_commit();
@@ -599,33 +615,36 @@ __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant
 //    and stores P^T and dS^T (16-bit) to shared memory;
 //  * after a 256-thread barrier, consumer c accumulates dV and dK for head
 //    dims [128c, +128) from the whole P^T and dS^T tiles (operands from
-//    shared memory), and computes those head dims of dQ_j = dS_j K in two
-//    64-column blocks, added to the float32 buffer by bulk reductions.
+//    shared memory), and computes those head dims of dQ_j = dS_j K as two
+//    64-column products, added to the float32 buffer by 32-column bulk
+//    reductions.
 // Registers: dK, dV 64 each, dQ 2 x 32; S^T, dP^T 16 each (dead by then).
-// Shared memory: K, V, two Q stages and one dO stage (so dO_{j+1} loads once
-// dV_j is done), two P^T/dS^T buffers and a dQ stage per consumer.
+// Shared memory: K, V, two stages of Q and dO (a one-stage dO ring left the
+// next dO's load exposed: 40% of the time), one P^T/dS^T pair and an 8 KB dQ
+// stage per consumer: 224 KB.
 namespace wide {
 constexpr int kKeys = 64;
 constexpr int kHeadDim = 256;
+constexpr int kWideStages = 2;
 constexpr int kTileBytes = 64 * kHeadDim * 2;  // K, V, a Q or a dO tile
 constexpr int kGradBytes = kKeys * kStreamRows * 2;  // one P^T or dS^T tile
-constexpr int kQStages = 2;
 constexpr int kColBlock = 64 * 128;  // one 64-column block of a 64-row tile
+constexpr int kDqStageFloats = kDqBlock<kDqCols<kHeadDim>>;
 constexpr int kQOffset = 2 * kTileBytes;
-constexpr int kDoOffset = kQOffset + kQStages * kTileBytes;
-constexpr int kGradOffset = kDoOffset + kTileBytes;
-constexpr int kDqStageOffset = kGradOffset + 2 * 2 * kGradBytes;
-constexpr int kStatOffset = kDqStageOffset + 2 * kDqBlockBytes;
+constexpr int kDoOffset = kQOffset + kWideStages * kTileBytes;
+constexpr int kGradOffset = kDoOffset + kWideStages * kTileBytes;
+constexpr int kDqStageOffset = kGradOffset + 2 * kGradBytes;
+constexpr int kStatOffset = kDqStageOffset + 2 * kDqStageFloats * 4;
 constexpr int kStatBytes = kStreamRows * 4;  // a tile's lse2 (with Q) or D (with dO)
-constexpr int kBarrierOffset = kStatOffset + (kQStages + 1) * kStatBytes;
-constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kQStages + 2) + 1024;
+constexpr int kBarrierOffset = kStatOffset + 2 * kWideStages * kStatBytes;
+constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 4 * kWideStages) + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of sm_90");
 }  // namespace wide
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 struct WideSmem {
-  unsigned char *k, *v, *q, *dout, *grads;
+  unsigned char *k, *v, *q, *dout, *pt, *dst;
   float *dq_stage, *lse2, *D;
   uint64_t *owned, *q_full, *q_empty, *do_full, *do_empty;
   __device__ explicit WideSmem(unsigned char* raw) {
@@ -636,56 +655,66 @@ struct WideSmem {
     v = base + kTileBytes;
     q = base + kQOffset;
     dout = base + kDoOffset;
-    grads = base + kGradOffset;
+    pt = base + kGradOffset;
+    dst = pt + kGradBytes;
     dq_stage = reinterpret_cast<float*>(base + kDqStageOffset);
     lse2 = reinterpret_cast<float*>(base + kStatOffset);
-    D = lse2 + kQStages * kStreamRows;
+    D = lse2 + kWideStages * kStreamRows;
     owned = reinterpret_cast<uint64_t*>(base + kBarrierOffset);
     q_full = owned + 1;
-    q_empty = q_full + kQStages;
-    do_full = q_empty + kQStages;
-    do_empty = do_full + 1;
+    q_empty = q_full + kWideStages;
+    do_full = q_empty + kWideStages;
+    do_empty = do_full + kWideStages;
     if (threadIdx.x == 0) {
       mbar_init(owned, 1);
-      for (int s = 0; s < kQStages; ++s) {
+      for (int s = 0; s < kWideStages; ++s) {
         mbar_init(&q_full[s], 1);
+        mbar_init(&do_full[s], 1);
         mbar_init(&q_empty[s], 8);  // one arrival per consumer warp
+        mbar_init(&do_empty[s], 8);
       }
-      mbar_init(do_full, 1);
-      mbar_init(do_empty, 8);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
   }
-  // Tile it's P^T and dS^T (double-buffered: the other consumer may still
-  // read tile it - 1's while this one writes tile it's).
-  __device__ unsigned char* pt(int64_t it) const { return grads + (it % 2) * 2 * wide::kGradBytes; }
-  __device__ unsigned char* dst(int64_t it) const { return pt(it) + wide::kGradBytes; }
 };
 
+// Producer: K and V once, then per tile Q (with its rows' lse2) and dO (with
+// D), each in its own ring: Q is released after dK, dO after dV.
 __device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps, const KeyBlock& kb,
                              const AttentionParams& p, const RowStats& stats) {
   using namespace wide;
-  const int batch = static_cast<int>(kb.b);
+  const int batch = static_cast<int>(kb.b), k0 = static_cast<int>(kb.k0);
   mbar_expect_tx(sm.owned, 2 * kTileBytes);
-  tma_tile<kHeadDim, kKeys>(sm.k, &maps.own_a, sm.owned, static_cast<int>(kb.k0),
-                            static_cast<int>(kb.hk), batch);
-  tma_tile<kHeadDim, kKeys>(sm.v, &maps.own_b, sm.owned, static_cast<int>(kb.k0),
-                            static_cast<int>(kb.hk), batch);
+  tma_tile<kHeadDim, kKeys>(sm.k, &maps.own_a, sm.owned, k0, static_cast<int>(kb.hk), batch);
+  tma_tile<kHeadDim, kKeys>(sm.v, &maps.own_b, sm.owned, k0, static_cast<int>(kb.hk), batch);
   for (int64_t it = 0; it < kb.tiles; ++it) {
     const int row = static_cast<int>(kb.row(it)), head = static_cast<int>(kb.head(it));
     const int64_t at = (kb.b * p.heads_q + head) * stats.rows_padded + row;
-    const int s = it % kQStages;
-    mbar_wait(&sm.q_empty[s], ((it / kQStages) & 1) ^ 1);
+    const int s = it % kWideStages, phase = ((it / kWideStages) & 1) ^ 1;
+    mbar_wait(&sm.q_empty[s], phase);
     mbar_expect_tx(&sm.q_full[s], kTileBytes + kStatBytes);
     bulk_load(sm.lse2 + s * kStreamRows, stats.lse2 + at, kStatBytes, &sm.q_full[s]);
     tma_tile<kHeadDim, kStreamRows>(sm.q + s * kTileBytes, &maps.stream_a, &sm.q_full[s], row,
                                     head, batch);
-    mbar_wait(sm.do_empty, (it & 1) ^ 1);
-    mbar_expect_tx(sm.do_full, kTileBytes + kStatBytes);
-    bulk_load(sm.D, stats.D + at, kStatBytes, sm.do_full);
-    tma_tile<kHeadDim, kStreamRows>(sm.dout, &maps.stream_b, sm.do_full, row, head, batch);
+    mbar_wait(&sm.do_empty[s], phase);
+    mbar_expect_tx(&sm.do_full[s], kTileBytes + kStatBytes);
+    bulk_load(sm.D + s * kStreamRows, stats.D + at, kStatBytes, &sm.do_full[s]);
+    tma_tile<kHeadDim, kStreamRows>(sm.dout + s * kTileBytes, &maps.stream_b, &sm.do_full[s],
+                                    row, head, batch);
   }
+}
+
+// Adds a consumer's two 32-column halves of one 64-column dQ product.
+__device__ __forceinline__ void add_dq_wide(float* dq_accum, float* stage, int consumer,
+                                            const float (&dq)[32], int64_t bh, int64_t row,
+                                            int col_block64, int64_t rows_padded) {
+  constexpr int kCols = kDqCols<wide::kHeadDim>;
+#pragma unroll
+  for (int part = 0; part < 2; ++part)
+    add_dq<kCols>(dq_accum + dq_block_start<wide::kHeadDim, kCols>(bh, row, 2 * col_block64 + part,
+                                                                   rows_padded),
+                  stage, consumer, dq, part, true);
 }
 
 template <class T>
@@ -705,13 +734,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int c = warpgroup - 1, lane = threadIdx.x % 32, t = lane % 4;
   const int key_row = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+  float* stage = sm.dq_stage + c * kDqStageFloats;
   float dk[64] = {}, dv[64] = {};
   mbar_wait(sm.owned, 0);
   for (int64_t it = 0; it < kb.tiles; ++it) {
-    const int s = it % kQStages;
+    const int s = it % kWideStages, phase = (it / kWideStages) & 1;
     const unsigned char* q_tile = sm.q + s * kTileBytes;
-    mbar_wait(&sm.q_full[s], (it / kQStages) & 1);
-    mbar_wait(sm.do_full, it & 1);
+    const unsigned char* do_tile = sm.dout + s * kTileBytes;
+    mbar_wait(&sm.q_full[s], phase);
+    mbar_wait(&sm.do_full[s], phase);
     // S^T = K Q^T and dP^T = V dO^T for this consumer's 32 queries.
     float st[16], dpt[16];
     wgmma_fence();
@@ -722,7 +753,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk)
       wgmma_ss_n32<T>(dpt, k_major_desc<kKeys>(sm.v, kk),
-                      k_major_desc<kStreamRows>(sm.dout + c * 32 * 128, kk), kk > 0);
+                      k_major_desc<kStreamRows>(do_tile + c * 32 * 128, kk), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(st);
@@ -731,62 +762,58 @@ __global__ void __launch_bounds__(kThreads, 1)
     kb.mask<4>(st, p, kb.k0 + key_row, kb.row(it) + 32 * c);
     // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
     const float* lse2 = sm.lse2 + s * kStreamRows + 32 * c;
-    const float* D = sm.D + 32 * c;
+    const float* D = sm.D + s * kStreamRows + 32 * c;
     const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
     probabilities_and_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
                            [&](int i) { return D[column(i)]; });
-    {
-      uint32_t frag[2][4];
-      pack_fragments<T, 2>(frag, st);
-      store_transposed(sm.pt(it), 0, 4 * c, frag);
-      pack_fragments<T, 2>(frag, dpt);
-      store_transposed(sm.dst(it), 0, 4 * c, frag);
-    }
+    uint32_t frag[2][2][4];
+    pack_fragments<T, 2>(frag[0], st);
+    pack_fragments<T, 2>(frag[1], dpt);
+    named_sync(4);  // both consumers' products of the last tile have read P^T and dS^T
+    store_transposed(sm.pt, 0, 4 * c, frag[0]);
+    store_transposed(sm.dst, 0, 4 * c, frag[1]);
     fence_proxy_async();
     named_sync(3);  // both consumers' halves of P^T and dS^T are stored
 
-    // dV += P^T dO, dQ_j = dS K (two 64-column blocks), dK += dS^T Q for head
-    // dims [128c, +128); four commit groups, retired in order.
+    // dV += P^T dO, dQ_j = dS K (two 64-column products), dK += dS^T Q for
+    // head dims [128c, +128); four commit groups, retired in order.
     float dq0[32], dq1[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) dq0[i] = dq1[i] = 0.0f;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kStreamRows / 16; ++kk)
-      wgmma_ss_bmn_n128<T>(dv, k_major_desc<kKeys>(sm.pt(it), kk),
-                           smem_desc(sm.dout + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024),
+      wgmma_ss_bmn_n128<T>(dv, k_major_desc<kKeys>(sm.pt, kk),
+                           smem_desc(do_tile + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024),
                            1);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma_ss_mn_n64<T>(dq0, smem_desc(sm.dst(it) + kk * 16 * 128, 1024, 1024),
+      wgmma_ss_mn_n64<T>(dq0, smem_desc(sm.dst + kk * 16 * 128, 1024, 1024),
                          smem_desc(sm.k + 2 * c * kColBlock + kk * 16 * 128, 1024, 1024), kk > 0);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma_ss_mn_n64<T>(dq1, smem_desc(sm.dst(it) + kk * 16 * 128, 1024, 1024),
+      wgmma_ss_mn_n64<T>(dq1, smem_desc(sm.dst + kk * 16 * 128, 1024, 1024),
                          smem_desc(sm.k + (2 * c + 1) * kColBlock + kk * 16 * 128, 1024, 1024),
                          kk > 0);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kStreamRows / 16; ++kk)
-      wgmma_ss_bmn_n128<T>(dk, k_major_desc<kKeys>(sm.dst(it), kk),
+      wgmma_ss_bmn_n128<T>(dk, k_major_desc<kKeys>(sm.dst, kk),
                            smem_desc(q_tile + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024),
                            1);
     wgmma_commit();
     wgmma_wait<3>();
     fence_regs(dv);
-    if (lane == 0) mbar_arrive(sm.do_empty);
+    if (lane == 0) mbar_arrive(&sm.do_empty[s]);
     const int64_t bh = kb.b * p.heads_q + kb.head(it);
-    float* stage = sm.dq_stage + c * kDqBlock;
     wgmma_wait<2>();
     fence_regs(dq0);
-    add_dq(dq_accum + dq_block_start<kHeadDim>(bh, kb.row(it), 2 * c, stats.rows_padded), stage,
-           c, dq0, true);
+    add_dq_wide(dq_accum, stage, c, dq0, bh, kb.row(it), 2 * c, stats.rows_padded);
     wgmma_wait<1>();
     fence_regs(dq1);
-    add_dq(dq_accum + dq_block_start<kHeadDim>(bh, kb.row(it), 2 * c + 1, stats.rows_padded),
-           stage, c, dq1, true);
+    add_dq_wide(dq_accum, stage, c, dq1, bh, kb.row(it), 2 * c + 1, stats.rows_padded);
     wgmma_wait<0>();
     fence_regs(dk);
     if (lane == 0) mbar_arrive(&sm.q_empty[s]);
@@ -812,10 +839,6 @@ template <class Kernel>
 cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
-
-// Head dims above 128 take the wide key kernel (fused dQ only).
-template <int kHeadDim>
-constexpr bool kWide = kHeadDim > 128;
 
 template <int kHeadDim>
 constexpr int smem_bytes() {
