@@ -351,16 +351,15 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* d
 // Adds columns [kCols * part, +kCols) of a consumer's dQ fragment (64 rows x
 // 64 columns) to its float32 block: the warpgroup stages them in shared
 // memory, then one thread issues a bulk reduction (per-thread atomics cost
-// more than a third of the kernel's time). The stage is free again once that
-// thread's bulk_wait_reads() returns; with wait_stage, add_dq waits for that
-// itself first.
-template <int kCols>
+// more than a third of the kernel's time). A stage is free again once that
+// thread's bulk_wait_reads() says so; with kWaitStage, add_dq waits first
+// until at most kWaitStage - 1 later reductions may still read their stages.
+template <int kCols, int kWaitStage = 0>
 __device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
-                                       const float (&dq)[32], int part = 0,
-                                       bool wait_stage = false) {
+                                       const float (&dq)[32], int part = 0) {
   const int lane = threadIdx.x % 32;
-  if (wait_stage) {
-    if (threadIdx.x % 128 == 0) bulk_wait_reads();
+  if constexpr (kWaitStage > 0) {
+    if (threadIdx.x % 128 == 0) bulk_wait_reads<kWaitStage - 1>();
     named_sync(5 + consumer, 128);
   }
   const int row0 = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
@@ -619,32 +618,32 @@ __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant
 //    64-column products, added to the float32 buffer by 32-column bulk
 //    reductions.
 // Registers: dK, dV 64 each, dQ 2 x 32; S^T, dP^T 16 each (dead by then).
-// Shared memory: K, V, two stages of Q and dO (a one-stage dO ring left the
-// next dO's load exposed: 40% of the time), one P^T/dS^T pair and an 8 KB dQ
-// stage per consumer: 224 KB.
+// Shared memory: K, V, two Q stages and one dO stage (dO is released after
+// dV, the first update; a second stage measured no faster), two P^T/dS^T
+// pairs and two 8 KB dQ stages per consumer: 224 KB.
 namespace wide {
 constexpr int kKeys = 64;
 constexpr int kHeadDim = 256;
-constexpr int kWideStages = 2;
+constexpr int kQStages = 2;
 constexpr int kTileBytes = 64 * kHeadDim * 2;  // K, V, a Q or a dO tile
 constexpr int kGradBytes = kKeys * kStreamRows * 2;  // one P^T or dS^T tile
 constexpr int kColBlock = 64 * 128;  // one 64-column block of a 64-row tile
 constexpr int kDqStageFloats = kDqBlock<kDqCols<kHeadDim>>;
 constexpr int kQOffset = 2 * kTileBytes;
-constexpr int kDoOffset = kQOffset + kWideStages * kTileBytes;
-constexpr int kGradOffset = kDoOffset + kWideStages * kTileBytes;
-constexpr int kDqStageOffset = kGradOffset + 2 * kGradBytes;
-constexpr int kStatOffset = kDqStageOffset + 2 * kDqStageFloats * 4;
+constexpr int kDoOffset = kQOffset + kQStages * kTileBytes;
+constexpr int kGradOffset = kDoOffset + kTileBytes;
+constexpr int kDqStageOffset = kGradOffset + 2 * 2 * kGradBytes;
+constexpr int kStatOffset = kDqStageOffset + 2 * 2 * kDqStageFloats * 4;
 constexpr int kStatBytes = kStreamRows * 4;  // a tile's lse2 (with Q) or D (with dO)
-constexpr int kBarrierOffset = kStatOffset + 2 * kWideStages * kStatBytes;
-constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 4 * kWideStages) + 1024;
+constexpr int kBarrierOffset = kStatOffset + (kQStages + 1) * kStatBytes;
+constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kQStages + 2) + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of sm_90");
 }  // namespace wide
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 struct WideSmem {
-  unsigned char *k, *v, *q, *dout, *pt, *dst;
+  unsigned char *k, *v, *q, *dout, *grads;
   float *dq_stage, *lse2, *D;
   uint64_t *owned, *q_full, *q_empty, *do_full, *do_empty;
   __device__ explicit WideSmem(unsigned char* raw) {
@@ -655,28 +654,31 @@ struct WideSmem {
     v = base + kTileBytes;
     q = base + kQOffset;
     dout = base + kDoOffset;
-    pt = base + kGradOffset;
-    dst = pt + kGradBytes;
+    grads = base + kGradOffset;
     dq_stage = reinterpret_cast<float*>(base + kDqStageOffset);
     lse2 = reinterpret_cast<float*>(base + kStatOffset);
-    D = lse2 + kWideStages * kStreamRows;
+    D = lse2 + kQStages * kStreamRows;
     owned = reinterpret_cast<uint64_t*>(base + kBarrierOffset);
     q_full = owned + 1;
-    q_empty = q_full + kWideStages;
-    do_full = q_empty + kWideStages;
-    do_empty = do_full + kWideStages;
+    q_empty = q_full + kQStages;
+    do_full = q_empty + kQStages;
+    do_empty = do_full + 1;
     if (threadIdx.x == 0) {
       mbar_init(owned, 1);
-      for (int s = 0; s < kWideStages; ++s) {
+      for (int s = 0; s < kQStages; ++s) {
         mbar_init(&q_full[s], 1);
-        mbar_init(&do_full[s], 1);
         mbar_init(&q_empty[s], 8);  // one arrival per consumer warp
-        mbar_init(&do_empty[s], 8);
       }
+      mbar_init(do_full, 1);
+      mbar_init(do_empty, 8);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
   }
+  // Tile it's P^T and dS^T (double-buffered: the other consumer may still
+  // read tile it - 1's while this one writes tile it's).
+  __device__ unsigned char* pt(int64_t it) const { return grads + (it % 2) * 2 * wide::kGradBytes; }
+  __device__ unsigned char* dst(int64_t it) const { return pt(it) + wide::kGradBytes; }
 };
 
 // Producer: K and V once, then per tile Q (with its rows' lse2) and dO (with
@@ -691,30 +693,31 @@ __device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps, const KeyBl
   for (int64_t it = 0; it < kb.tiles; ++it) {
     const int row = static_cast<int>(kb.row(it)), head = static_cast<int>(kb.head(it));
     const int64_t at = (kb.b * p.heads_q + head) * stats.rows_padded + row;
-    const int s = it % kWideStages, phase = ((it / kWideStages) & 1) ^ 1;
+    const int s = it % kQStages, phase = ((it / kQStages) & 1) ^ 1;
     mbar_wait(&sm.q_empty[s], phase);
     mbar_expect_tx(&sm.q_full[s], kTileBytes + kStatBytes);
     bulk_load(sm.lse2 + s * kStreamRows, stats.lse2 + at, kStatBytes, &sm.q_full[s]);
     tma_tile<kHeadDim, kStreamRows>(sm.q + s * kTileBytes, &maps.stream_a, &sm.q_full[s], row,
                                     head, batch);
-    mbar_wait(&sm.do_empty[s], phase);
-    mbar_expect_tx(&sm.do_full[s], kTileBytes + kStatBytes);
-    bulk_load(sm.D + s * kStreamRows, stats.D + at, kStatBytes, &sm.do_full[s]);
-    tma_tile<kHeadDim, kStreamRows>(sm.dout + s * kTileBytes, &maps.stream_b, &sm.do_full[s],
-                                    row, head, batch);
+    mbar_wait(sm.do_empty, (it & 1) ^ 1);
+    mbar_expect_tx(sm.do_full, kTileBytes + kStatBytes);
+    bulk_load(sm.D, stats.D + at, kStatBytes, sm.do_full);
+    tma_tile<kHeadDim, kStreamRows>(sm.dout, &maps.stream_b, sm.do_full, row, head, batch);
   }
 }
 
-// Adds a consumer's two 32-column halves of one 64-column dQ product.
-__device__ __forceinline__ void add_dq_wide(float* dq_accum, float* stage, int consumer,
+// Adds a consumer's two 32-column halves of one 64-column dQ product, each
+// through its own stage (so that one is written while the other's reduction
+// may still be reading).
+__device__ __forceinline__ void add_dq_wide(float* dq_accum, float* stages, int consumer,
                                             const float (&dq)[32], int64_t bh, int64_t row,
                                             int col_block64, int64_t rows_padded) {
   constexpr int kCols = kDqCols<wide::kHeadDim>;
 #pragma unroll
   for (int part = 0; part < 2; ++part)
-    add_dq<kCols>(dq_accum + dq_block_start<wide::kHeadDim, kCols>(bh, row, 2 * col_block64 + part,
-                                                                   rows_padded),
-                  stage, consumer, dq, part, true);
+    add_dq<kCols, 2>(dq_accum + dq_block_start<wide::kHeadDim, kCols>(
+                                    bh, row, 2 * col_block64 + part, rows_padded),
+                     stages + part * wide::kDqStageFloats, consumer, dq, part);
 }
 
 template <class T>
@@ -734,15 +737,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int c = warpgroup - 1, lane = threadIdx.x % 32, t = lane % 4;
   const int key_row = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
-  float* stage = sm.dq_stage + c * kDqStageFloats;
+  float* stages = sm.dq_stage + 2 * c * kDqStageFloats;
   float dk[64] = {}, dv[64] = {};
   mbar_wait(sm.owned, 0);
   for (int64_t it = 0; it < kb.tiles; ++it) {
-    const int s = it % kWideStages, phase = (it / kWideStages) & 1;
+    const int s = it % kQStages, phase = (it / kQStages) & 1;
     const unsigned char* q_tile = sm.q + s * kTileBytes;
-    const unsigned char* do_tile = sm.dout + s * kTileBytes;
+    const unsigned char* do_tile = sm.dout;
     mbar_wait(&sm.q_full[s], phase);
-    mbar_wait(&sm.do_full[s], phase);
+    mbar_wait(sm.do_full, it & 1);
     // S^T = K Q^T and dP^T = V dO^T for this consumer's 32 queries.
     float st[16], dpt[16];
     wgmma_fence();
@@ -762,16 +765,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     kb.mask<4>(st, p, kb.k0 + key_row, kb.row(it) + 32 * c);
     // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
     const float* lse2 = sm.lse2 + s * kStreamRows + 32 * c;
-    const float* D = sm.D + s * kStreamRows + 32 * c;
+    const float* D = sm.D + 32 * c;
     const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
     probabilities_and_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
                            [&](int i) { return D[column(i)]; });
     uint32_t frag[2][2][4];
     pack_fragments<T, 2>(frag[0], st);
     pack_fragments<T, 2>(frag[1], dpt);
-    named_sync(4);  // both consumers' products of the last tile have read P^T and dS^T
-    store_transposed(sm.pt, 0, 4 * c, frag[0]);
-    store_transposed(sm.dst, 0, 4 * c, frag[1]);
+    store_transposed(sm.pt(it), 0, 4 * c, frag[0]);
+    store_transposed(sm.dst(it), 0, 4 * c, frag[1]);
     fence_proxy_async();
     named_sync(3);  // both consumers' halves of P^T and dS^T are stored
 
@@ -783,37 +785,37 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kStreamRows / 16; ++kk)
-      wgmma_ss_bmn_n128<T>(dv, k_major_desc<kKeys>(sm.pt, kk),
+      wgmma_ss_bmn_n128<T>(dv, k_major_desc<kKeys>(sm.pt(it), kk),
                            smem_desc(do_tile + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024),
                            1);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma_ss_mn_n64<T>(dq0, smem_desc(sm.dst + kk * 16 * 128, 1024, 1024),
+      wgmma_ss_mn_n64<T>(dq0, smem_desc(sm.dst(it) + kk * 16 * 128, 1024, 1024),
                          smem_desc(sm.k + 2 * c * kColBlock + kk * 16 * 128, 1024, 1024), kk > 0);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma_ss_mn_n64<T>(dq1, smem_desc(sm.dst + kk * 16 * 128, 1024, 1024),
+      wgmma_ss_mn_n64<T>(dq1, smem_desc(sm.dst(it) + kk * 16 * 128, 1024, 1024),
                          smem_desc(sm.k + (2 * c + 1) * kColBlock + kk * 16 * 128, 1024, 1024),
                          kk > 0);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kStreamRows / 16; ++kk)
-      wgmma_ss_bmn_n128<T>(dk, k_major_desc<kKeys>(sm.dst, kk),
+      wgmma_ss_bmn_n128<T>(dk, k_major_desc<kKeys>(sm.dst(it), kk),
                            smem_desc(q_tile + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024),
                            1);
     wgmma_commit();
     wgmma_wait<3>();
     fence_regs(dv);
-    if (lane == 0) mbar_arrive(&sm.do_empty[s]);
+    if (lane == 0) mbar_arrive(sm.do_empty);
     const int64_t bh = kb.b * p.heads_q + kb.head(it);
     wgmma_wait<2>();
     fence_regs(dq0);
-    add_dq_wide(dq_accum, stage, c, dq0, bh, kb.row(it), 2 * c, stats.rows_padded);
+    add_dq_wide(dq_accum, stages, c, dq0, bh, kb.row(it), 2 * c, stats.rows_padded);
     wgmma_wait<1>();
     fence_regs(dq1);
-    add_dq_wide(dq_accum, stage, c, dq1, bh, kb.row(it), 2 * c + 1, stats.rows_padded);
+    add_dq_wide(dq_accum, stages, c, dq1, bh, kb.row(it), 2 * c + 1, stats.rows_padded);
     wgmma_wait<0>();
     fence_regs(dk);
     if (lane == 0) mbar_arrive(&sm.q_empty[s]);

@@ -71,9 +71,11 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, in
       : "memory");
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// Waits until the issued bulk groups have read their shared-memory sources.
+// Waits until all but the kPending most recent bulk groups have read their
+// shared-memory sources.
+template <int kPending = 0>
 __device__ __forceinline__ void bulk_wait_reads() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 // Waits until the issued bulk groups are complete.
 __device__ __forceinline__ void bulk_wait_all() {
