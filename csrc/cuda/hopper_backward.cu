@@ -893,14 +893,18 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   const RowStats stats{ws.lse2_padded, ws.D_padded, ws.rows_padded};
   const unsigned elementwise_blocks = 8 * multiprocessor_count();  // grid-stride kernels
   stage_rows_kernel<<<elementwise_blocks, 256, 0, stream>>>(p, ws, fused);
-  if constexpr (!kWide<kHeadDim>) if (!fused) {
-    hopper_key_kernel<T, kHeadDim, false>
-        <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, stats,
-                                                                          nullptr);
-    hopper_query_kernel<T, kHeadDim>
-        <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, query_maps, ws.D,
-                                                                            ws.dsink_rows);
-    return cudaGetLastError();
+  if (!fused) {  // deterministic: key kernel without dQ, then the query kernel
+    if constexpr (kWide<kHeadDim>) {
+      return cudaErrorNotSupported;  // hopper_backward_supports says no
+    } else {
+      hopper_key_kernel<T, kHeadDim, false>
+          <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, stats,
+                                                                            nullptr);
+      hopper_query_kernel<T, kHeadDim>
+          <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, query_maps, ws.D,
+                                                                              ws.dsink_rows);
+      return cudaGetLastError();
+    }
   }
   const size_t accum_bytes =
       sizeof(float) * static_cast<size_t>(p.batch * p.heads_q * ws.rows_padded * ws.dq_cols);
