@@ -376,26 +376,28 @@ __device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
   if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes<kCols>);
 }
 
-// The keys [k0, last_key] of kv head hk a key-kernel CTA owns, and the
-// streamed query tiles that see them: tile it is rows [row(it), +kStreamRows)
-// of query head head(it).
+// The keys [k0, last_key] of kv head hk a key-kernel CTA owns (kRows of them),
+// and the streamed query tiles that see them: tile it is rows [row(it),
+// +kStreamRows) of query head head(it).
+template <int kRows>
 struct KeyBlock {
   int64_t b, hk, k0, last_key, row_begin, q_tiles, tiles;
-  int own_rows, group;
-  __device__ KeyBlock(const AttentionParams& p, int rows) : own_rows(rows), group(p.group_size()) {
-    const int64_t k_tiles = (p.seqlen_k + own_rows - 1) / own_rows;
+  __device__ explicit KeyBlock(const AttentionParams& p) {
+    const int64_t k_tiles = (p.seqlen_k + kRows - 1) / kRows;
     const int64_t k_tile = blockIdx.x % k_tiles, bhk = blockIdx.x / k_tiles;
     b = bhk / p.heads_kv;
     hk = bhk % p.heads_kv;
-    k0 = k_tile * own_rows;
-    last_key = min(k0 + own_rows, p.seqlen_k) - 1;
+    k0 = k_tile * kRows;
+    last_key = min(k0 + kRows, p.seqlen_k) - 1;
     row_begin = p.first_query(k0) / kStreamRows * kStreamRows;
     const int64_t row_end = p.last_query(last_key) + 1;
     q_tiles = row_end > row_begin ? (row_end - row_begin + kStreamRows - 1) / kStreamRows : 0;
-    tiles = q_tiles * group;
+    tiles = q_tiles * p.group_size();
   }
   __device__ int64_t row(int64_t it) const { return row_begin + (it % q_tiles) * kStreamRows; }
-  __device__ int64_t head(int64_t it) const { return hk * group + it / q_tiles; }
+  __device__ int64_t head(const AttentionParams& p, int64_t it) const {
+    return hk * p.group_size() + it / q_tiles;
+  }
 
   // Masks a thread's S^T fragment (keys key, key + 8; queries col0 + [0, 8 kTiles))
   // where some of the block's (key, query) pairs are invisible.
@@ -404,7 +406,7 @@ struct KeyBlock {
                        int64_t col0) const {
     constexpr int kCols = kTiles * 8;
     if (col0 >= p.first_query(last_key) && col0 + kCols - 1 <= p.last_query(k0) &&
-        col0 + kCols <= p.seqlen_q && last_key - k0 + 1 == own_rows)
+        col0 + kCols <= p.seqlen_q && last_key - k0 + 1 == kRows)
       return;
     int lo[2], hi[2];
 #pragma unroll
@@ -425,10 +427,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
   using L = Layout<kHeadDim>;
-  const KeyBlock kb(p, kOwnRows);
+  const KeyBlock<kOwnRows> kb(p);
   const int64_t b = kb.b, hk = kb.hk, k0 = kb.k0, tiles = kb.tiles;
   const auto tile_row = [&](int64_t it) { return kb.row(it); };
-  const auto tile_head = [&](int64_t it) { return kb.head(it); };
+  const auto tile_head = [&](int64_t it) { return kb.head(p, it); };
   sm.init();
 
   const int warpgroup = threadIdx.x / 128;
@@ -465,8 +467,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       [&](int64_t it) {  // P^T, dS^T
         fence_regs(st);
         fence_regs(dpt);
+        // (q0 before scores_log2: the other order compiled to a layout 6% slower at d64.)
+        const int64_t q0 = tile_row(it);
         scores_log2(st, p);
-        kb.mask<8>(st, p, my_key, tile_row(it));
+        kb.mask<8>(st, p, my_key, q0);
         // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
         const float* lse2 = tile_stats(it);
         const float* D = lse2 + kStreamRows;
@@ -683,7 +687,7 @@ struct WideSmem {
 
 // Producer: K and V once, then per tile Q (with its rows' lse2) and dO (with
 // D), each in its own ring: Q is released after dK, dO after dV.
-__device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps, const KeyBlock& kb,
+__device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps, const KeyBlock<wide::kKeys>& kb,
                              const AttentionParams& p, const RowStats& stats) {
   using namespace wide;
   const int batch = static_cast<int>(kb.b), k0 = static_cast<int>(kb.k0);
@@ -691,7 +695,7 @@ __device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps, const KeyBl
   tma_tile<kHeadDim, kKeys>(sm.k, &maps.own_a, sm.owned, k0, static_cast<int>(kb.hk), batch);
   tma_tile<kHeadDim, kKeys>(sm.v, &maps.own_b, sm.owned, k0, static_cast<int>(kb.hk), batch);
   for (int64_t it = 0; it < kb.tiles; ++it) {
-    const int row = static_cast<int>(kb.row(it)), head = static_cast<int>(kb.head(it));
+    const int row = static_cast<int>(kb.row(it)), head = static_cast<int>(kb.head(p, it));
     const int64_t at = (kb.b * p.heads_q + head) * stats.rows_padded + row;
     const int s = it % kQStages, phase = ((it / kQStages) & 1) ^ 1;
     mbar_wait(&sm.q_empty[s], phase);
@@ -727,7 +731,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using namespace wide;
   extern __shared__ unsigned char smem_raw[];
   WideSmem sm(smem_raw);
-  const KeyBlock kb(p, kKeys);
+  const KeyBlock<kKeys> kb(p);
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
@@ -761,8 +765,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     fence_regs(st);
     fence_regs(dpt);
+    const int64_t col0 = kb.row(it) + 32 * c;
     scores_log2(st, p);
-    kb.mask<4>(st, p, kb.k0 + key_row, kb.row(it) + 32 * c);
+    kb.mask<4>(st, p, kb.k0 + key_row, col0);
     // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
     const float* lse2 = sm.lse2 + s * kStreamRows + 32 * c;
     const float* D = sm.D + 32 * c;
@@ -809,7 +814,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<3>();
     fence_regs(dv);
     if (lane == 0) mbar_arrive(sm.do_empty);
-    const int64_t bh = kb.b * p.heads_q + kb.head(it);
+    const int64_t bh = kb.b * p.heads_q + kb.head(p, it);
     wgmma_wait<2>();
     fence_regs(dq0);
     add_dq_wide(dq_accum, stages, c, dq0, bh, kb.row(it), 2 * c, stats.rows_padded);
