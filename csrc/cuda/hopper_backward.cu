@@ -31,7 +31,6 @@ namespace {
 
 constexpr int kOwnRows = 128;   // rows a CTA owns (keys or queries): 64 per consumer
 constexpr int kStreamRows = 64; // rows of each streamed tile
-constexpr int kStages = 3;  // 3: the next tile loads while one is computed and one drains
 constexpr int kThreads = 384;
 
 // dQ is accumulated in float32 blocks of 64 rows x kCols head dims (64; 32 in
@@ -70,13 +69,18 @@ constexpr int kDqCols = kWide<kHeadDim> ? 32 : 64;
 
 template <int kHeadDim>
 struct Layout {
+  // Streamed tile stages (3: the next tile loads while one is computed and one
+  // drains) and dQ stages per consumer (2: a reduction's reads need not finish
+  // before the next tile stages dQ).
+  static constexpr int kStages = 3;
+  static constexpr int kDqStages = kHeadDim == 64 ? 2 : 1;
   static constexpr int kOwnBytes = kOwnRows * kHeadDim * 2;       // one owned tensor
   static constexpr int kStreamBytes = kStreamRows * kHeadDim * 2; // one streamed tile
   static constexpr int kDsBytes = kOwnRows * kStreamRows * 2;     // dS^T [keys][queries]
   static constexpr int kStatBytes = 2 * kStreamRows * 4;          // a tile's lse2 and D
   static constexpr int kDsOffset = 2 * kOwnBytes + 2 * kStages * kStreamBytes;
   static constexpr int kDqStageOffset = kDsOffset + 2 * kDsBytes;  // dS^T double-buffered
-  static constexpr int kStatOffset = kDqStageOffset + 2 * kDqBlockBytes<64>;  // one per consumer
+  static constexpr int kStatOffset = kDqStageOffset + 2 * kDqStages * kDqBlockBytes<64>;
   static constexpr int kBarrierOffset = kStatOffset + kStages * kStatBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kStages) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of sm_90");
@@ -149,18 +153,18 @@ struct Smem {
     own_a = base;
     own_b = own_a + L::kOwnBytes;
     stream_a = own_b + L::kOwnBytes;
-    stream_b = stream_a + kStages * L::kStreamBytes;
+    stream_b = stream_a + L::kStages * L::kStreamBytes;
     ds = base + L::kDsOffset;
     dq_stage = reinterpret_cast<float*>(base + L::kDqStageOffset);
     stats = reinterpret_cast<float*>(base + L::kStatOffset);
     owned = reinterpret_cast<uint64_t*>(base + L::kBarrierOffset);
     full = owned + 1;
-    empty = full + kStages;
+    empty = full + Layout<kHeadDim>::kStages;
   }
   __device__ void init() {
     if (threadIdx.x == 0) {
       mbar_init(owned, 1);
-      for (int s = 0; s < kStages; ++s) {
+      for (int s = 0; s < Layout<kHeadDim>::kStages; ++s) {
         mbar_init(&full[s], 1);
         mbar_init(&empty[s], 8);  // one arrival per consumer warp
       }
@@ -182,7 +186,7 @@ __device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_ro
   tma_tile<kHeadDim, kOwnRows>(sm.own_a, &maps.own_a, sm.owned, own_row, own_head, batch);
   tma_tile<kHeadDim, kOwnRows>(sm.own_b, &maps.own_b, sm.owned, own_row, own_head, batch);
   for (int64_t it = 0; it < tiles; ++it) {
-    const int stage = it % kStages, phase = (it / kStages) & 1;
+    const int stage = it % L::kStages, phase = (it / L::kStages) & 1;
     mbar_wait(&sm.empty[stage], phase ^ 1);
     mbar_expect_tx(&sm.full[stage], 2 * L::kStreamBytes + (stats.lse2 ? L::kStatBytes : 0));
     const int row = static_cast<int>(stream_row(it)), head = static_cast<int>(stream_head(it));
@@ -221,6 +225,12 @@ __device__ __forceinline__ void issue_ab(float (&acc)[kHeadDim / 2], const uint3
   }
 }
 
+template <int kN>
+__device__ __forceinline__ void fence_regs(float (&regs)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(regs[i])::"memory");
+}
+
 // P (in s, from log2 scores) and dS (in dp), in place; lse2/D per element.
 template <int kN, class LseOf, class DOf>
 __device__ __forceinline__ void probabilities_and_grad(float (&s)[kN], float (&dp)[kN],
@@ -240,6 +250,27 @@ __device__ __forceinline__ void probabilities_and_grad(float (&s)[kN], float (&d
   }
 }
 
+// The same with dP's product still running when it is called (S's done):
+// without softcap, P's exponentials run first and overlap that product;
+// wait_dp() then waits for it. With softcap, dS needs the capped scores that P
+// overwrites, so it waits first.
+template <int kN, class LseOf, class DOf, class WaitDp>
+__device__ __forceinline__ void probabilities_then_grad(float (&s)[kN], float (&dp)[kN],
+                                                        const AttentionParams& p, LseOf&& lse2,
+                                                        DOf&& d_of, WaitDp&& wait_dp) {
+  if (p.softcap > 0.0f) {
+    wait_dp();
+    probabilities_and_grad(s, dp, p, lse2, d_of);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kN; ++i) s[i] = fast_exp2(s[i] - lse2(i));
+  fence_regs(s);  // (the exponentials are issued before the wait)
+  wait_dp();
+#pragma unroll
+  for (int i = 0; i < kN; ++i) dp[i] = s[i] * (dp[i] - d_of(i));
+}
+
 template <class T, int kK>
 __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kK][4], const float (&x)[kK * 8]) {
 #pragma unroll
@@ -255,15 +286,10 @@ __device__ __forceinline__ void store_block(void* base, int64_t b, int64_t seqle
                           acc, scale);
 }
 
-template <int kN>
-__device__ __forceinline__ void fence_regs(float (&regs)[kN]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(regs[i])::"memory");
-}
-
 // A consumer's loop over `tiles` streamed tiles, two wgmma groups per tile:
 // products(it) issues the first (S-like products of tile it), gradients(it)
-// turns their results into float register fragments, pack(it) rounds those
+// turns their results into float register fragments (without kOverlap it
+// waits for the products itself, so that it may start before all are done), pack(it) rounds those
 // into wgmma operands, updates(it) issues the second group (accumulating
 // products) and release(it) frees tile it's stage.
 // kOverlap: the updates of tile it-1 run on the tensor cores while
@@ -278,7 +304,6 @@ __device__ __forceinline__ void pipeline(int64_t tiles, Products&& products,
   if constexpr (!kOverlap) {
     for (int64_t it = 0; it < tiles; ++it) {
       products(it);
-      wgmma_wait<0>();
       gradients(it);
       pack(it);
       updates(it);
@@ -448,9 +473,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned char* v_rows = sm.own_b + consumer * 64 * 128;
   float dk[kHeadDim / 2] = {}, dv[kHeadDim / 2] = {};
 
-  const auto q_tile = [&](int64_t it) { return sm.stream_a + (it % kStages) * L::kStreamBytes; };
-  const auto do_tile = [&](int64_t it) { return sm.stream_b + (it % kStages) * L::kStreamBytes; };
-  const auto tile_stats = [&](int64_t it) { return sm.stats + (it % kStages) * (L::kStatBytes / 4); };
+  const auto q_tile = [&](int64_t it) { return sm.stream_a + (it % L::kStages) * L::kStreamBytes; };
+  const auto do_tile = [&](int64_t it) { return sm.stream_b + (it % L::kStages) * L::kStreamBytes; };
+  const auto tile_stats = [&](int64_t it) { return sm.stats + (it % L::kStages) * (L::kStatBytes / 4); };
   float st[32], dpt[32];
   uint32_t pa[4][4], dsa[4][4];
   float dq[32];
@@ -458,15 +483,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   pipeline<false>(
       tiles,
       [&](int64_t it) {  // S^T = K Q_j^T, dP^T = V dO_j^T
-        mbar_wait(&sm.full[it % kStages], (it / kStages) & 1);
+        mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
         wgmma_fence();
         issue_abt<T, kHeadDim>(st, k_rows, q_tile(it));
+        wgmma_commit();
         issue_abt<T, kHeadDim>(dpt, v_rows, do_tile(it));
         wgmma_commit();
       },
       [&](int64_t it) {  // P^T, dS^T
+        wgmma_wait<1>();
         fence_regs(st);
-        fence_regs(dpt);
         // (q0 before scores_log2: the other order compiled to a layout 6% slower at d64.)
         const int64_t q0 = tile_row(it);
         scores_log2(st, p);
@@ -475,8 +501,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float* lse2 = tile_stats(it);
         const float* D = lse2 + kStreamRows;
         const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
-        probabilities_and_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
-                               [&](int i) { return D[column(i)]; });
+        probabilities_then_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
+                                [&](int i) { return D[column(i)]; }, [&] {
+                                  wgmma_wait<0>();
+                                  fence_regs(dpt);
+                                });
       },
       [&](int64_t it) {
         pack_fragments<T, 4>(pa, st);
@@ -492,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kFusedDq) {
           // Both halves of dS^T (or this consumer's, at head dim 64) are
           // stored, and the last tile's dQ stage has been read.
-          if (threadIdx.x % 128 == 0) bulk_wait_reads();
+          if (threadIdx.x % 128 == 0) bulk_wait_reads<L::kDqStages - 1>();
           if constexpr (kHeadDim == 64) named_sync(3 + consumer, 128);
           else named_sync(3);
           issue_dq<T, kHeadDim>(dq, sm.ds + (it % 2) * L::kDsBytes, sm.own_a, consumer);
@@ -505,7 +534,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int64_t block = dq_block_start<kHeadDim, 64>(
               b * p.heads_q + tile_head(it), tile_row(it), kHeadDim == 64 ? 0 : consumer,
               stats.rows_padded);
-          add_dq<64>(dq_accum + block, sm.dq_stage + consumer * kDqBlock<64>, consumer, dq);
+          float* stage = sm.dq_stage + (consumer * L::kDqStages + it % L::kDqStages) * kDqBlock<64>;
+          add_dq<64>(dq_accum + block, stage, consumer, dq);
         } else {
           issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
           wgmma_commit();
@@ -514,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       [&](int64_t it) {
         fence_regs(dv);
         fence_regs(dk);
-        if (lane == 0) mbar_arrive(&sm.empty[it % kStages]);
+        if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
       });
   if (kFusedDq && threadIdx.x % 128 == 0) bulk_wait_all();
   const int64_t row0 = k0 + consumer * 64;
@@ -561,15 +591,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   float dq[kHeadDim / 2] = {};
 
-  const auto k_tile = [&](int64_t it) { return sm.stream_a + (it % kStages) * L::kStreamBytes; };
-  const auto v_tile = [&](int64_t it) { return sm.stream_b + (it % kStages) * L::kStreamBytes; };
+  const auto k_tile = [&](int64_t it) { return sm.stream_a + (it % L::kStages) * L::kStreamBytes; };
+  const auto v_tile = [&](int64_t it) { return sm.stream_b + (it % L::kStages) * L::kStreamBytes; };
   float s[32], dp[32];
   uint32_t dsa[4][4];
   mbar_wait(sm.owned, 0);
   pipeline<true>(
       tiles,
       [&](int64_t it) {  // S = Q K_j^T, dP = dO V_j^T
-        mbar_wait(&sm.full[it % kStages], (it / kStages) & 1);
+        mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
         wgmma_fence();
         issue_abt<T, kHeadDim>(s, q_rows, k_tile(it));
         issue_abt<T, kHeadDim>(dp, do_rows, v_tile(it));
@@ -593,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       },
       [&](int64_t it) {
         fence_regs(dq);
-        if (lane == 0) mbar_arrive(&sm.empty[it % kStages]);
+        if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
       });
   store_block<T, kHeadDim>(p.dq, b, p.seqlen_q, p.heads_q, h, p.head_dim, q0 + consumer * 64, dq,
                            p.softmax_scale);
@@ -757,14 +787,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kk = 0; kk < kHeadDim / 16; ++kk)
       wgmma_ss_n32<T>(st, k_major_desc<kKeys>(sm.k, kk),
                       k_major_desc<kStreamRows>(q_tile + c * 32 * 128, kk), kk > 0);
+    wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk)
       wgmma_ss_n32<T>(dpt, k_major_desc<kKeys>(sm.v, kk),
                       k_major_desc<kStreamRows>(do_tile + c * 32 * 128, kk), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<1>();
     fence_regs(st);
-    fence_regs(dpt);
     const int64_t col0 = kb.row(it) + 32 * c;
     scores_log2(st, p);
     kb.mask<4>(st, p, kb.k0 + key_row, col0);
@@ -772,8 +802,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* lse2 = sm.lse2 + s * kStreamRows + 32 * c;
     const float* D = sm.D + 32 * c;
     const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
-    probabilities_and_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
-                           [&](int i) { return D[column(i)]; });
+    probabilities_then_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
+                            [&](int i) { return D[column(i)]; }, [&] {
+                              wgmma_wait<0>();
+                              fence_regs(dpt);
+                            });
     uint32_t frag[2][2][4];
     pack_fragments<T, 2>(frag[0], st);
     pack_fragments<T, 2>(frag[1], dpt);
