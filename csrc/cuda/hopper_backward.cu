@@ -82,7 +82,8 @@ struct Layout {
   static constexpr int kDqStageOffset = kDsOffset + 2 * kDsBytes;  // dS^T double-buffered
   static constexpr int kStatOffset = kDqStageOffset + 2 * kDqStages * kDqBlockBytes<64>;
   static constexpr int kBarrierOffset = kStatOffset + kStages * kStatBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kStages) + 1024;
+  static constexpr int kBarriers = 1 + 2 * kStages + 2 * 2 * kDqStages;
+  static constexpr int kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of sm_90");
 };
 
@@ -140,12 +141,13 @@ __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum
 
 // Shared memory and barriers of both kernels: two owned [128][d] tensors, a
 // ring of (a, b) streamed tile pairs (with their rows' lse2 and D) with one
-// full/empty barrier pair each, and two dS^T buffers (fused key kernel).
+// full/empty barrier pair each, and, for the fused key kernel, two dS^T
+// buffers and each consumer's dQ stages with a full/empty barrier pair each.
 template <int kHeadDim>
 struct Smem {
   unsigned char *own_a, *own_b, *stream_a, *stream_b, *ds;
   float *dq_stage, *stats;
-  uint64_t *owned, *full, *empty;
+  uint64_t *owned, *full, *empty, *dq_full, *dq_empty;
   __device__ explicit Smem(unsigned char* raw) {
     using L = Layout<kHeadDim>;
     unsigned char* base = reinterpret_cast<unsigned char*>(
@@ -159,14 +161,21 @@ struct Smem {
     stats = reinterpret_cast<float*>(base + L::kStatOffset);
     owned = reinterpret_cast<uint64_t*>(base + L::kBarrierOffset);
     full = owned + 1;
-    empty = full + Layout<kHeadDim>::kStages;
+    empty = full + L::kStages;
+    dq_full = empty + L::kStages;
+    dq_empty = dq_full + 2 * L::kDqStages;
   }
   __device__ void init() {
     if (threadIdx.x == 0) {
       mbar_init(owned, 1);
-      for (int s = 0; s < Layout<kHeadDim>::kStages; ++s) {
+      using L = Layout<kHeadDim>;
+      for (int s = 0; s < L::kStages; ++s) {
         mbar_init(&full[s], 1);
         mbar_init(&empty[s], 8);  // one arrival per consumer warp
+      }
+      for (int s = 0; s < 2 * L::kDqStages; ++s) {
+        mbar_init(&dq_full[s], 128);  // every thread of the consumer
+        mbar_init(&dq_empty[s], 1);   // the dQ writer
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -379,14 +388,9 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* d
 // more than a third of the kernel's time). A stage is free again once that
 // thread's bulk_wait_reads() says so; with kWaitStage, add_dq waits first
 // until at most kWaitStage - 1 later reductions may still read their stages.
-template <int kCols, int kWaitStage = 0>
-__device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
-                                       const float (&dq)[32], int part = 0) {
+template <int kCols>
+__device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], int part) {
   const int lane = threadIdx.x % 32;
-  if constexpr (kWaitStage > 0) {
-    if (threadIdx.x % 128 == 0) bulk_wait_reads<kWaitStage - 1>();
-    named_sync(5 + consumer, 128);
-  }
   const int row0 = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -396,6 +400,16 @@ __device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
       *reinterpret_cast<float2*>(stage + dq_block_offset<kCols>(row, 8 * n + 2 * (lane % 4))) =
           make_float2(dq[i], dq[i + 1]);
     }
+}
+
+template <int kCols, int kWaitStage = 0>
+__device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
+                                       const float (&dq)[32], int part = 0) {
+  if constexpr (kWaitStage > 0) {
+    if (threadIdx.x % 128 == 0) bulk_wait_reads<kWaitStage - 1>();
+    named_sync(5 + consumer, 128);
+  }
+  stage_dq<kCols>(stage, dq, part);
   fence_proxy_async();
   named_sync(5 + consumer, 128);
   if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes<kCols>);
@@ -445,6 +459,38 @@ struct KeyBlock {
   }
 };
 
+// The fused key kernel's dQ writer, one thread of the producer warpgroup: it
+// sends each consumer's staged dQ block (tile it, stage it % kDqStages) as a
+// bulk reduction once all 128 of its threads have arrived on dq_full, and
+// frees a stage (dq_empty) once the reduction has read it, so that consumers
+// only wait when they are a whole ring ahead.
+template <int kHeadDim>
+__device__ void write_dq(Smem<kHeadDim>& sm, const KeyBlock<kOwnRows>& kb,
+                         const AttentionParams& p, const RowStats& stats, float* dq_accum) {
+  using L = Layout<kHeadDim>;
+  constexpr int kLag = L::kDqStages - 1;  // tiles whose reductions may still read
+  for (int64_t it = 0; it < kb.tiles; ++it) {
+    const int s = it % L::kDqStages;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      mbar_wait(&sm.dq_full[c * L::kDqStages + s], (it / L::kDqStages) & 1);
+      // At head dim 64 both consumers add to the same block (their own keys).
+      const int64_t block = dq_block_start<kHeadDim, 64>(
+          kb.b * p.heads_q + kb.head(p, it), kb.row(it), kHeadDim == 64 ? 0 : c,
+          stats.rows_padded);
+      bulk_reduce_add(dq_accum + block, sm.dq_stage + (c * L::kDqStages + s) * kDqBlock<64>,
+                      kDqBlockBytes<64>);
+    }
+    bulk_wait_reads<2 * kLag>();
+    if (it >= kLag) {
+      const int freed = (it - kLag) % L::kDqStages;
+      mbar_arrive(&sm.dq_empty[freed]);
+      mbar_arrive(&sm.dq_empty[L::kDqStages + freed]);
+    }
+  }
+  bulk_wait_all();
+}
+
 template <class T, int kHeadDim, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
@@ -464,6 +510,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0)
       produce(sm, maps, static_cast<int>(k0), static_cast<int>(hk), static_cast<int>(b), tiles,
               tile_row, tile_head, p, stats);
+    else if (kFusedDq && threadIdx.x == 32)
+      write_dq(sm, kb, p, stats, dq_accum);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
@@ -519,23 +567,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_fence();
         issue_ab<T, kHeadDim>(dv, pa, do_tile(it));
         if constexpr (kFusedDq) {
-          // Both halves of dS^T (or this consumer's, at head dim 64) are
-          // stored, and the last tile's dQ stage has been read.
-          if (threadIdx.x % 128 == 0) bulk_wait_reads<L::kDqStages - 1>();
+          // Both halves of dS^T (or this consumer's, at head dim 64) are stored.
           if constexpr (kHeadDim == 64) named_sync(3 + consumer, 128);
           else named_sync(3);
           issue_dq<T, kHeadDim>(dq, sm.ds + (it % 2) * L::kDsBytes, sm.own_a, consumer);
           wgmma_commit();
           issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
           wgmma_commit();
-          // dQ is staged and sent while dK's product runs.
+          // dQ is staged for the writer while dK's product runs.
           wgmma_wait<1>();
           fence_regs(dq);
-          const int64_t block = dq_block_start<kHeadDim, 64>(
-              b * p.heads_q + tile_head(it), tile_row(it), kHeadDim == 64 ? 0 : consumer,
-              stats.rows_padded);
-          float* stage = sm.dq_stage + (consumer * L::kDqStages + it % L::kDqStages) * kDqBlock<64>;
-          add_dq<64>(dq_accum + block, stage, consumer, dq);
+          const int slot = consumer * L::kDqStages + it % L::kDqStages;
+          mbar_wait(&sm.dq_empty[slot], ((it / L::kDqStages) & 1) ^ 1);
+          stage_dq<64>(sm.dq_stage + slot * kDqBlock<64>, dq, 0);
+          fence_proxy_async();
+          mbar_arrive(&sm.dq_full[slot]);
         } else {
           issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
           wgmma_commit();
@@ -546,7 +592,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_regs(dk);
         if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
       });
-  if (kFusedDq && threadIdx.x % 128 == 0) bulk_wait_all();
   const int64_t row0 = k0 + consumer * 64;
   store_block<T, kHeadDim>(p.dk, b, p.seqlen_k, p.heads_kv, hk, p.head_dim, row0, dk,
                            p.softmax_scale);
