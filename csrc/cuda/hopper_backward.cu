@@ -392,13 +392,18 @@ template <int kCols>
 __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], int part) {
   const int lane = threadIdx.x % 32;
   const int row0 = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+  // dq_block_offset's swizzle, in 32-bit shared addresses (64-bit ones, hoisted
+  // out of the tile loop, cost registers): rows row0 and row0 + 8 share it.
+  const int swizzle = row0 % (kCols / 8);
+  const uint32_t base = smem_u32(stage) + 4 * (row0 * kCols + 2 * (lane % 4));
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int n = 0; n < kCols / 8; ++n) {
-      const int row = row0 + 8 * r, i = 4 * (n + part * kCols / 8) + 2 * r;
-      *reinterpret_cast<float2*>(stage + dq_block_offset<kCols>(row, 8 * n + 2 * (lane % 4))) =
-          make_float2(dq[i], dq[i + 1]);
+      const int i = 4 * (n + part * kCols / 8) + 2 * r;
+      const uint32_t at = base + 4 * (8 * r * kCols + 8 * (n ^ swizzle));
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[i]), "f"(dq[i + 1])
+                   : "memory");
     }
 }
 
