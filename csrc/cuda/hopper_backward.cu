@@ -349,13 +349,13 @@ __device__ __forceinline__ void store_transposed(unsigned char* tile, int key0, 
                                                  const uint32_t (&x)[kK][4]) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int row0 = key0 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+  const uint32_t base = smem_u32(tile) + 4 * t;
 #pragma unroll
   for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int row = row0 + 8 * (j & 1), chunk = chunk0 + 2 * kk + j / 2;
-      *reinterpret_cast<uint32_t*>(tile + row * 128 + ((chunk ^ (row % 8)) << 4) + 4 * t) =
-          x[kk][j];
+      st_shared(base + row * 128 + ((chunk ^ (row % 8)) << 4), x[kk][j]);
     }
 }
 
@@ -392,8 +392,7 @@ template <int kCols>
 __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], int part) {
   const int lane = threadIdx.x % 32;
   const int row0 = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
-  // dq_block_offset's swizzle, in 32-bit shared addresses (64-bit ones, hoisted
-  // out of the tile loop, cost registers): rows row0 and row0 + 8 share it.
+  // dq_block_offset's swizzle (rows row0 and row0 + 8 share it).
   const int swizzle = row0 % (kCols / 8);
   const uint32_t base = smem_u32(stage) + 4 * (row0 * kCols + 2 * (lane % 4));
 #pragma unroll
@@ -402,8 +401,7 @@ __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], in
     for (int n = 0; n < kCols / 8; ++n) {
       const int i = 4 * (n + part * kCols / 8) + 2 * r;
       const uint32_t at = base + 4 * (8 * r * kCols + 8 * (n ^ swizzle));
-      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[i]), "f"(dq[i + 1])
-                   : "memory");
+      st_shared(at, dq[i], dq[i + 1]);
     }
 }
 
