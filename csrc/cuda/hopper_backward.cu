@@ -382,12 +382,10 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* d
   }
 }
 
-// Adds columns [kCols * part, +kCols) of a consumer's dQ fragment (64 rows x
-// 64 columns) to its float32 block: the warpgroup stages them in shared
-// memory, then one thread issues a bulk reduction (per-thread atomics cost
-// more than a third of the kernel's time). A stage is free again once that
-// thread's bulk_wait_reads() says so; with kWaitStage, add_dq waits first
-// until at most kWaitStage - 1 later reductions may still read their stages.
+// Stores columns [kCols * part, +kCols) of a consumer's dQ fragment (64 rows x
+// 64 columns) in a float32 block's layout in shared memory, from where one
+// bulk reduction adds it to the dQ buffer (per-thread atomics cost more than a
+// third of the kernel's time).
 template <int kCols>
 __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], int part) {
   const int lane = threadIdx.x % 32;
@@ -405,6 +403,10 @@ __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], in
     }
 }
 
+// Stages and sends a dQ block from the consumer itself (wide kernel): its
+// thread 0 issues the reduction. A stage is free again once that thread's
+// bulk_wait_reads() says so; with kWaitStage, add_dq waits first until at most
+// kWaitStage - 1 later reductions may still read their stages.
 template <int kCols, int kWaitStage = 0>
 __device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
                                        const float (&dq)[32], int part = 0) {
