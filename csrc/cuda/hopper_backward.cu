@@ -870,30 +870,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     float dq0[32], dq1[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) dq0[i] = dq1[i] = 0.0f;
+    // acc += A^T B: A = P^T or dS^T [keys][queries], B = column block pair of
+    // this consumer's head dims of dO or Q.
+    const auto accumulate = [&](float (&acc)[64], const unsigned char* a, const unsigned char* b) {
+#pragma unroll
+      for (int kk = 0; kk < kStreamRows / 16; ++kk)
+        wgmma_ss_bmn_n128<T>(acc, k_major_desc<kKeys>(a, kk),
+                             smem_desc(b + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024), 1);
+      wgmma_commit();
+    };
+    // dq = dS K for column block `block` of K.
+    const auto dq_block = [&](float (&dq)[32], int block) {
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk)
+        wgmma_ss_mn_n64<T>(dq, smem_desc(sm.dst(it) + kk * 16 * 128, 1024, 1024),
+                           smem_desc(sm.k + block * kColBlock + kk * 16 * 128, 1024, 1024), kk > 0);
+      wgmma_commit();
+    };
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kStreamRows / 16; ++kk)
-      wgmma_ss_bmn_n128<T>(dv, k_major_desc<kKeys>(sm.pt(it), kk),
-                           smem_desc(do_tile + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024),
-                           1);
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma_ss_mn_n64<T>(dq0, smem_desc(sm.dst(it) + kk * 16 * 128, 1024, 1024),
-                         smem_desc(sm.k + 2 * c * kColBlock + kk * 16 * 128, 1024, 1024), kk > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma_ss_mn_n64<T>(dq1, smem_desc(sm.dst(it) + kk * 16 * 128, 1024, 1024),
-                         smem_desc(sm.k + (2 * c + 1) * kColBlock + kk * 16 * 128, 1024, 1024),
-                         kk > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < kStreamRows / 16; ++kk)
-      wgmma_ss_bmn_n128<T>(dk, k_major_desc<kKeys>(sm.dst(it), kk),
-                           smem_desc(q_tile + 2 * c * kColBlock + kk * 16 * 128, kColBlock, 1024),
-                           1);
-    wgmma_commit();
+    accumulate(dv, sm.pt(it), do_tile);
+    dq_block(dq0, 2 * c);
+    dq_block(dq1, 2 * c + 1);
+    accumulate(dk, sm.dst(it), q_tile);
     wgmma_wait<3>();
     fence_regs(dv);
     if (lane == 0) mbar_arrive(sm.do_empty);
