@@ -71,7 +71,7 @@ WIDE_GRADIENT_CASES = [
     NATIVE_DIM_CASES[0],
     # NATIVE_DIM_CASES[1] in bfloat16: in float16 its dsinks (with an lse
     # cotangent) miss the bound on every GPU path, mma.sync included (see
-    # benchmarks/NOTES.md, open items).
+    # benchmarks/NOTES.md, "Open GPU correctness item").
     dataclasses.replace(NATIVE_DIM_CASES[1], dtype="bfloat16"),
 ]
 

@@ -150,8 +150,7 @@ struct Smem {
   uint64_t *owned, *full, *empty, *dq_full, *dq_empty;
   __device__ explicit Smem(unsigned char* raw) {
     using L = Layout<kHeadDim>;
-    unsigned char* base = reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    unsigned char* base = align_smem(raw);
     own_a = base;
     own_b = own_a + L::kOwnBytes;
     stream_a = own_b + L::kOwnBytes;
@@ -295,12 +294,12 @@ __device__ __forceinline__ void store_block(void* base, int64_t b, int64_t seqle
                           acc, scale);
 }
 
-// A consumer's loop over `tiles` streamed tiles, two wgmma groups per tile:
-// products(it) issues the first (S-like products of tile it), gradients(it)
-// turns their results into float register fragments (without kOverlap it
-// waits for the products itself, so that it may start before all are done), pack(it) rounds those
-// into wgmma operands, updates(it) issues the second group (accumulating
-// products) and release(it) frees tile it's stage.
+// A consumer's loop over `tiles` streamed tiles: products(it) issues the
+// S-like products of tile it, gradients(it) turns their results into float
+// register fragments, pack(it) rounds those into wgmma operands, updates(it)
+// issues the accumulating products and release(it) frees tile it's stage.
+// Without kOverlap (key kernel), gradients waits for the products itself, so
+// that it may start before all of them are done.
 // kOverlap: the updates of tile it-1 run on the tensor cores while
 // gradients(it) runs on the CUDA cores; this keeps two tiles' fragments live,
 // which the key kernel (dK and dV accumulators) has no registers for.
@@ -401,23 +400,6 @@ __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], in
       const uint32_t at = base + 4 * (8 * r * kCols + 8 * (n ^ swizzle));
       st_shared(at, dq[i], dq[i + 1]);
     }
-}
-
-// Stages and sends a dQ block from the consumer itself (wide kernel): its
-// thread 0 issues the reduction. A stage is free again once that thread's
-// bulk_wait_reads() says so; with kWaitStage, add_dq waits first until at most
-// kWaitStage - 1 later reductions may still read their stages.
-template <int kCols, int kWaitStage = 0>
-__device__ __forceinline__ void add_dq(float* block, float* stage, int consumer,
-                                       const float (&dq)[32], int part = 0) {
-  if constexpr (kWaitStage > 0) {
-    if (threadIdx.x % 128 == 0) bulk_wait_reads<kWaitStage - 1>();
-    named_sync(5 + consumer, 128);
-  }
-  stage_dq<kCols>(stage, dq, part);
-  fence_proxy_async();
-  named_sync(5 + consumer, 128);
-  if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes<kCols>);
 }
 
 // The keys [k0, last_key] of kv head hk a key-kernel CTA owns (kRows of them),
@@ -732,8 +714,7 @@ struct WideSmem {
   uint64_t *owned, *q_full, *q_empty, *do_full, *do_empty;
   __device__ explicit WideSmem(unsigned char* raw) {
     using namespace wide;
-    unsigned char* base = reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    unsigned char* base = align_smem(raw);
     k = base;
     v = base + kTileBytes;
     q = base + kQOffset;
@@ -791,17 +772,25 @@ __device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps, const KeyBl
 }
 
 // Adds a consumer's two 32-column halves of one 64-column dQ product, each
-// through its own stage (so that one is written while the other's reduction
-// may still be reading).
+// staged in its own stage and sent by the consumer's thread 0 (so that one is
+// written while the other's reduction may still be reading): before staging, it
+// waits until at most one later reduction may still read a stage.
 __device__ __forceinline__ void add_dq_wide(float* dq_accum, float* stages, int consumer,
                                             const float (&dq)[32], int64_t bh, int64_t row,
                                             int col_block64, int64_t rows_padded) {
   constexpr int kCols = kDqCols<wide::kHeadDim>;
 #pragma unroll
-  for (int part = 0; part < 2; ++part)
-    add_dq<kCols, 2>(dq_accum + dq_block_start<wide::kHeadDim, kCols>(
-                                    bh, row, 2 * col_block64 + part, rows_padded),
-                     stages + part * wide::kDqStageFloats, consumer, dq, part);
+  for (int part = 0; part < 2; ++part) {
+    float* block = dq_accum + dq_block_start<wide::kHeadDim, kCols>(
+                                  bh, row, 2 * col_block64 + part, rows_padded);
+    float* stage = stages + part * wide::kDqStageFloats;
+    if (threadIdx.x % 128 == 0) bulk_wait_reads<1>();
+    named_sync(5 + consumer, 128);
+    stage_dq<kCols>(stage, dq, part);
+    fence_proxy_async();
+    named_sync(5 + consumer, 128);
+    if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes<kCols>);
+  }
 }
 
 template <class T>

@@ -25,6 +25,15 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The dynamic shared memory's first 1024-byte-aligned address (the 128-byte
+// swizzle's period). (Aligning by pointer arithmetic instead, which lets the
+// compiler see every access as a shared one, measured mixed: -2% at d64, +2%
+// at d128 in the backward.)
+__device__ __forceinline__ unsigned char* align_smem(unsigned char* raw) {
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                          ~uintptr_t(1023));
+}
+
 // Shared-memory stores by 32-bit shared address: through a generic pointer
 // each store needs a 64-bit address, which the compiler hoists out of tile
 // loops into registers that the consumers do not have.

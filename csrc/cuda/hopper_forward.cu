@@ -112,8 +112,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
   constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kConsumers = Cfg::kConsumers;
   constexpr bool kPacks = kPacksGroups<kHeadDim>;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = align_smem(smem_raw);
   unsigned char* sQ = smem;
   unsigned char* sK = sQ + Cfg::kQBytes;              // kStages tiles
   unsigned char* sV = sK + kStages * Cfg::kKVBytes;   // kStages tiles
