@@ -12,6 +12,7 @@ set_target_properties(flashjax_ffi PROPERTIES CUDA_ARCHITECTURES OFF)
 
 target_sources(flashjax_ffi PRIVATE
   csrc/cuda/launch.cu
+  csrc/cuda/sequence_layout.cu
   csrc/cuda/simt_attention.cu
   csrc/cuda/tensor_core_forward.cu
   csrc/cuda/hopper_forward.cu

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "element.h"
+#include "flashjax/seqlen.h"
 #include "thread_pool.h"
 #include "tile_math.h"
 
@@ -20,32 +21,38 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// A parallel task index as (batch, head, tile), tile fastest.
+// A parallel task index as (sequence, head, tile), tile fastest.
 struct Task {
   int64_t b, h, tile;
   Task(int64_t task, int64_t tiles, int64_t heads)
       : b(task / (tiles * heads)), h((task / tiles) % heads), tile(task % tiles) {}
 };
 
-// Where one head's rows live inside a (batch, seqlen, heads, dim) tensor.
-struct HeadView {
-  int64_t offset;      // element offset of row 0
-  int64_t row_stride;  // elements between consecutive rows
+// Rows [row0, row0 + rows) of one head of a tensor, as a sequence sees them:
+// slot row i is tensor row start + i of batch entry `batch`.
+struct HeadRows {
+  const TensorRef& ref;
+  int64_t batch, start, head;
+  template <class T>
+  T* row(int64_t i) const { return ref.at<T>(batch, start + i, head); }
 };
-HeadView head_view(int64_t b, int64_t seqlen, int64_t h, int64_t heads, int64_t dim) {
-  return {(b * seqlen * heads + h) * dim, heads * dim};
+HeadRows query_rows(const TensorRef& ref, const SeqlenInfo& seq, int64_t h) {
+  return {ref, seq.batch, seq.q_start, h};
+}
+HeadRows key_rows(const TensorRef& ref, const SeqlenInfo& seq, int64_t h) {
+  return {ref, seq.batch, seq.k_start, h};
 }
 
 // Copies `rows` rows of `dim` elements into a float tile of `ld` columns and
 // `pad_rows` rows; the padding is zero so that it contributes nothing.
 template <class T>
-void load_tile(float* tile, int64_t ld, int64_t pad_rows, const T* base, HeadView view,
-               int64_t row0, int64_t rows, int64_t dim) {
+void load_tile(float* tile, int64_t ld, int64_t pad_rows, HeadRows src_rows, int64_t row0,
+               int64_t rows, int64_t dim) {
   for (int64_t r = 0; r < pad_rows; ++r) {
     float* dst = tile + r * ld;
     int64_t filled = 0;
     if (r < rows) {
-      const T* src = base + view.offset + (row0 + r) * view.row_stride;
+      const T* src = src_rows.row<const T>(row0 + r);
       for (int64_t c = 0; c < dim; ++c) dst[c] = to_float(src[c]);
       filled = dim;
     }
@@ -54,19 +61,42 @@ void load_tile(float* tile, int64_t ld, int64_t pad_rows, const T* base, HeadVie
 }
 
 template <class T>
-void store_tile(T* base, HeadView view, int64_t row0, int64_t rows, int64_t dim,
-                const float* tile, int64_t ld, float scale) {
+void store_tile(HeadRows dst_rows, int64_t row0, int64_t rows, int64_t dim, const float* tile,
+                int64_t ld, float scale) {
   for (int64_t r = 0; r < rows; ++r) {
-    T* dst = base + view.offset + (row0 + r) * view.row_stride;
+    T* dst = dst_rows.row<T>(row0 + r);
     for (int64_t c = 0; c < dim; ++c) dst[c] = from_float<T>(tile[r * ld + c] * scale);
   }
 }
 
+// The segment ids of a tile pair: whether they can meet at all, and whether
+// every pair shares one id (then no per-element check is needed).
+struct TileSegments {
+  const SegmentIds& ids;
+  int64_t q0, rows, k0, cols;
+
+  IdRange q_range() const { return range(ids.q, q0, rows); }
+  IdRange k_range() const { return range(ids.k, k0, cols); }
+  bool meet() const { return !ids || q_range().meets(k_range()); }
+  bool uniform() const {
+    if (!ids) return true;
+    const IdRange a = q_range(), b = k_range();
+    return a.lo == a.hi && b.lo == b.hi && a.lo == b.lo;
+  }
+  static IdRange range(const int32_t* id, int64_t first, int64_t n) {
+    IdRange r;
+    for (int64_t i = 0; i < n; ++i) r.add(id[first + i]);
+    return r;
+  }
+};
+
 // Turns raw q.k products into scores: scale, softcap, then -inf outside the
-// visible window and beyond the `cols` valid keys of the tile.
+// visible window, beyond the `cols` valid keys of the tile and, with segment
+// ids, between different segments.
 FJ_MULTIVERSION
-void finish_scores(float* S, const AttentionParams& p, int64_t q0, int64_t rows, int64_t k0,
-                   int64_t cols, bool needs_mask) {
+void finish_scores(float* S, const AttentionParams& p, const SeqlenInfo& seq,
+                   const SegmentIds& segments, int64_t q0, int64_t rows, int64_t k0,
+                   int64_t cols, bool needs_mask, bool needs_segment_mask) {
   const float scale = p.softmax_scale, cap = p.softcap;
   for (int64_t r = 0; r < rows; ++r) {
     float* s = S + r * kBlockK;
@@ -77,11 +107,14 @@ void finish_scores(float* S, const AttentionParams& p, int64_t q0, int64_t rows,
     }
     int64_t lo = 0, hi = cols;  // visible columns [lo, hi)
     if (needs_mask) {
-      lo = std::clamp<int64_t>(p.first_key(q0 + r) - k0, 0, cols);
-      hi = std::clamp<int64_t>(p.last_key(q0 + r) + 1 - k0, lo, cols);
+      lo = std::clamp<int64_t>(seq.first_key(q0 + r) - k0, 0, cols);
+      hi = std::clamp<int64_t>(seq.last_key(q0 + r) + 1 - k0, lo, cols);
     }
     for (int64_t j = 0; j < lo; ++j) s[j] = kNegInf;
     for (int64_t j = hi; j < kBlockK; ++j) s[j] = kNegInf;
+    if (needs_segment_mask)
+      for (int64_t j = lo; j < hi; ++j)
+        if (!segments.visible(q0 + r, k0 + j)) s[j] = kNegInf;
   }
 }
 
@@ -157,10 +190,29 @@ struct Shape {
 };
 
 // Does every row of [q0, q0+rows) see every key of [k0, k0+cols)?
-bool tile_needs_mask(const AttentionParams& p, int64_t q0, int64_t rows, int64_t k0,
+bool tile_needs_mask(const SeqlenInfo& seq, int64_t q0, int64_t rows, int64_t k0,
                      int64_t cols) {
-  return cols < kBlockK || k0 < p.first_key(q0 + rows - 1) || k0 + cols - 1 > p.last_key(q0);
+  return cols < kBlockK || k0 < seq.first_key(q0 + rows - 1) || k0 + cols - 1 > seq.last_key(q0);
 }
+
+// Rows of [first, first + n) that take part (the rest of a slot only gets zeros).
+int64_t used_rows(int64_t used, int64_t first, int64_t n) {
+  return std::clamp<int64_t>(used - first, 0, n);
+}
+
+// Visible keys [begin, end) of query rows [q0, q0 + rows) (all used rows).
+struct KeySpan {
+  int64_t begin, end;
+  KeySpan(const SeqlenInfo& seq, int64_t q0, int64_t rows)
+      : begin(seq.first_key(q0)), end(rows > 0 ? seq.last_key(q0 + rows - 1) + 1 : 0) {}
+};
+
+// Query rows [begin, end) that see keys [k0, k0 + cols) (all used keys).
+struct QuerySpan {
+  int64_t begin, end;
+  QuerySpan(const SeqlenInfo& seq, int64_t k0, int64_t cols)
+      : begin(seq.first_query(k0)), end(cols > 0 ? seq.last_query(k0 + cols - 1) + 1 : 0) {}
+};
 
 float sink_logit(const AttentionParams& p, int64_t b, int64_t h) {
   return p.sinks ? p.sinks[b * p.heads_q + h] : kNegInf;
@@ -171,9 +223,14 @@ float sink_logit(const AttentionParams& p, int64_t b, int64_t h) {
 template <class T>
 void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
   const auto [b, h, qt] = Task(task, shape.q_tiles, p.heads_q);
+  const SeqlenInfo seq(p, b);
+  const int64_t q0 = qt * kBlockQ;
+  if (q0 >= seq.q_slot) return;
+  const int64_t rows = std::min(kBlockQ, seq.q_slot - q0);
+  const int64_t used = used_rows(seq.seqlen_q, q0, rows);
   const int64_t hk = h / p.group_size();
-  const int64_t q0 = qt * kBlockQ, rows = std::min(kBlockQ, p.seqlen_q - q0);
   const int64_t dp = shape.dp, dvp = shape.dvp;
+  const SegmentIds segments(p, b);
 
   thread_local Scratch scratch;
   float* Q = scratch.get(kBlockQ * dp + 2 * dp * kBlockK + kBlockK * dvp +
@@ -189,32 +246,31 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
   std::fill(m, m + kBlockQ, kNegInf);
   std::fill(l, l + kBlockQ, 0.0f);
 
-  const auto* q = static_cast<const T*>(p.q);
-  const auto* k = static_cast<const T*>(p.k);
-  const auto* v = static_cast<const T*>(p.v);
-  const HeadView qv = head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim);
-  const HeadView kv = head_view(b, p.seqlen_k, hk, p.heads_kv, p.head_dim);
-  const HeadView vv = head_view(b, p.seqlen_k, hk, p.heads_kv, p.head_dim_v);
-  load_tile(Q, dp, kBlockQ, q, qv, q0, rows, p.head_dim);
+  const HeadRows k_rows = key_rows(p.k, seq, hk), v_rows = key_rows(p.v, seq, hk);
+  load_tile<T>(Q, dp, kBlockQ, query_rows(p.q, seq, h), q0, used, p.head_dim);
 
-  const int64_t key_begin = p.first_key(q0), key_end = p.last_key(q0 + rows - 1) + 1;
-  for (int64_t k0 = key_begin; k0 < key_end; k0 += kBlockK) {
-    const int64_t cols = std::min(kBlockK, key_end - k0);
-    load_tile(Kr, dp, kBlockK, k, kv, k0, cols, p.head_dim);
+  const KeySpan keys(seq, q0, used);
+  for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, keys.end - k0);
+    const TileSegments tile_segments{segments, q0, used, k0, cols};
+    if (!tile_segments.meet()) continue;
+    load_tile<T>(Kr, dp, kBlockK, k_rows, k0, cols, p.head_dim);
     transpose(Kt, kBlockK, Kr, dp, kBlockK, dp);
-    load_tile(V, dvp, kBlockK, v, vv, k0, cols, p.head_dim_v);
+    load_tile<T>(V, dvp, kBlockK, v_rows, k0, cols, p.head_dim_v);
     std::fill(S, S + kBlockQ * kBlockK, 0.0f);
     matmul_acc(S, kBlockK, Q, dp, Kt, kBlockK, kBlockQ, kBlockK, dp);
-    finish_scores(S, p, q0, rows, k0, cols, tile_needs_mask(p, q0, rows, k0, cols));
-    online_softmax(S, rows, m, l, O, dvp);
+    finish_scores(S, p, seq, segments, q0, used, k0, cols,
+                  tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform());
+    online_softmax(S, used, m, l, O, dvp);
     matmul_acc(O, dvp, S, kBlockK, V, dvp, kBlockQ, dvp, kBlockK);
   }
 
-  // Fold in the sink, normalise, and write out and lse.
+  // Fold in the sink, normalise, and write out and lse; the slot's unused
+  // rows get 0 and -inf.
   const float sink = sink_logit(p, b, h);
-  float* lse = p.lse + (b * p.heads_q + h) * p.seqlen_q + q0;
+  float* lse = p.lse.at<float>(seq.batch, seq.q_row(q0), h);
   for (int64_t r = 0; r < rows; ++r) {
-    const float m_final = std::max(m[r], sink);
+    const float m_final = r < used ? std::max(m[r], sink) : kNegInf;
     float* o = O + r * dvp;
     if (m_final == kNegInf) {  // the row saw no key and has no sink
       std::fill(o, o + dvp, 0.0f);
@@ -227,8 +283,7 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
     for (int64_t c = 0; c < dvp; ++c) o[c] *= factor;
     lse[r] = m_final + std::log(total);
   }
-  store_tile(static_cast<T*>(p.out), head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim_v), q0,
-             rows, p.head_dim_v, O, dvp, 1.0f);
+  store_tile<T>(query_rows(p.out, seq, h), q0, rows, p.head_dim_v, O, dvp, 1.0f);
 }
 
 // ---------------------------------------------------------------- backward
@@ -255,50 +310,55 @@ struct BackwardTiles {
   }
 };
 
-// Everything about a (batch, query head) pair that the backward tiles read.
+// Everything about a (sequence, query head) pair that the backward tiles read.
 template <class T>
 struct BackwardHead {
   const AttentionParams& p;
   const Shape& shape;
-  const float* D_all;  // rowsum(dO * O) - dlse, [batch, heads_q, seqlen_q]
+  const TensorRef& D_all;  // rowsum(dO * O) - dlse, laid out like lse
+  const SeqlenInfo& seq;
+  const SegmentIds& segments;
   int64_t b, h;
 
+  // Loads used query rows [q0, q0 + rows).
   void load_rows(BackwardTiles& t, int64_t q0, int64_t rows) const {
-    load_tile(t.Q, shape.dp, kBlockQ, static_cast<const T*>(p.q),
-              head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim), q0, rows, p.head_dim);
-    load_tile(t.dO, shape.dvp, kBlockQ, static_cast<const T*>(p.dout),
-              head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim_v), q0, rows, p.head_dim_v);
+    load_tile<T>(t.Q, shape.dp, kBlockQ, query_rows(p.q, seq, h), q0, rows, p.head_dim);
+    load_tile<T>(t.dO, shape.dvp, kBlockQ, query_rows(p.dout, seq, h), q0, rows, p.head_dim_v);
     load_stats(t, q0, rows);
   }
 
   // The rows' lse and D (-inf and 0 past `rows`).
   void load_stats(BackwardTiles& t, int64_t q0, int64_t rows) const {
-    const int64_t row_base = (b * p.heads_q + h) * p.seqlen_q + q0;
+    const float* lse = p.lse.at<const float>(seq.batch, seq.q_row(q0), h);
+    const float* D = D_all.at<const float>(seq.batch, seq.q_row(q0), h);
     for (int64_t r = 0; r < kBlockQ; ++r) {
-      t.lse[r] = r < rows ? p.lse[row_base + r] : kNegInf;
-      t.D[r] = r < rows ? D_all[row_base + r] : 0.0f;
+      t.lse[r] = r < rows ? lse[r] : kNegInf;
+      t.D[r] = r < rows ? D[r] : 0.0f;
     }
   }
 
   void load_keys(BackwardTiles& t, int64_t k0, int64_t cols) const {
     const int64_t hk = h / p.group_size();
-    load_tile(t.Kr, shape.dp, kBlockK, static_cast<const T*>(p.k),
-              head_view(b, p.seqlen_k, hk, p.heads_kv, p.head_dim), k0, cols, p.head_dim);
+    load_tile<T>(t.Kr, shape.dp, kBlockK, key_rows(p.k, seq, hk), k0, cols, p.head_dim);
     transpose(t.Kt, kBlockK, t.Kr, shape.dp, kBlockK, shape.dp);
-    load_tile(t.Vr, shape.dvp, kBlockK, static_cast<const T*>(p.v),
-              head_view(b, p.seqlen_k, hk, p.heads_kv, p.head_dim_v), k0, cols, p.head_dim_v);
+    load_tile<T>(t.Vr, shape.dvp, kBlockK, key_rows(p.v, seq, hk), k0, cols, p.head_dim_v);
     transpose(t.Vt, kBlockK, t.Vr, shape.dvp, kBlockK, shape.dvp);
   }
 
-  // Recomputes S and P for the loaded tiles and leaves dS in t.dS.
-  void gradients(BackwardTiles& t, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+  // Recomputes S and P for the loaded tiles and leaves dS in t.dS; false (and
+  // nothing computed) when segment ids rule the whole tile pair out.
+  bool gradients(BackwardTiles& t, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+    const TileSegments tile_segments{segments, q0, rows, k0, cols};
+    if (!tile_segments.meet()) return false;
     std::fill(t.S, t.S + kBlockQ * kBlockK, 0.0f);
     matmul_acc(t.S, kBlockK, t.Q, shape.dp, t.Kt, kBlockK, kBlockQ, kBlockK, shape.dp);
-    finish_scores(t.S, p, q0, rows, k0, cols, tile_needs_mask(p, q0, rows, k0, cols));
+    finish_scores(t.S, p, seq, segments, q0, rows, k0, cols,
+                  tile_needs_mask(seq, q0, rows, k0, cols), !tile_segments.uniform());
     probabilities(t.P, t.S, rows, t.lse);
     std::fill(t.dS, t.dS + kBlockQ * kBlockK, 0.0f);
     matmul_acc(t.dS, kBlockK, t.dO, shape.dvp, t.Vt, kBlockK, kBlockQ, kBlockK, shape.dvp);
     score_gradient(t.dS, t.P, t.S, t.D, p.softcap);
+    return true;
   }
 };
 
@@ -313,43 +373,48 @@ float dsink_share(const AttentionParams& p, int64_t b, int64_t h, const float* l
   return part;
 }
 
-// D = rowsum(dO * O) - dlse for one (batch, head, q-tile).
+// D = rowsum(dO * O) - dlse for the used rows of one (sequence, head, q-tile).
 template <class T>
 void backward_preprocess(const AttentionParams& p, const Shape& shape, int64_t task,
-                         float* D_all) {
+                         const TensorRef& D_all) {
   const auto [b, h, qt] = Task(task, shape.q_tiles, p.heads_q);
-  const int64_t bh = b * p.heads_q + h;
-  const int64_t q0 = qt * kBlockQ, rows = std::min(kBlockQ, p.seqlen_q - q0);
-  const HeadView view = head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim_v);
-  const auto* out = static_cast<const T*>(p.out);
-  const auto* dout = static_cast<const T*>(p.dout);
+  const SeqlenInfo seq(p, b);
+  const int64_t q0 = qt * kBlockQ;
+  const int64_t rows = used_rows(seq.seqlen_q, q0, kBlockQ);
+  const HeadRows out = query_rows(p.out, seq, h), dout = query_rows(p.dout, seq, h);
+  float* D = D_all.at<float>(seq.batch, seq.q_row(q0), h);
+  const float* dlse = p.dlse ? p.dlse.at<const float>(seq.batch, seq.q_row(q0), h) : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t at = view.offset + (q0 + r) * view.row_stride;
+    const T* o = out.row<const T>(q0 + r);
+    const T* d_o = dout.row<const T>(q0 + r);
     float sum = 0.0f;
-    for (int64_t c = 0; c < p.head_dim_v; ++c) sum += to_float(out[at + c]) * to_float(dout[at + c]);
-    const int64_t row = bh * p.seqlen_q + q0 + r;
-    D_all[row] = sum - (p.dlse ? p.dlse[row] : 0.0f);
+    for (int64_t c = 0; c < p.head_dim_v; ++c) sum += to_float(o[c]) * to_float(d_o[c]);
+    D[r] = sum - (dlse ? dlse[r] : 0.0f);
   }
 }
 
 // dK and dV of key tile [k0, k0 + cols) of kv head hk, summed over its
-// query-head group, stored to p.dk / p.dv; with dQ (the group's heads, each
-// rows_padded rows of shape.dp), also adds each query row's share of dQ.
+// query-head group, stored to p.dk / p.dv (zeros for the slot's unused keys);
+// with dQ (the group's heads, each rows_padded rows of shape.dp), also adds
+// each query row's share of dQ.
 template <class T>
-void key_tile_gradients(const AttentionParams& p, const Shape& shape, const float* D_all,
-                        BackwardTiles& t, float* dK, int64_t b, int64_t hk, int64_t k0,
-                        int64_t cols, float* dQ, int64_t rows_padded) {
+void key_tile_gradients(const AttentionParams& p, const Shape& shape, const TensorRef& D_all,
+                        const SeqlenInfo& seq, BackwardTiles& t, float* dK, int64_t b,
+                        int64_t hk, int64_t k0, int64_t cols, float* dQ, int64_t rows_padded) {
   float* dV = dK + kBlockK * shape.dp;
   std::fill(dK, dK + kBlockK * (shape.dp + shape.dvp), 0.0f);
-  const int64_t row_begin = p.first_query(k0), row_end = p.last_query(k0 + cols - 1) + 1;
+  const int64_t used_cols = used_rows(seq.seqlen_k, k0, cols);
+  const QuerySpan queries(seq, k0, used_cols);
   const int64_t first_head = hk * p.group_size();
-  BackwardHead<T>{p, shape, D_all, b, first_head}.load_keys(t, k0, cols);
-  for (int64_t h = first_head; h < first_head + p.group_size(); ++h) {
-    const BackwardHead<T> head{p, shape, D_all, b, h};
-    for (int64_t q0 = row_begin; q0 < row_end; q0 += kBlockQ) {
-      const int64_t rows = std::min(kBlockQ, row_end - q0);
+  const SegmentIds segments(p, b);
+  if (used_cols > 0)
+    BackwardHead<T>{p, shape, D_all, seq, segments, b, first_head}.load_keys(t, k0, used_cols);
+  for (int64_t h = first_head; used_cols > 0 && h < first_head + p.group_size(); ++h) {
+    const BackwardHead<T> head{p, shape, D_all, seq, segments, b, h};
+    for (int64_t q0 = queries.begin; q0 < queries.end; q0 += kBlockQ) {
+      const int64_t rows = std::min(kBlockQ, queries.end - q0);
       head.load_rows(t, q0, rows);
-      head.gradients(t, q0, rows, k0, cols);
+      if (!head.gradients(t, q0, rows, k0, used_cols)) continue;
       transpose(t.T, kBlockQ, t.P, kBlockK, kBlockQ, kBlockK);
       matmul_acc(dV, shape.dvp, t.T, kBlockQ, t.dO, shape.dvp, kBlockK, shape.dvp, kBlockQ);
       transpose(t.T, kBlockQ, t.dS, kBlockK, kBlockQ, kBlockK);
@@ -359,50 +424,55 @@ void key_tile_gradients(const AttentionParams& p, const Shape& shape, const floa
                    t.Kr, shape.dp, kBlockQ, shape.dp, kBlockK);
     }
   }
-  store_tile(static_cast<T*>(p.dk), head_view(b, p.seqlen_k, hk, p.heads_kv, p.head_dim), k0,
-             cols, p.head_dim, dK, shape.dp, p.softmax_scale);
-  store_tile(static_cast<T*>(p.dv), head_view(b, p.seqlen_k, hk, p.heads_kv, p.head_dim_v), k0,
-             cols, p.head_dim_v, dV, shape.dvp, 1.0f);
+  store_tile<T>(key_rows(p.dk, seq, hk), k0, cols, p.head_dim, dK, shape.dp, p.softmax_scale);
+  store_tile<T>(key_rows(p.dv, seq, hk), k0, cols, p.head_dim_v, dV, shape.dvp, 1.0f);
 }
 
 // Two-pass backward, pass 1: one key tile of one kv head.
 template <class T>
-void backward_key_tile(const AttentionParams& p, const Shape& shape, const float* D_all,
+void backward_key_tile(const AttentionParams& p, const Shape& shape, const TensorRef& D_all,
                        int64_t task) {
   const auto [b, hk, kt] = Task(task, shape.k_tiles, p.heads_kv);
+  const SeqlenInfo seq(p, b);
+  const int64_t k0 = kt * kBlockK;
+  if (k0 >= seq.k_slot) return;
   thread_local Scratch scratch, accum;
   BackwardTiles t(scratch, shape);
   float* dK = accum.get(kBlockK * (shape.dp + shape.dvp));
-  const int64_t k0 = kt * kBlockK;
-  key_tile_gradients<T>(p, shape, D_all, t, dK, b, hk, k0, std::min(kBlockK, p.seqlen_k - k0),
-                        nullptr, 0);
+  key_tile_gradients<T>(p, shape, D_all, seq, t, dK, b, hk, k0,
+                        std::min(kBlockK, seq.k_slot - k0), nullptr, 0);
 }
 
-// dQ of one query tile, and this tile's share of dsinks.
+// dQ of one query tile (zeros for the slot's unused rows), and this tile's
+// share of dsinks.
 template <class T>
-void backward_query_tile(const AttentionParams& p, const Shape& shape, const float* D_all,
+void backward_query_tile(const AttentionParams& p, const Shape& shape, const TensorRef& D_all,
                          int64_t task, float* dsink_parts) {
   const auto [b, h, qt] = Task(task, shape.q_tiles, p.heads_q);
-  const int64_t q0 = qt * kBlockQ, rows = std::min(kBlockQ, p.seqlen_q - q0);
+  const SeqlenInfo seq(p, b);
+  const SegmentIds segments(p, b);
+  const int64_t q0 = qt * kBlockQ;
+  if (q0 >= seq.q_slot) return;
+  const int64_t rows = std::min(kBlockQ, seq.q_slot - q0);
+  const int64_t used = used_rows(seq.seqlen_q, q0, rows);
 
   thread_local Scratch scratch, accum;
   BackwardTiles t(scratch, shape);
   float* dQ = accum.get(kBlockQ * shape.dp);
   std::fill(dQ, dQ + kBlockQ * shape.dp, 0.0f);
 
-  const BackwardHead<T> head{p, shape, D_all, b, h};
-  head.load_rows(t, q0, rows);
-  const int64_t key_begin = p.first_key(q0), key_end = p.last_key(q0 + rows - 1) + 1;
-  for (int64_t k0 = key_begin; k0 < key_end; k0 += kBlockK) {
-    const int64_t cols = std::min(kBlockK, key_end - k0);
+  const BackwardHead<T> head{p, shape, D_all, seq, segments, b, h};
+  head.load_rows(t, q0, used);
+  const KeySpan keys(seq, q0, used);
+  for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, keys.end - k0);
     head.load_keys(t, k0, cols);
-    head.gradients(t, q0, rows, k0, cols);
+    if (!head.gradients(t, q0, used, k0, cols)) continue;
     matmul_acc(dQ, shape.dp, t.dS, kBlockK, t.Kr, shape.dp, kBlockQ, shape.dp, kBlockK);
   }
-  store_tile(static_cast<T*>(p.dq), head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim), q0, rows,
-             p.head_dim, dQ, shape.dp, p.softmax_scale);
+  store_tile<T>(query_rows(p.dq, seq, h), q0, rows, p.head_dim, dQ, shape.dp, p.softmax_scale);
 
-  if (p.sinks) dsink_parts[task] = dsink_share(p, b, h, t.lse, t.D, rows);
+  if (p.sinks) dsink_parts[task] = dsink_share(p, b, h, t.lse, t.D, used);
 }
 
 // dQ, dK and dV of one kv head's whole query-head group in one task: each tile
@@ -410,11 +480,13 @@ void backward_query_tile(const AttentionParams& p, const Shape& shape, const flo
 // per-task buffer instead of being recomputed per query tile). Deterministic:
 // one thread, fixed order.
 template <class T>
-void backward_group(const AttentionParams& p, const Shape& shape, const float* D_all,
+void backward_group(const AttentionParams& p, const Shape& shape, const TensorRef& D_all,
                     int64_t task, float* dsink_parts) {
   const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
+  const SeqlenInfo seq(p, b);
+  const SegmentIds segments(p, b);
   const int64_t group = p.group_size(), first_head = hk * group;
-  const int64_t rows_padded = p.seqlen_q + kBlockQ;  // a tile may overrun the last row
+  const int64_t rows_padded = seq.q_slot + kBlockQ;  // a tile may overrun the last row
 
   thread_local Scratch scratch, accum;
   BackwardTiles t(scratch, shape);
@@ -422,22 +494,20 @@ void backward_group(const AttentionParams& p, const Shape& shape, const float* D
   // Not thread_local: up to a few tens of MB per task, freed with the task.
   std::vector<float> dQ_buffer(group * rows_padded * shape.dp, 0.0f);
   float* dQ = dQ_buffer.data();
-  for (int64_t kt = 0; kt < shape.k_tiles; ++kt) {
-    const int64_t k0 = kt * kBlockK;
-    key_tile_gradients<T>(p, shape, D_all, t, dK, b, hk, k0,
-                          std::min(kBlockK, p.seqlen_k - k0), dQ, rows_padded);
-  }
+  for (int64_t k0 = 0; k0 < seq.k_slot; k0 += kBlockK)
+    key_tile_gradients<T>(p, shape, D_all, seq, t, dK, b, hk, k0,
+                          std::min(kBlockK, seq.k_slot - k0), dQ, rows_padded);
   for (int64_t h = first_head; h < first_head + group; ++h) {
     const float* dQ_head = dQ + (h - first_head) * rows_padded * shape.dp;
-    store_tile(static_cast<T*>(p.dq), head_view(b, p.seqlen_q, h, p.heads_q, p.head_dim), 0,
-               p.seqlen_q, p.head_dim, dQ_head, shape.dp, p.softmax_scale);
+    store_tile<T>(query_rows(p.dq, seq, h), 0, seq.q_slot, p.head_dim, dQ_head, shape.dp,
+                  p.softmax_scale);
     if (!p.sinks) continue;
-    const BackwardHead<T> head{p, shape, D_all, b, h};
+    const BackwardHead<T> head{p, shape, D_all, seq, segments, b, h};
     for (int64_t qt = 0; qt < shape.q_tiles; ++qt) {  // the same shares as the two-pass path
-      const int64_t q0 = qt * kBlockQ, rows = std::min(kBlockQ, p.seqlen_q - q0);
-      head.load_stats(t, q0, rows);
+      const int64_t q0 = qt * kBlockQ, used = used_rows(seq.seqlen_q, q0, kBlockQ);
+      head.load_stats(t, q0, used);
       dsink_parts[(b * p.heads_q + h) * shape.q_tiles + qt] =
-          dsink_share(p, b, h, t.lse, t.D, rows);
+          dsink_share(p, b, h, t.lse, t.D, used);
     }
   }
 }
@@ -457,24 +527,43 @@ bool use_one_pass(const AttentionParams& p, const Shape& shape) {
          buffer * std::min<int64_t>(tasks, num_threads()) <= kMaxTotalBytes;
 }
 
+// Rows of an lse-like array (per query row and head) over all sequences.
+int64_t stat_rows(const AttentionParams& p) {
+  return p.heads_q * (p.packed() ? p.total_q : p.batch * p.seqlen_q);
+}
+
+// Packed layouts: tensor rows outside every sequence's slot get zeros (and
+// lse -inf); zeroing all rows first is cheap next to the attention itself.
+template <class T>
+void zero_rows(const TensorRef& ref, int64_t rows, int64_t heads, int64_t dim) {
+  T* data = static_cast<T*>(ref.data);
+  std::fill(data, data + rows * heads * dim, from_float<T>(0.0f));
+}
+
 template <class T>
 void backward_impl(const AttentionParams& p) {
   const Shape shape(p);
   const int64_t bh_q = p.batch * p.heads_q;
-  std::vector<float> D_all(bh_q * p.seqlen_q);
+  if (p.packed()) {
+    zero_rows<T>(p.dq, p.total_q, p.heads_q, p.head_dim);
+    zero_rows<T>(p.dk, p.total_k, p.heads_kv, p.head_dim);
+    zero_rows<T>(p.dv, p.total_k, p.heads_kv, p.head_dim_v);
+  }
+  std::vector<float> D_storage(stat_rows(p));
+  const TensorRef D_all{D_storage.data(), p.lse.batch_stride, p.lse.row_stride,
+                        p.lse.head_stride};
   parallel_for(bh_q * shape.q_tiles,
-               [&](int64_t task) { backward_preprocess<T>(p, shape, task, D_all.data()); });
+               [&](int64_t task) { backward_preprocess<T>(p, shape, task, D_all); });
   std::vector<float> dsink_parts(p.sinks ? bh_q * shape.q_tiles : 0);
   if (use_one_pass(p, shape)) {
     parallel_for(p.batch * p.heads_kv, [&](int64_t task) {
-      backward_group<T>(p, shape, D_all.data(), task, dsink_parts.data());
+      backward_group<T>(p, shape, D_all, task, dsink_parts.data());
     });
   } else {
-    parallel_for(p.batch * p.heads_kv * shape.k_tiles, [&](int64_t task) {
-      backward_key_tile<T>(p, shape, D_all.data(), task);
-    });
+    parallel_for(p.batch * p.heads_kv * shape.k_tiles,
+                 [&](int64_t task) { backward_key_tile<T>(p, shape, D_all, task); });
     parallel_for(bh_q * shape.q_tiles, [&](int64_t task) {
-      backward_query_tile<T>(p, shape, D_all.data(), task, dsink_parts.data());
+      backward_query_tile<T>(p, shape, D_all, task, dsink_parts.data());
     });
   }
   if (p.sinks && p.dsinks) {  // fixed-order sum: deterministic
@@ -494,6 +583,11 @@ void attention_forward(const AttentionParams& p) {
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const Shape shape(p);
+    if (p.packed()) {
+      zero_rows<T>(p.out, p.total_q, p.heads_q, p.head_dim_v);
+      float* lse = static_cast<float*>(p.lse.data);
+      std::fill(lse, lse + stat_rows(p), kNegInf);
+    }
     parallel_for(p.batch * p.heads_q * shape.q_tiles,
                  [&](int64_t task) { forward_tile<T>(p, shape, task); });
   });

@@ -11,6 +11,8 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "flashjax/seqlen.h"
+#include "sequence_layout.h"
 
 namespace flashjax::cuda {
 
@@ -79,25 +81,25 @@ struct RowSoftmax {
   float m[2] = {kNegInf, kNegInf};
   float l[2] = {0.0f, 0.0f};  // this thread's partial sums; the quad reduces at the end
 
-  // Does every row of the tile [q0, q_last] see every key of [k0, k0 + n)?
-  __device__ static bool tile_needs_mask(const AttentionParams& p, int64_t q0, int64_t q_last,
+  // Does every used row of the tile [q0, q_last] see every key of [k0, k0 + n)?
+  // (q_last: the tile's last used row; rows past it are written as empty rows.)
+  __device__ static bool tile_needs_mask(const SeqlenInfo& seq, int64_t q0, int64_t q_last,
                                          int64_t k0, int n, int64_t key_begin, int64_t key_end) {
-    return k0 < key_begin || k0 + n > key_end || k0 < p.first_key(q_last) ||
-           k0 + n - 1 > p.last_key(q0);
+    return k0 < key_begin || k0 + n > key_end || k0 < seq.first_key(q_last) ||
+           k0 + n - 1 > seq.last_key(q0);
   }
 
   // Raw q.k products -> scores in log2 units, -inf where masked.
   template <int kKeyTiles>
-  __device__ void scores(float (&s)[kKeyTiles * 4], const AttentionParams& p, int64_t k0,
-                         bool needs_mask) const {
+  __device__ void scores(float (&s)[kKeyTiles * 4], const AttentionParams& p,
+                         const SeqlenInfo& seq, int64_t k0, bool needs_mask) const {
     scores_log2(s, p);
     if (!needs_mask) return;
     int lo[2], hi[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      visible_columns(p.first_key(query(row + 8 * r)),
-                      min(p.last_key(query(row + 8 * r)), p.seqlen_k - 1), k0, kKeyTiles * 8,
-                      lo[r], hi[r]);
+      visible_columns(seq.first_key(query(row + 8 * r)), seq.last_key(query(row + 8 * r)), k0,
+                      kKeyTiles * 8, lo[r], hi[r]);
     mask_columns<kKeyTiles>(s, lo, hi);
   }
 
@@ -148,11 +150,13 @@ struct RowSoftmax {
     rescale<kDimTiles>(o, alpha);
   }
 
-  // Folds in the sink, normalises o and writes out (head_dim_v % 8 == 0) and lse.
-  // h: the head of the tile (the group's first head when packed).
+  // Folds in the sink, normalises o and writes out (head_dim_v % 8 == 0) and lse
+  // for the rows of sequence b's slot; rows past the used ones get out 0 and
+  // lse -inf (whatever o holds, as long as it is finite; also with sinks).
+  // h0: the head of the tile (the group's first head when packed).
   template <class T, int kDimTiles>
-  __device__ void write(const AttentionParams& p, const float (&o)[kDimTiles * 4], int64_t b,
-                        int64_t h0) const {
+  __device__ void write(const AttentionParams& p, const SeqlenInfo& seq,
+                        const float (&o)[kDimTiles * 4], int64_t b, int64_t h0) const {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -162,17 +166,19 @@ struct RowSoftmax {
       const int64_t tile_row = row + 8 * r, out_row = query(tile_row);
       const int64_t h = h0 + (packed_rows ? static_cast<int>(tile_row) / packed_rows : 0);
       if (packed_rows && tile_row >= packed_rows * p.group_size()) continue;
-      const float sink = p.sinks ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
-      const float m_final = fmaxf(m[r], sink);
+      if (out_row >= seq.q_slot) continue;
+      const bool used = out_row < seq.seqlen_q;
+      const float sink = p.sinks && used ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
+      const float m_row = used ? m[r] : kNegInf;
+      const float m_final = fmaxf(m_row, sink);
       float factor = 0.0f, lse = kNegInf;  // no key and no sink: out 0, lse -inf
       if (m_final != kNegInf) {
-        const float keys_scale = fast_exp2(m[r] - m_final);
+        const float keys_scale = fast_exp2(m_row - m_final);
         const float denom = total * keys_scale + fast_exp2(sink - m_final);
         factor = keys_scale / denom;
         lse = (m_final + __log2f(denom)) / kLog2e;
       }
-      if (out_row >= p.seqlen_q) continue;
-      T* dst = static_cast<T*>(p.out) + ((b * p.seqlen_q + out_row) * p.heads_q + h) * p.head_dim_v;
+      T* dst = seq.q_at<T>(p.out, out_row, h);
 #pragma unroll
       for (int n = 0; n < kDimTiles; ++n) {
         const int col = n * 8 + 2 * t;
@@ -180,7 +186,7 @@ struct RowSoftmax {
           *reinterpret_cast<uint32_t*>(dst + col) =
               pack2<T>(o[4 * n + 2 * r] * factor, o[4 * n + 2 * r + 1] * factor);
       }
-      if (t == 0) p.lse[(b * p.heads_q + h) * p.seqlen_q + out_row] = lse;
+      if (t == 0) *seq.q_at<float>(p.lse, out_row, h) = lse;
     }
   }
 };
@@ -224,19 +230,20 @@ __device__ __forceinline__ float lse_to_log2(float lse) {
   return lse == kNegInf ? -kNegInf : lse * kLog2e;
 }
 
-// Writes a 16 x kHeadDim fragment (rows row0 + g, + 8; columns col0 + [0,
-// kHeadDim)) of one head, times scale.
+// Writes a 16 x kHeadDim fragment (rows row0 + g, + 8, those below `rows`;
+// columns col0 + [0, kHeadDim), those below `dim`) of one head, times scale,
+// to the rows of `head_base` (row_stride elements apart), as load_tile reads.
 template <class T, int kHeadDim>
-__device__ __forceinline__ void store_rows(void* base, int64_t b, int64_t seqlen, int64_t heads,
-                                           int64_t h, int64_t dim, int64_t row0,
+__device__ __forceinline__ void store_rows(T* head_base, int64_t row_stride, int64_t rows,
+                                           int64_t dim, int64_t row0,
                                            const float (&acc)[kHeadDim / 2], float scale,
                                            int col0 = 0) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = row0 + g + 8 * r;
-    if (row >= seqlen) continue;
-    T* dst = static_cast<T*>(base) + ((b * seqlen + row) * heads + h) * dim;
+    if (row >= rows) continue;
+    T* dst = head_base + row * row_stride;
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n) {
       const int col = col0 + n * 8 + 2 * t;
@@ -253,27 +260,107 @@ __device__ __forceinline__ float dsink_share(float sink2, float lse2, float D) {
   return lse2 == -kNegInf ? 0.0f : -fast_exp2(sink2 - lse2) * D;
 }
 
-// Each of a thread's two rows' share of dsinks.
-__device__ __forceinline__ void write_dsink_rows(const AttentionParams& p, int64_t bh, int64_t row,
+// Each of a thread's two rows' share of dsinks (used rows of sequence b,
+// head h; dsink_rows is laid out like lse).
+__device__ __forceinline__ void write_dsink_rows(const AttentionParams& p, const SeqlenInfo& seq,
+                                                 int64_t b, int64_t h, int64_t row,
                                                  const float (&lse2)[2], const float (&D)[2],
-                                                 float* dsink_rows) {
+                                                 const TensorRef& dsink_rows) {
   if (!p.sinks || threadIdx.x % 4 != 0) return;
-  const float sink2 = p.sinks[bh] * kLog2e;
+  const float sink2 = p.sinks[b * p.heads_q + h] * kLog2e;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t i = row + 8 * r;
-    if (i < p.seqlen_q) dsink_rows[bh * p.seqlen_q + i] = dsink_share(sink2, lse2[r], D[r]);
+    if (i < seq.seqlen_q) *seq.q_at<float>(dsink_rows, i, h) = dsink_share(sink2, lse2[r], D[r]);
   }
 }
 
-// Tiles are visited from the multiple of n at or below the first visible key.
+// The keys that the used query rows [q0, q_last] of a tile see (q_last: its
+// last used row, < q0 when it has none), visited in tiles of n from the
+// multiple of n at or below the first. (No used row: last_key(seqlen_q) = -1.)
 struct KeyRange {
   int64_t key_begin, key_end, tile_begin;
-  __device__ KeyRange(const AttentionParams& p, int64_t q0, int64_t q_last, int n)
-      : key_begin(p.first_key(q0)), key_end(p.last_key(q_last) + 1),
-        tile_begin(p.first_key(q0) / n * n) {}
+  __device__ KeyRange(const SeqlenInfo& seq, int64_t q0, int64_t q_last, int n)
+      : key_begin(seq.first_key(q0)),
+        key_end(seq.last_key(q_last < q0 ? seq.seqlen_q : q_last) + 1),
+        tile_begin(key_begin / n * n) {}
   __device__ int64_t tiles(int n) const {
     return key_end > tile_begin ? (key_end - tile_begin + n - 1) / n : 0;
+  }
+};
+
+// The query rows that see the used keys [k0, k_last] of a tile (k_last: its
+// last used key, < k0 when it has none), in tiles of n from the multiple of
+// n at or below the first.
+struct QueryRange {
+  int64_t row_begin, row_end, tile_begin;
+  __device__ QueryRange(const SeqlenInfo& seq, int64_t k0, int64_t k_last, int n)
+      : row_begin(seq.first_query(k0)),
+        row_end(seq.last_query(k_last < k0 ? seq.seqlen_k : k_last) + 1),
+        tile_begin(row_begin / n * n) {}
+};
+
+// Segment-id masking of a thread's two fragment rows (row, row + 8) of a
+// SegmentTiles tile against tiles of columns: rows are queries and columns
+// keys (forward, dQ) or, transposed, rows are keys and columns queries (dK,
+// dV). Column tiles whose ids cannot meet the row tile's are skipped
+// (next_tile), the others compared per element unless all ids are equal.
+// Only kernels compiled for Layouts::kSegments do anything here.
+enum class FragmentRows { kQueries, kKeys };
+
+template <Layouts kLayouts>
+struct FragmentSegments {
+  __device__ FragmentSegments(const AttentionParams&, const SegmentTiles&, const SeqlenInfo&,
+                              int64_t, FragmentRows, int64_t, int64_t) {}
+  __device__ int64_t next_tile(int64_t c0, int64_t, int) const { return c0; }
+  template <int kTiles>
+  __device__ void mask(float (&)[kTiles * 4], int64_t) const {}
+};
+
+template <>
+struct FragmentSegments<Layouts::kSegments> {
+  const int32_t* col_ids;
+  const IdRange* col_tiles;  // this sequence's column tiles
+  int64_t cols_used;
+  IdRange row_tile;
+  int32_t row_id[2];
+
+  // Sequence b's tile of rows from row0, of which this thread holds row, row + 8.
+  __device__ FragmentSegments(const AttentionParams& p, const SegmentTiles& tiles,
+                              const SeqlenInfo& seq, int64_t b, FragmentRows rows, int64_t row0,
+                              int64_t row) {
+    const SegmentIds ids(p, b);
+    const bool queries = rows == FragmentRows::kQueries;
+    const int32_t* row_ids = queries ? ids.q : ids.k;
+    const int64_t rows_used = queries ? seq.seqlen_q : seq.seqlen_k;
+    col_ids = queries ? ids.k : ids.q;
+    col_tiles = queries ? tiles.k + b * tiles.k_tiles : tiles.q + b * tiles.q_tiles;
+    cols_used = queries ? seq.seqlen_k : seq.seqlen_q;
+    row_tile = queries ? tiles.query_tile(b, row0) : tiles.key_tile(b, row0);
+#pragma unroll
+    for (int r = 0; r < 2; ++r)  // (rows past the used ones see nothing anyway)
+      row_id[r] = row + 8 * r < rows_used ? row_ids[row + 8 * r] : 0;
+  }
+  // The first column tile from c0 (tile-aligned), before end, that may meet the rows.
+  __device__ int64_t next_tile(int64_t c0, int64_t end, int n) const {
+    while (c0 < end && !row_tile.meets(col_tiles[c0 / SegmentTiles::kRows])) c0 += n;
+    return c0;
+  }
+  // -inf where a row's id differs from the id of column c0 + col.
+  template <int kTiles>
+  __device__ void mask(float (&s)[kTiles * 4], int64_t c0) const {
+    if (row_tile.all_equal(col_tiles[c0 / SegmentTiles::kRows])) return;
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t c = c0 + n * 8 + 2 * t + e;
+        const int32_t id = c < cols_used ? col_ids[c] : 0;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (c >= cols_used || id != row_id[r]) s[4 * n + 2 * r + e] = kNegInf;
+      }
   }
 };
 

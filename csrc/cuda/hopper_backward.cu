@@ -108,11 +108,12 @@ __global__ void stage_rows_kernel(const AttentionParams p, BackwardWorkspace ws,
        at += int64_t(gridDim.x) * blockDim.x) {
     const int64_t bh = at / ws.rows_padded, i = at % ws.rows_padded;
     float lse2 = -kNegInf, D = 0.0f;
-    if (i < p.seqlen_q) {
-      lse2 = lse_to_log2(p.lse[bh * p.seqlen_q + i]);
-      D = ws.D[bh * p.seqlen_q + i];
+    if (i < p.seqlen_q) {  // (uniform layouts: lse, D, dsink_rows are dense (b, h, i))
+      lse2 = lse_to_log2(static_cast<const float*>(p.lse.data)[bh * p.seqlen_q + i]);
+      D = static_cast<const float*>(ws.D.data)[bh * p.seqlen_q + i];
       if (dsinks && p.sinks)
-        ws.dsink_rows[bh * p.seqlen_q + i] = dsink_share(p.sinks[bh] * kLog2e, lse2, D);
+        static_cast<float*>(ws.dsink_rows.data)[bh * p.seqlen_q + i] =
+            dsink_share(p.sinks[bh] * kLog2e, lse2, D);
     }
     ws.lse2_padded[at] = lse2;
     ws.D_padded[at] = D;
@@ -133,7 +134,7 @@ __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum
     const float x = dq_accum[dq_block_start<kHeadDim, kCols>(b * p.heads_q + h, i, c / kCols,
                                                              rows_padded) +
                              dq_block_offset<kCols>(i, c)];
-    static_cast<T*>(p.dq)[at] = from_float<T>(x * p.softmax_scale);
+    static_cast<T*>(p.dq.data)[at] = from_float<T>(x * p.softmax_scale);  // (dense dq)
   }
 }
 
@@ -287,10 +288,10 @@ __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kK][4], const float
 
 // Writes rows row0 + [0, 64) of a consumer's 64 x kHeadDim accumulator.
 template <class T, int kHeadDim>
-__device__ __forceinline__ void store_block(void* base, int64_t b, int64_t seqlen, int64_t heads,
-                                            int64_t h, int64_t dim, int64_t row0,
+__device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, int64_t rows,
+                                            int64_t dim, int64_t row0,
                                             const float (&acc)[kHeadDim / 2], float scale) {
-  store_rows<T, kHeadDim>(base, b, seqlen, heads, h, dim, row0 + ((threadIdx.x / 32) % 4) * 16,
+  store_rows<T, kHeadDim>(head_base, row_stride, rows, dim, row0 + ((threadIdx.x / 32) % 4) * 16,
                           acc, scale);
 }
 
@@ -415,8 +416,9 @@ struct KeyBlock {
     hk = bhk % p.heads_kv;
     k0 = k_tile * kRows;
     last_key = min(k0 + kRows, p.seqlen_k) - 1;
-    row_begin = p.first_query(k0) / kStreamRows * kStreamRows;
-    const int64_t row_end = p.last_query(last_key) + 1;
+    const SeqlenInfo seq = SeqlenInfo::uniform(p, b);
+    row_begin = seq.first_query(k0) / kStreamRows * kStreamRows;
+    const int64_t row_end = seq.last_query(last_key) + 1;
     q_tiles = row_end > row_begin ? (row_end - row_begin + kStreamRows - 1) / kStreamRows : 0;
     tiles = q_tiles * p.group_size();
   }
@@ -431,15 +433,16 @@ struct KeyBlock {
   __device__ void mask(float (&st)[kTiles * 4], const AttentionParams& p, int64_t key,
                        int64_t col0) const {
     constexpr int kCols = kTiles * 8;
-    if (col0 >= p.first_query(last_key) && col0 + kCols - 1 <= p.last_query(k0) &&
+    const SeqlenInfo seq = SeqlenInfo::uniform(p, b);
+    if (col0 >= seq.first_query(last_key) && col0 + kCols - 1 <= seq.last_query(k0) &&
         col0 + kCols <= p.seqlen_q && last_key - k0 + 1 == kRows)
       return;
     int lo[2], hi[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t k = key + 8 * r;
-      visible_columns(p.first_query(k), min(p.last_query(k), p.seqlen_q - 1), col0, kCols, lo[r],
-                      hi[r]);
+      visible_columns(seq.first_query(k), min(seq.last_query(k), p.seqlen_q - 1), col0, kCols,
+                      lo[r], hi[r]);
       if (k >= p.seqlen_k) hi[r] = -1;
     }
     mask_columns<kTiles>(st, lo, hi);
@@ -580,15 +583,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
       });
   const int64_t row0 = k0 + consumer * 64;
-  store_block<T, kHeadDim>(p.dk, b, p.seqlen_k, p.heads_kv, hk, p.head_dim, row0, dk,
-                           p.softmax_scale);
-  store_block<T, kHeadDim>(p.dv, b, p.seqlen_k, p.heads_kv, hk, p.head_dim_v, row0, dv, 1.0f);
+  store_block<T, kHeadDim>(p.dk.at<T>(b, 0, hk), p.dk.row_stride, p.seqlen_k, p.head_dim, row0,
+                           dk, p.softmax_scale);
+  store_block<T, kHeadDim>(p.dv.at<T>(b, 0, hk), p.dv.row_stride, p.seqlen_k, p.head_dim_v, row0,
+                           dv, 1.0f);
 }
 
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_query_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
-                        const float* D_all, float* dsink_rows) {
+                        const __grid_constant__ TensorRef D_all,
+                        const __grid_constant__ TensorRef dsink_rows) {
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
   using L = Layout<kHeadDim>;
@@ -596,7 +601,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto [q_tile, bh] = query_tile(q_tiles);
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
   const int64_t q0 = q_tile * kOwnRows, last_row = min(q0 + kOwnRows, p.seqlen_q) - 1;
-  const KeyRange keys(p, q0, last_row, kStreamRows);
+  const SeqlenInfo seq = SeqlenInfo::uniform(p, b);
+  const KeyRange keys(seq, q0, last_row, kStreamRows);
   const int64_t tiles = keys.tiles(kStreamRows);
   sm.init();
 
@@ -618,8 +624,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t i = rows.row + 8 * r;
-    lse2[r] = i < p.seqlen_q ? lse_to_log2(p.lse[bh * p.seqlen_q + i]) : -kNegInf;
-    D[r] = i < p.seqlen_q ? D_all[bh * p.seqlen_q + i] : 0.0f;
+    lse2[r] = i < p.seqlen_q ? lse_to_log2(*p.lse.at<const float>(b, i, h)) : -kNegInf;
+    D[r] = i < p.seqlen_q ? *D_all.at<const float>(b, i, h) : 0.0f;
   }
   float dq[kHeadDim / 2] = {};
 
@@ -641,8 +647,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_regs(s);
         fence_regs(dp);
         const int64_t k0 = keys.tile_begin + it * kStreamRows;
-        rows.scores<8>(s, p, k0,
-                       RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kStreamRows,
+        rows.scores<8>(s, p, seq, k0,
+                       RowSoftmax::tile_needs_mask(seq, q0, last_row, k0, kStreamRows,
                                                    keys.key_begin, keys.key_end));
         probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
                                [&](int i) { return D[(i % 4) / 2]; });
@@ -657,9 +663,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_regs(dq);
         if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
       });
-  store_block<T, kHeadDim>(p.dq, b, p.seqlen_q, p.heads_q, h, p.head_dim, q0 + consumer * 64, dq,
-                           p.softmax_scale);
-  write_dsink_rows(p, bh, rows.row, lse2, D, dsink_rows);
+  store_block<T, kHeadDim>(p.dq.at<T>(b, 0, h), p.dq.row_stride, p.seqlen_q, p.head_dim,
+                           q0 + consumer * 64, dq, p.softmax_scale);
+  write_dsink_rows(p, seq, b, h, rows.row, lse2, D, dsink_rows);
 }
 
 #else  // not compiled for sm_90a: never launched (hopper_backward_supports says no)
@@ -669,7 +675,8 @@ __global__ void hopper_key_kernel(const AttentionParams, const __grid_constant__
                                   const RowStats, float*) {}
 template <class T, int kHeadDim>
 __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
-                                    const float*, float*) {}
+                                    const __grid_constant__ TensorRef,
+                                    const __grid_constant__ TensorRef) {}
 
 #endif
 
@@ -897,10 +904,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (threadIdx.x % 128 == 0) bulk_wait_all();
   const int64_t row0 = kb.k0 + ((threadIdx.x / 32) % 4) * 16;
-  store_rows<T, 128>(p.dk, kb.b, p.seqlen_k, p.heads_kv, kb.hk, p.head_dim, row0, dk,
-                     p.softmax_scale, 128 * c);
-  store_rows<T, 128>(p.dv, kb.b, p.seqlen_k, p.heads_kv, kb.hk, p.head_dim_v, row0, dv, 1.0f,
-                     128 * c);
+  store_rows<T, 128>(p.dk.at<T>(kb.b, 0, kb.hk), p.dk.row_stride, p.seqlen_k, p.head_dim, row0,
+                     dk, p.softmax_scale, 128 * c);
+  store_rows<T, 128>(p.dv.at<T>(kb.b, 0, kb.hk), p.dv.row_stride, p.seqlen_k, p.head_dim_v, row0,
+                     dv, 1.0f, 128 * c);
 }
 
 #else
@@ -947,9 +954,9 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   constexpr int kKeysPerBlock = kWide<kHeadDim> ? wide::kKeys : kOwnRows;
   const bool fused = ws.dq_accum != nullptr;
   if (cudaError_t e = configure_kernels<T, kHeadDim>(); e != cudaSuccess) return e;
-  const auto map = [&](CUtensorMap* m, const void* data, int64_t seqlen, int64_t heads,
+  const auto map = [&](CUtensorMap* m, const TensorRef& t, int64_t seqlen, int64_t heads,
                        int64_t dim, int rows) {
-    return make_map(m, data, p.dtype, p.batch, seqlen, heads, dim, rows);
+    return make_map(m, t, p.dtype, p.batch, seqlen, heads, dim, rows);
   };
   BackwardMaps key_maps, query_maps;
   if (!map(&key_maps.own_a, p.k, p.seqlen_k, p.heads_kv, p.head_dim, kKeysPerBlock) ||
@@ -1001,9 +1008,10 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
 
 bool hopper_backward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
-  // As the forward. Above head dim 128 only the fused (non-deterministic)
-  // kernel exists; deterministic mode takes the mma.sync path there.
-  return tensor_core_shapes(p) && (head_dim_bucket(p) <= 128 || !p.deterministic) &&
+  // As the forward (uniform layouts only, for now). Above head dim 128 only
+  // the fused (non-deterministic) kernel exists; deterministic mode takes the
+  // mma.sync path there.
+  return p.uniform() && tensor_core_shapes(p) && (head_dim_bucket(p) <= 128 || !p.deterministic) &&
          p.head_dim >= 64 &&
          p.head_dim_v >= 64 && p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) &&
          compute_capability() == 90 && encode_fn() != nullptr;

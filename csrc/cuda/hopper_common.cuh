@@ -185,22 +185,22 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// 4-d map (dim, seqlen, heads, batch) of a contiguous (batch, seqlen, heads, dim) tensor;
+// 4-d map (dim, seqlen, heads, batch) of a (batch, seqlen, heads, dim) tensor t;
 // a box is 64 columns of box_rows rows of box_heads heads (head-major in shared memory).
-inline bool make_map(CUtensorMap* map, const void* data, DType dtype, int64_t batch, int64_t seqlen,
-                     int64_t heads, int64_t dim, int box_rows, int box_heads = 1) {
+inline bool make_map(CUtensorMap* map, const TensorRef& t, DType dtype, int64_t batch,
+                     int64_t seqlen, int64_t heads, int64_t dim, int box_rows, int box_heads = 1) {
   const cuuint64_t sizes[4] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(seqlen),
                                static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(heads * dim * 2),
-                                 static_cast<cuuint64_t>(dim * 2),
-                                 static_cast<cuuint64_t>(seqlen * heads * dim * 2)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.row_stride * 2),
+                                 static_cast<cuuint64_t>(t.head_stride * 2),
+                                 static_cast<cuuint64_t>(t.batch_stride * 2)};
   const cuuint32_t box[4] = {kSwizzleCols, static_cast<cuuint32_t>(box_rows),
                              static_cast<cuuint32_t>(box_heads), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
   const auto type = dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                              : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   auto encode = encode_fn();
-  return encode && encode(map, type, 4, const_cast<void*>(data), sizes, strides, box, unit,
+  return encode && encode(map, type, 4, t.data, sizes, strides, box, unit,
                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;

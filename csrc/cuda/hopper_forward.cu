@@ -92,6 +92,7 @@ struct TileSchedule {
 template <int kBlockM, int kBlockN>
 struct WorkItem {
   int64_t b, h, hk, q0, last_row;
+  SeqlenInfo seq;  // (uniform calls only)
   KeyRange keys;
   int64_t n_tiles;
   __device__ WorkItem(const AttentionParams& p, QueryTile t, bool packed)
@@ -100,7 +101,8 @@ struct WorkItem {
         hk(h / p.group_size()),
         q0(t.tile * kBlockM),
         last_row(min(q0 + kBlockM, p.seqlen_q) - 1),
-        keys(p, q0, last_row, kBlockN),
+        seq(SeqlenInfo::uniform(p, b)),
+        keys(seq, q0, last_row, kBlockN),
         n_tiles(keys.tiles(kBlockN)) {}
 };
 
@@ -226,8 +228,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     };
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
       const int64_t k0 = w.keys.tile_begin + it * kBlockN;
-      softmax.scores<kKeyTiles>(s, p, k0,
-                                RowSoftmax::tile_needs_mask(p, w.q0, w.last_row, k0, kBlockN,
+      softmax.scores<kKeyTiles>(s, p, w.seq, k0,
+                                RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
                                                             w.keys.key_begin, w.keys.key_end));
       softmax.exponentiate<kKeyTiles>(s, alpha);
     };
@@ -282,7 +284,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       mbar_arrive(q_empty);
     }
     kv += n_tiles;
-    softmax.write<T, kDimTiles>(p, o, w.b, w.h);
+    softmax.write<T, kDimTiles>(p, w.seq, o, w.b, w.h);
   }
 }
 
@@ -380,10 +382,12 @@ cudaError_t launch_bucket(const AttentionParams& p, cudaStream_t stream) {
 
 bool hopper_forward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
-  // TMA needs 16-byte row strides (head dims % 8) and a 64-column box inside
-  // the tensor (head dims >= 64); int32 TMA coordinates bound the sizes.
-  return p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0 &&
-         hopper_forward_bucket(p) != 0 && p.head_dim >= 64 && p.head_dim_v >= 64 &&
+  // Uniform layouts only (for now). TMA needs 16-byte row strides (head dims
+  // % 8) and a 64-column box inside the tensor (head dims >= 64); int32 TMA
+  // coordinates bound the sizes.
+  return p.uniform() && p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
+         p.head_dim_v % 8 == 0 && hopper_forward_bucket(p) != 0 && p.head_dim >= 64 &&
+         p.head_dim_v >= 64 &&
          p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && compute_capability() == 90 &&
          encode_fn() != nullptr;
 #else

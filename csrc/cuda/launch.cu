@@ -1,7 +1,8 @@
 // Chooses a kernel for each call. Tensor-core kernels declare which calls
 // they take; the SIMT path takes the rest, so no valid call is refused.
 // FLASHJAX_FORWARD_KERNEL=simt|mma caps the choice for forward and backward
-// (tests use it to run every path on one GPU).
+// (tests use it to run every path on one GPU). The rows of packed tensors
+// that no sequence covers are written here, before whichever path runs.
 #include <cstdlib>
 #include <cstring>
 
@@ -9,6 +10,7 @@
 #include "hopper_backward.h"
 #include "hopper_forward.h"
 #include "launch.h"
+#include "sequence_layout.h"
 #include "simt_attention.h"
 #include "tensor_core_backward.h"
 #include "tensor_core_forward.h"
@@ -31,11 +33,17 @@ bool use_hopper_backward(const AttentionParams& p) {
 
 }  // namespace
 
-cudaError_t forward(const AttentionParams& p, cudaStream_t stream) {
+// The segment-id tile ranges of the mma.sync path (the others need none).
+size_t forward_workspace_bytes(const AttentionParams& p) {
+  return SegmentTiles::workspace_bytes(p);
+}
+
+cudaError_t forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  if (cudaError_t e = fill_uncovered_rows(p, Pass::kForward, stream); e != cudaSuccess) return e;
   const ForwardCap cap = forward_cap();
   if (cap == ForwardCap::kHopper && hopper_forward_supports(p)) return hopper_forward(p, stream);
   if (cap != ForwardCap::kSimt && tensor_core_forward_supports(p))
-    return tensor_core_forward(p, stream);
+    return tensor_core_forward(p, workspace, stream);
   return simt_forward(p, stream);
 }
 
@@ -45,6 +53,7 @@ size_t backward_workspace_bytes(const AttentionParams& p) {
 }
 
 cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  if (cudaError_t e = fill_uncovered_rows(p, Pass::kBackward, stream); e != cudaSuccess) return e;
   if (use_hopper_backward(p)) return hopper_backward(p, workspace, stream);
   if (forward_cap() != ForwardCap::kSimt && tensor_core_backward_supports(p))
     return tensor_core_backward(p, workspace, stream);

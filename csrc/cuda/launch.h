@@ -1,6 +1,8 @@
 // Host entry points of the CUDA kernels. Each picks the fastest compiled
 // kernel for the call (tensor-core paths for fp16/bf16, the SIMT path for
 // everything else) and launches it on `stream` without synchronising.
+// Workspaces are device memory of the sizes asked (XLA provides them as
+// scratch); a size of 0 means the pointer may be null.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,9 +13,9 @@
 
 namespace flashjax::cuda {
 
-cudaError_t forward(const AttentionParams& p, cudaStream_t stream);
+size_t forward_workspace_bytes(const AttentionParams& p);
+cudaError_t forward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 
-// Bytes of device workspace backward() needs (XLA provides it as scratch).
 size_t backward_workspace_bytes(const AttentionParams& p);
 cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 

@@ -20,8 +20,9 @@
 #include "dispatch.h"
 #include "fragment_softmax.cuh"
 #include "mma_sm80.cuh"
-#include "simt_attention.h"
 #include "backward_workspace.h"
+#include "sequence_layout.h"
+#include "simt_attention.h"
 #include "tensor_core_backward.h"
 
 namespace flashjax::cuda {
@@ -42,8 +43,16 @@ __device__ __forceinline__ void zero(float (&x)[kN]) {
   for (int i = 0; i < kN; ++i) x[i] = 0.0f;
 }
 
-template <class T, int kHeadDim, bool kWantDK, bool kWantDV>
-__global__ void __launch_bounds__(kThreads) key_kernel(AttentionParams p, const float* D_all) {
+static_assert(kBlock == SegmentTiles::kRows, "segment-id ranges are kept per tile");
+
+// kLayouts (every kernel): the sequence layouts the instantiation takes
+// (sequence_layout.h). D_rows is laid out like lse. (Struct parameters are
+// __grid_constant__: helpers take them by reference, which otherwise copies
+// them to local memory and costs the key kernel spills.)
+template <class T, int kHeadDim, Layouts kLayouts, bool kWantDK, bool kWantDV>
+__global__ void __launch_bounds__(kThreads)
+    key_kernel(AttentionParams p, const __grid_constant__ TensorRef D_rows,
+               const __grid_constant__ SegmentTiles segment_tiles) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kBlock * kHeadDim;
@@ -56,36 +65,42 @@ __global__ void __launch_bounds__(kThreads) key_kernel(AttentionParams p, const 
   const int64_t k_tile = blockIdx.x % k_tiles;
   const int64_t bhk = blockIdx.x / k_tiles;
   const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
-  const int64_t k0 = k_tile * kBlock, last_key = min(k0 + kBlock, p.seqlen_k) - 1;
+  const SeqlenInfo seq = sequence_info<kLayouts>(p, b);
+  const int64_t k0 = k_tile * kBlock;
+  if (k0 >= seq.k_slot) return;  // past this sequence's slot
+  const int64_t last_key = min(k0 + kBlock, seq.seqlen_k) - 1;  // last used key (< k0: none)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int64_t my_key = k0 + warp * 16 + lane / 4;  // fragment rows my_key, my_key + 8
 
-  const int64_t k_stride = p.heads_kv * p.head_dim, v_stride = p.heads_kv * p.head_dim_v;
-  load_tile<T, kHeadDim, kBlock>(sK, static_cast<const T*>(p.k) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim,
-                                 k_stride, k0, p.seqlen_k, p.head_dim);
-  load_tile<T, kHeadDim, kBlock>(sV, static_cast<const T*>(p.v) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim_v,
-                                 v_stride, k0, p.seqlen_k, p.head_dim_v);
+  // Only used keys and rows are read (the rest of a tile is zero), so keys
+  // past the used ones get dK = dV = 0.
+  load_tile<T, kHeadDim, kBlock>(sK, seq.k_at<const T>(p.k, 0, hk), p.k.row_stride, k0,
+                                 seq.seqlen_k, p.head_dim);
+  load_tile<T, kHeadDim, kBlock>(sV, seq.k_at<const T>(p.v, 0, hk), p.v.row_stride, k0,
+                                 seq.seqlen_k, p.head_dim_v);
   cp_async_commit();
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
   zero(dk);
   zero(dv);
-  const int64_t row_begin = p.first_query(k0) / kBlock * kBlock;
-  const int64_t row_end = p.last_query(last_key) + 1;
+  const QueryRange queries(seq, k0, last_key, kBlock);
+  const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kKeys, k0,
+                                            my_key);
   for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
-    const int64_t q_stride = p.heads_q * p.head_dim, o_stride = p.heads_q * p.head_dim_v;
-    for (int64_t q0 = row_begin; q0 < row_end; q0 += kBlock) {
+    const T* q_head = seq.q_at<const T>(p.q, 0, h);
+    const T* do_head = seq.q_at<const T>(p.dout, 0, h);
+    for (int64_t q0 = segments.next_tile(queries.tile_begin, queries.row_end, kBlock);
+         q0 < queries.row_end; q0 = segments.next_tile(q0 + kBlock, queries.row_end, kBlock)) {
       __syncthreads();  // the previous tile's Q, dO, lse, D are no longer read
-      load_tile<T, kHeadDim, kBlock>(sQ, static_cast<const T*>(p.q) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim,
-                                     q_stride, q0, p.seqlen_q, p.head_dim);
-      load_tile<T, kHeadDim, kBlock>(sdO, static_cast<const T*>(p.dout) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim_v,
-                                     o_stride, q0, p.seqlen_q, p.head_dim_v);
+      load_tile<T, kHeadDim, kBlock>(sQ, q_head, p.q.row_stride, q0, seq.seqlen_q, p.head_dim);
+      load_tile<T, kHeadDim, kBlock>(sdO, do_head, p.dout.row_stride, q0, seq.seqlen_q,
+                                     p.head_dim_v);
       cp_async_commit();
-      if (threadIdx.x < kBlock) {
+      if (threadIdx.x < kBlock) {  // rows past the used ones: P = dS = 0
         const int64_t i = q0 + threadIdx.x;
-        const int64_t row = (b * p.heads_q + h) * p.seqlen_q + i;
-        s_lse[threadIdx.x] = i < p.seqlen_q ? lse_to_log2(p.lse[row]) : -kNegInf;
-        s_D[threadIdx.x] = i < p.seqlen_q ? D_all[row] : 0.0f;
+        const bool used = i < seq.seqlen_q;
+        s_lse[threadIdx.x] = used ? lse_to_log2(*seq.q_at<const float>(p.lse, i, h)) : -kNegInf;
+        s_D[threadIdx.x] = used ? *seq.q_at<const float>(D_rows, i, h) : 0.0f;
       }
       cp_async_wait_all();
       __syncthreads();
@@ -94,19 +109,19 @@ __global__ void __launch_bounds__(kThreads) key_kernel(AttentionParams p, const 
       float st[kTiles * 4];
       gemm_abt<T, kHeadDim, kBlock>(st, sK, warp * 16, sQ);
       scores_log2(st, p);
-      const bool needs_mask = q0 < p.first_query(last_key) || q0 + kBlock - 1 > p.last_query(k0) ||
-                              q0 + kBlock > p.seqlen_q || last_key - k0 + 1 < kBlock;
+      const bool needs_mask = q0 < seq.first_query(last_key) ||
+                              q0 + kBlock - 1 > seq.last_query(k0) ||
+                              q0 + kBlock > seq.seqlen_q || last_key - k0 + 1 < kBlock;
       if (needs_mask) {
         int lo[2], hi[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < 2; ++r) {  // (keys past the used ones see no query)
           const int64_t key = my_key + 8 * r;
-          visible_columns(p.first_query(key), min(p.last_query(key), p.seqlen_q - 1), q0, kBlock,
-                          lo[r], hi[r]);
-          if (key >= p.seqlen_k) hi[r] = -1;
+          visible_columns(seq.first_query(key), seq.last_query(key), q0, kBlock, lo[r], hi[r]);
         }
         mask_columns<kTiles>(st, lo, hi);
       }
+      segments.template mask<kTiles>(st, q0);
       const auto column_of = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
       float pt[kTiles * 4];
 #pragma unroll
@@ -122,16 +137,18 @@ __global__ void __launch_bounds__(kThreads) key_kernel(AttentionParams p, const 
     }
   }
   if constexpr (kWantDK)
-    store_rows<T, kHeadDim>(p.dk, b, p.seqlen_k, p.heads_kv, hk, p.head_dim, k0 + warp * 16, dk,
-                            p.softmax_scale);
+    store_rows<T, kHeadDim>(seq.k_at<T>(p.dk, 0, hk), p.dk.row_stride, seq.k_slot, p.head_dim,
+                            k0 + warp * 16, dk, p.softmax_scale);
   if constexpr (kWantDV)
-    store_rows<T, kHeadDim>(p.dv, b, p.seqlen_k, p.heads_kv, hk, p.head_dim_v, k0 + warp * 16, dv,
-                            1.0f);
+    store_rows<T, kHeadDim>(seq.k_at<T>(p.dv, 0, hk), p.dv.row_stride, seq.k_slot, p.head_dim_v,
+                            k0 + warp * 16, dv, 1.0f);
 }
 
-template <class T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads) query_kernel(AttentionParams p, const float* D_all,
-                                                          float* dsink_rows) {
+template <class T, int kHeadDim, Layouts kLayouts>
+__global__ void __launch_bounds__(kThreads)
+    query_kernel(AttentionParams p, const __grid_constant__ TensorRef D_rows,
+                 const __grid_constant__ TensorRef dsink_rows,
+                 const __grid_constant__ SegmentTiles segment_tiles) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sdO = sQ + kBlock * kHeadDim;
@@ -141,43 +158,50 @@ __global__ void __launch_bounds__(kThreads) query_kernel(AttentionParams p, cons
   const int64_t q_tiles = (p.seqlen_q + kBlock - 1) / kBlock;
   const auto [q_tile, bh] = query_tile(q_tiles);
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
-  const int64_t q0 = q_tile * kBlock, last_row = min(q0 + kBlock, p.seqlen_q) - 1;
+  const SeqlenInfo seq = sequence_info<kLayouts>(p, b);
+  const int64_t q0 = q_tile * kBlock;
+  if (q0 >= seq.q_slot) return;  // past this sequence's slot
+  const int64_t last_row = min(q0 + kBlock, seq.seqlen_q) - 1;  // last used row (< q0: none)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   RowSoftmax rows{q0 + warp * 16 + lane / 4};  // used for its row and masking
 
-  load_tile<T, kHeadDim, kBlock>(sQ, static_cast<const T*>(p.q) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim,
-                                 p.heads_q * p.head_dim, q0, p.seqlen_q, p.head_dim);
-  load_tile<T, kHeadDim, kBlock>(sdO, static_cast<const T*>(p.dout) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim_v,
-                                 p.heads_q * p.head_dim_v, q0, p.seqlen_q, p.head_dim_v);
+  // Only used rows and keys are read (the rest of a tile is zero).
+  load_tile<T, kHeadDim, kBlock>(sQ, seq.q_at<const T>(p.q, 0, h), p.q.row_stride, q0,
+                                 seq.seqlen_q, p.head_dim);
+  load_tile<T, kHeadDim, kBlock>(sdO, seq.q_at<const T>(p.dout, 0, h), p.dout.row_stride, q0,
+                                 seq.seqlen_q, p.head_dim_v);
   cp_async_commit();
-  float lse2[2], D[2];
+  float lse2[2], D[2];  // rows past the used ones: P = dS = 0, so dQ = 0
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t i = rows.row + 8 * r;
-    const int64_t at = bh * p.seqlen_q + i;
-    lse2[r] = i < p.seqlen_q ? lse_to_log2(p.lse[at]) : -kNegInf;
-    D[r] = i < p.seqlen_q ? D_all[at] : 0.0f;
+    const bool used = i < seq.seqlen_q;
+    lse2[r] = used ? lse_to_log2(*seq.q_at<const float>(p.lse, i, h)) : -kNegInf;
+    D[r] = used ? *seq.q_at<const float>(D_rows, i, h) : 0.0f;
   }
 
   float dq[kHeadDim / 2];
   zero(dq);
-  const KeyRange keys(p, q0, last_row, kBlock);
-  const T* k_head = static_cast<const T*>(p.k) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim;
-  const T* v_head = static_cast<const T*>(p.v) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim_v;
-  for (int64_t k0 = keys.tile_begin; k0 < keys.key_end; k0 += kBlock) {
+  const KeyRange keys(seq, q0, last_row, kBlock);
+  const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
+                                            rows.row);
+  const T* k_head = seq.k_at<const T>(p.k, 0, hk);
+  const T* v_head = seq.k_at<const T>(p.v, 0, hk);
+  for (int64_t k0 = segments.next_tile(keys.tile_begin, keys.key_end, kBlock); k0 < keys.key_end;
+       k0 = segments.next_tile(k0 + kBlock, keys.key_end, kBlock)) {
     __syncthreads();  // the previous K, V tiles are no longer read
-    load_tile<T, kHeadDim, kBlock>(sK, k_head, p.heads_kv * p.head_dim, k0, p.seqlen_k, p.head_dim);
-    load_tile<T, kHeadDim, kBlock>(sV, v_head, p.heads_kv * p.head_dim_v, k0, p.seqlen_k,
-                                   p.head_dim_v);
+    load_tile<T, kHeadDim, kBlock>(sK, k_head, p.k.row_stride, k0, seq.seqlen_k, p.head_dim);
+    load_tile<T, kHeadDim, kBlock>(sV, v_head, p.v.row_stride, k0, seq.seqlen_k, p.head_dim_v);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
 
     float s[kTiles * 4];
     gemm_abt<T, kHeadDim, kBlock>(s, sQ, warp * 16, sK);
-    rows.scores<kTiles>(s, p, k0,
-                        RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlock, keys.key_begin,
+    rows.scores<kTiles>(s, p, seq, k0,
+                        RowSoftmax::tile_needs_mask(seq, q0, last_row, k0, kBlock, keys.key_begin,
                                                     keys.key_end));
+    segments.template mask<kTiles>(s, k0);
     float prob[kTiles * 4];
 #pragma unroll
     for (int i = 0; i < kTiles * 4; ++i) prob[i] = s[i];
@@ -187,9 +211,9 @@ __global__ void __launch_bounds__(kThreads) query_kernel(AttentionParams p, cons
     score_gradient(dp, prob, s, p, [&](int i) { return D[(i % 4) / 2]; });
     gemm_ab<T, kHeadDim, kBlock>(dq, dp, sK);
   }
-  store_rows<T, kHeadDim>(p.dq, b, p.seqlen_q, p.heads_q, h, p.head_dim, q0 + warp * 16, dq,
-                          p.softmax_scale);
-  write_dsink_rows(p, bh, rows.row, lse2, D, dsink_rows);
+  store_rows<T, kHeadDim>(seq.q_at<T>(p.dq, 0, h), p.dq.row_stride, seq.q_slot, p.head_dim,
+                          q0 + warp * 16, dq, p.softmax_scale);
+  write_dsink_rows(p, seq, b, h, rows.row, lse2, D, dsink_rows);
 }
 
 template <class Kernel>
@@ -197,30 +221,34 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <class T, int kHeadDim>
-cudaError_t launch(const AttentionParams& p, float* D, float* dsink_rows, cudaStream_t stream) {
+template <class T, int kHeadDim, Layouts kLayouts>
+cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
   constexpr int kSmem = smem_bytes<kHeadDim>();
   constexpr bool kOnePass = kHeadDim <= 128;  // dK and dV fit in registers together
   static std::once_flag configured;
   static cudaError_t config_status = cudaSuccess;
   std::call_once(configured, [] {
-    config_status = allow_smem(query_kernel<T, kHeadDim>, kSmem);
+    config_status = allow_smem(query_kernel<T, kHeadDim, kLayouts>, kSmem);
     if (config_status == cudaSuccess)
-      config_status = allow_smem(key_kernel<T, kHeadDim, true, kOnePass>, kSmem);
+      config_status = allow_smem(key_kernel<T, kHeadDim, kLayouts, true, kOnePass>, kSmem);
     if (config_status == cudaSuccess && !kOnePass)
-      config_status = allow_smem(key_kernel<T, kHeadDim, false, true>, kSmem);
+      config_status = allow_smem(key_kernel<T, kHeadDim, kLayouts, false, true>, kSmem);
   });
   if (config_status != cudaSuccess) return config_status;
   const int64_t key_blocks = (p.seqlen_k + kBlock - 1) / kBlock * p.batch * p.heads_kv;
   const int64_t query_blocks = (p.seqlen_q + kBlock - 1) / kBlock * p.batch * p.heads_q;
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  key_kernel<T, kHeadDim, true, kOnePass>
-      <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, D);
-  if (!kOnePass)
-    key_kernel<T, kHeadDim, false, true>
-        <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, D);
-  query_kernel<T, kHeadDim>
-      <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, D, dsink_rows);
+  if (key_blocks > 0) {
+    key_kernel<T, kHeadDim, kLayouts, true, kOnePass>
+        <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.segments);
+    if (!kOnePass)
+      key_kernel<T, kHeadDim, kLayouts, false, true>
+          <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.segments);
+  }
+  if (query_blocks > 0)
+    query_kernel<T, kHeadDim, kLayouts>
+        <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.dsink_rows,
+                                                                            ws.segments);
   return cudaGetLastError();
 }
 
@@ -234,9 +262,16 @@ cudaError_t tensor_core_backward(const AttentionParams& p, void* workspace,
                                  cudaStream_t stream) {
   const BackwardWorkspace ws(p, workspace, false, 0);
   if (cudaError_t e = backward_preprocess(p, ws.D, stream); e != cudaSuccess) return e;
+  if (p.has_segments()) {
+    if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
+    if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
+  }
   cudaError_t status = with_half_type(p.dtype, [&](auto tag) {
     return with_bucket(head_dim_bucket(p), [&](auto dim) {
-      return launch<decltype(tag), decltype(dim)::value>(p, ws.D, ws.dsink_rows, stream);
+      return with_layouts(p, [&](auto layouts) {
+        return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value>(p, ws,
+                                                                                     stream);
+      });
     });
   });
   if (status != cudaSuccess) return status;

@@ -13,6 +13,7 @@
 #include "dispatch.h"
 #include "fragment_softmax.cuh"
 #include "mma_sm80.cuh"
+#include "sequence_layout.h"
 #include "tensor_core_forward.h"
 
 namespace flashjax::cuda {
@@ -28,9 +29,13 @@ constexpr int smem_bytes() {
   return (kBlockM + 2 * kBlockN) * kHeadDim * 2;
 }
 
+static_assert(kBlockM == SegmentTiles::kRows && kBlockN == SegmentTiles::kRows,
+              "segment-id ranges are kept per tile");
 
-template <class T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
+// kLayouts: the sequence layouts this instantiation takes (sequence_layout.h).
+template <class T, int kHeadDim, Layouts kLayouts>
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(AttentionParams p, const __grid_constant__ SegmentTiles segment_tiles) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kBlockM * kHeadDim;
@@ -39,63 +44,68 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p) {
   const int64_t q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const auto [q_tile, bh] = query_tile(q_tiles);
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
+  const SeqlenInfo seq = sequence_info<kLayouts>(p, b);
   const int64_t q0 = q_tile * kBlockM;
+  if (q0 >= seq.q_slot) return;  // past this sequence's slot
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  const T* q_base = static_cast<const T*>(p.q) + (b * p.seqlen_q * p.heads_q + h) * p.head_dim;
-  const T* k_base =
-      static_cast<const T*>(p.k) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim;
-  const T* v_base =
-      static_cast<const T*>(p.v) + (b * p.seqlen_k * p.heads_kv + hk) * p.head_dim_v;
-  const int64_t q_stride = p.heads_q * p.head_dim, k_stride = p.heads_kv * p.head_dim;
-  const int64_t v_stride = p.heads_kv * p.head_dim_v;
+  const T* q_base = seq.q_at<const T>(p.q, 0, h);
+  const T* k_base = seq.k_at<const T>(p.k, 0, hk);
+  const T* v_base = seq.k_at<const T>(p.v, 0, hk);
 
-  const int64_t last_row = min(q0 + kBlockM, p.seqlen_q) - 1;
-  const KeyRange keys(p, q0, last_row, kBlockN);
+  const int64_t last_row = min(q0 + kBlockM, seq.seqlen_q) - 1;  // last used row (< q0: none)
+  const KeyRange keys(seq, q0, last_row, kBlockN);
+  RowSoftmax softmax{q0 + warp * 16 + lane / 4};
+  const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
+                                            softmax.row);
 
-  load_tile<T, kHeadDim, kBlockM>(sQ, q_base, q_stride, q0, p.seqlen_q, p.head_dim);
-  if (keys.tiles(kBlockN) > 0)
-    load_tile<T, kHeadDim, kBlockN>(sK, k_base, k_stride, keys.tile_begin, p.seqlen_k,
-                                    p.head_dim);
+  // Only used rows and keys are read (the rest of a tile is zero): padding
+  // may hold anything, NaN included.
+  load_tile<T, kHeadDim, kBlockM>(sQ, q_base, p.q.row_stride, q0, seq.seqlen_q, p.head_dim);
+  int64_t k0 = segments.next_tile(keys.tile_begin, keys.key_end, kBlockN);
+  if (k0 < keys.key_end)
+    load_tile<T, kHeadDim, kBlockN>(sK, k_base, p.k.row_stride, k0, seq.seqlen_k, p.head_dim);
   cp_async_commit();
 
   constexpr int kKeyTiles = kBlockN / 8, kDimTiles = kHeadDim / 8;
   float o[kDimTiles * 4] = {};
-  RowSoftmax softmax{q0 + warp * 16 + lane / 4};
 
-  for (int64_t k0 = keys.tile_begin; k0 < keys.key_end; k0 += kBlockN) {
+  while (k0 < keys.key_end) {
     cp_async_wait_all();
     __syncthreads();  // K_j landed; every warp is done with V_{j-1}
-    load_tile<T, kHeadDim, kBlockN>(sV, v_base, v_stride, k0, p.seqlen_k, p.head_dim_v);
+    load_tile<T, kHeadDim, kBlockN>(sV, v_base, p.v.row_stride, k0, seq.seqlen_k, p.head_dim_v);
     cp_async_commit();
 
     float s[kKeyTiles * 4];
     gemm_abt<T, kHeadDim, kBlockN>(s, sQ, warp * 16, sK);
-    softmax.scores<kKeyTiles>(s, p, k0,
-                              RowSoftmax::tile_needs_mask(p, q0, last_row, k0, kBlockN,
+    softmax.scores<kKeyTiles>(s, p, seq, k0,
+                              RowSoftmax::tile_needs_mask(seq, q0, last_row, k0, kBlockN,
                                                           keys.key_begin, keys.key_end));
+    segments.template mask<kKeyTiles>(s, k0);
     softmax.update<kKeyTiles, kDimTiles>(s, o);
 
     cp_async_wait_all();
     __syncthreads();  // V_j landed; every warp is done with K_j
-    if (k0 + kBlockN < keys.key_end) {
-      load_tile<T, kHeadDim, kBlockN>(sK, k_base, k_stride, k0 + kBlockN, p.seqlen_k,
+    const int64_t k_next = segments.next_tile(k0 + kBlockN, keys.key_end, kBlockN);
+    if (k_next < keys.key_end)
+      load_tile<T, kHeadDim, kBlockN>(sK, k_base, p.k.row_stride, k_next, seq.seqlen_k,
                                       p.head_dim);
-    }
     cp_async_commit();
 
     gemm_ab<T, kHeadDim, kBlockN>(o, s, sV);
+    k0 = k_next;
   }
   cp_async_wait_all();
-  softmax.write<T, kDimTiles>(p, o, b, h);
+  softmax.write<T, kDimTiles>(p, seq, o, b, h);
 }
 
-template <class T, int kHeadDim>
-cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
+template <class T, int kHeadDim, Layouts kLayouts>
+cudaError_t launch(const AttentionParams& p, const SegmentTiles& segment_tiles,
+                   cudaStream_t stream) {
   static std::once_flag configured;
   static cudaError_t config_status = cudaSuccess;
   std::call_once(configured, [] {
-    config_status = cudaFuncSetAttribute(forward_kernel<T, kHeadDim>,
+    config_status = cudaFuncSetAttribute(forward_kernel<T, kHeadDim, kLayouts>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          smem_bytes<kHeadDim>());
   });
@@ -103,8 +113,10 @@ cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
   const int64_t q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t blocks = q_tiles * p.batch * p.heads_q;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  forward_kernel<T, kHeadDim>
-      <<<static_cast<unsigned>(blocks), kThreads, smem_bytes<kHeadDim>(), stream>>>(p);
+  if (blocks == 0) return cudaSuccess;
+  forward_kernel<T, kHeadDim, kLayouts>
+      <<<static_cast<unsigned>(blocks), kThreads, smem_bytes<kHeadDim>(), stream>>>(
+          p, segment_tiles);
   return cudaGetLastError();
 }
 
@@ -114,10 +126,18 @@ bool tensor_core_forward_supports(const AttentionParams& p) {
   return tensor_core_shapes(p) && compute_capability() >= 80;
 }
 
-cudaError_t tensor_core_forward(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t tensor_core_forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  const SegmentTiles segment_tiles(p, workspace);
+  if (p.has_segments()) {
+    if (!segment_tiles) return cudaErrorInvalidValue;  // no workspace
+    if (cudaError_t e = compute_segment_tiles(p, segment_tiles, stream); e != cudaSuccess) return e;
+  }
   return with_half_type(p.dtype, [&](auto tag) {
     return with_bucket(head_dim_bucket(p), [&](auto dim) {
-      return launch<decltype(tag), decltype(dim)::value>(p, stream);
+      return with_layouts(p, [&](auto layouts) {
+        return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value>(
+            p, segment_tiles, stream);
+      });
     });
   });
 }

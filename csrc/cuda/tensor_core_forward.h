@@ -10,6 +10,7 @@ namespace flashjax::cuda {
 
 // True when a compiled tensor-core kernel handles this call on this GPU.
 bool tensor_core_forward_supports(const AttentionParams& p);
-cudaError_t tensor_core_forward(const AttentionParams& p, cudaStream_t stream);
+// `workspace`: forward_workspace_bytes(p) bytes (launch.h).
+cudaError_t tensor_core_forward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 
 }  // namespace flashjax::cuda

@@ -1,5 +1,6 @@
 // XLA FFI handlers for platform "CUDA": validate like the CPU handlers, then
-// launch on the stream XLA gives. Launch errors become FFI errors.
+// launch on the stream XLA gives, with workspace from XLA's scratch
+// allocator. Launch errors become FFI errors.
 #include <cuda_runtime.h>
 
 #include <optional>
@@ -10,7 +11,6 @@
 
 namespace ffi = xla::ffi;
 using flashjax::AttentionParams;
-using flashjax::ffi_layer::Options;
 
 namespace {
 
@@ -20,48 +20,35 @@ ffi::Error to_ffi_error(cudaError_t status, const char* what) {
                               cudaGetErrorString(status));
 }
 
-ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                        ffi::AnyBuffer v, ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> lse, float softmax_scale,
-                        int64_t window_left, int64_t window_right, float softcap,
-                        bool has_sinks) {
-  const Options options{softmax_scale, window_left, window_right, softcap, has_sinks};
-  return flashjax::ffi_layer::forward_handler(
-      q, k, v, sinks, *out, *lse, options, [&](const AttentionParams& p) {
-        return to_ffi_error(flashjax::cuda::forward(p, stream), "forward kernel launch");
-      });
+// Workspace of `bytes` from XLA (null when none is needed).
+std::optional<void*> workspace(ffi::ScratchAllocator& scratch, size_t bytes) {
+  if (bytes == 0) return static_cast<void*>(nullptr);
+  return scratch.Allocate(bytes);
 }
 
-ffi::Error backward_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                         ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
-                         ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
-                         ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> dq,
-                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                         ffi::Result<ffi::AnyBuffer> dsinks, float softmax_scale,
-                         int64_t window_left, int64_t window_right, float softcap,
-                         bool has_sinks, bool deterministic) {
-  const Options options{softmax_scale, window_left, window_right, softcap, has_sinks};
-  return flashjax::ffi_layer::backward_handler(
-      q, k, v, out, dout, lse, dlse, sinks, *dq, *dk, *dv, *dsinks, options, deterministic,
-      [&](const AttentionParams& p) {
-        std::optional<void*> workspace =
-            scratch.Allocate(flashjax::cuda::backward_workspace_bytes(p));
-        if (!workspace.has_value())
-          return ffi::Error::Internal("flashjax: could not allocate backward workspace");
-        return to_ffi_error(flashjax::cuda::backward(p, *workspace, stream),
-                            "backward kernel launch");
-      });
-}
+struct CudaPlatform {
+  static ffi::Error forward(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                            const AttentionParams& p) {
+    std::optional<void*> ws = workspace(scratch, flashjax::cuda::forward_workspace_bytes(p));
+    if (!ws) return ffi::Error::Internal("flashjax: could not allocate forward workspace");
+    return to_ffi_error(flashjax::cuda::forward(p, *ws, stream), "forward kernel launch");
+  }
+  static ffi::Error backward(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                             const AttentionParams& p) {
+    std::optional<void*> ws = workspace(scratch, flashjax::cuda::backward_workspace_bytes(p));
+    if (!ws) return ffi::Error::Internal("flashjax: could not allocate backward workspace");
+    return to_ffi_error(flashjax::cuda::backward(p, *ws, stream), "backward kernel launch");
+  }
+};
+
+using CudaHandlers =
+    flashjax::ffi_layer::Handlers<CudaPlatform, cudaStream_t, ffi::ScratchAllocator>;
 
 }  // namespace
 
-FLASHJAX_EXPORT_HANDLER(FlashjaxForwardCuda);
-FLASHJAX_EXPORT_HANDLER(FlashjaxBackwardCuda);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashjaxForwardCuda, forward_cuda,
-    flashjax::ffi_layer::bind_forward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashjaxBackwardCuda, backward_cuda,
-    flashjax::ffi_layer::bind_backward(ffi::Ffi::Bind()
-                                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                           .Ctx<ffi::ScratchAllocator>()));
+FLASHJAX_DEFINE_HANDLERS(CudaHandlers,
+                         ffi::Ffi::Bind()
+                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                             .Ctx<ffi::ScratchAllocator>(),
+                         FlashjaxForwardCuda, FlashjaxBackwardCuda, FlashjaxVarlenForwardCuda,
+                         FlashjaxVarlenBackwardCuda);

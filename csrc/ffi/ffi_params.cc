@@ -43,19 +43,85 @@ bool same_leading(ffi::Span<const int64_t> a, size_t trailing_a, ffi::Span<const
   return true;
 }
 
-}  // namespace
+ffi::Error check_options(const Options& options) {
+  if (options.window_left < -1 || options.window_right < -1)
+    return invalid("window sizes must be >= -1");
+  if (!(options.softcap >= 0.0f) || !std::isfinite(options.softmax_scale))
+    return invalid("softcap must be >= 0 and softmax_scale finite");
+  return ffi::Error::Success();
+}
 
-ffi::Error fill_forward_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
-                               const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                               const ffi::AnyBuffer& sinks, const Options& options) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() < 4 || kd.size() != qd.size() || vd.size() != qd.size())
-    return invalid("q, k, v must have rank 4 (batch, seqlen, heads, head_dim); got " +
-                   shape_string(qd) + ", " + shape_string(kd) + ", " + shape_string(vd));
+// The checks dense and packed calls share once shapes are read.
+ffi::Error check_and_set_common(AttentionParams& p, const ffi::AnyBuffer& q,
+                                const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                const Options& options) {
   if (!to_dtype(q.element_type(), p.dtype))
     return invalid("q must be float16, bfloat16 or float32");
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
     return invalid("q, k and v must share one dtype");
+  if (p.heads_kv < 1 || p.heads_q < 1) return invalid("heads must be >= 1");
+  if (p.heads_q % p.heads_kv != 0) return invalid("heads_q must be a multiple of heads_kv");
+  if (p.head_dim < 1 || p.head_dim > kMaxHeadDim || p.head_dim_v < 1 ||
+      p.head_dim_v > kMaxHeadDim)
+    return invalid("head_dim and head_dim_v must be in [1, 256]");
+  if (ffi::Error e = check_options(options); e.failure()) return e;
+  p.softmax_scale = options.softmax_scale;
+  p.softcap = options.softcap;
+  p.window_left = options.window_left;
+  p.window_right = options.window_right;
+  p.deterministic = options.deterministic;
+  p.q = row_tensor(p, q.untyped_data(), true, p.heads_q, p.head_dim);
+  p.k = row_tensor(p, k.untyped_data(), false, p.heads_kv, p.head_dim);
+  p.v = row_tensor(p, v.untyped_data(), false, p.heads_kv, p.head_dim_v);
+  return ffi::Error::Success();
+}
+
+// An int32 array of `rows` leading entries (batch..) and `trailing` given dims.
+bool is_int32_array(const ffi::AnyBuffer& buffer, int64_t rows, std::initializer_list<int64_t> trailing) {
+  auto d = buffer.dimensions();
+  if (buffer.element_type() != ffi::DataType::S32 || d.size() < trailing.size()) return false;
+  size_t i = d.size() - trailing.size();
+  for (int64_t t : trailing)
+    if (d[i++] != t) return false;
+  return leading_product(d, trailing.size()) == rows;
+}
+
+}  // namespace
+
+ffi::Error take_optional_inputs(const ffi::RemainingArgs& rest, const Options& options,
+                                OptionalInputs& inputs) {
+  std::optional<ffi::AnyBuffer>* slots[] = {&inputs.sinks, &inputs.seqused_q, &inputs.seqused_k,
+                                            &inputs.q_segment_ids, &inputs.kv_segment_ids};
+  const bool present[] = {options.has_sinks, options.has_seqused_q, options.has_seqused_k,
+                          options.has_segment_ids, options.has_segment_ids};
+  size_t next = 0;
+  for (size_t i = 0; i < 5; ++i) {
+    if (!present[i]) continue;
+    auto buffer = rest.get<ffi::AnyBuffer>(next++);
+    if (buffer.has_error()) return invalid("missing an optional input the attributes announce");
+    *slots[i] = *buffer;
+  }
+  if (next != rest.size()) return invalid("more optional inputs than the attributes announce");
+  return ffi::Error::Success();
+}
+
+TensorRef row_tensor(const AttentionParams& p, void* data, bool query_side, int64_t heads,
+                     int64_t dim) {
+  if (p.packed()) return {data, 0, heads * dim, dim};
+  return TensorRef::rows_heads_dim(data, query_side ? p.seqlen_q : p.seqlen_k, heads, dim);
+}
+
+TensorRef row_stats(const AttentionParams& p, void* data) {
+  if (p.packed()) return {data, 0, 1, p.total_q};
+  return TensorRef::heads_rows(data, p.seqlen_q, p.heads_q);
+}
+
+ffi::Error fill_dense_inputs(AttentionParams& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                             const ffi::AnyBuffer& v, const Options& options) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() < 4 || kd.size() != qd.size() || vd.size() != qd.size())
+    return invalid("q, k, v must have rank 4 (batch, seqlen, heads, head_dim); got " +
+                   shape_string(qd) + ", " + shape_string(kd) + ", " + shape_string(vd));
   if (!same_leading(qd, 3, kd, 3) || !same_leading(qd, 3, vd, 3))
     return invalid("q, k, v batch dims differ: " + shape_string(qd) + ", " + shape_string(kd) +
                    ", " + shape_string(vd));
@@ -71,27 +137,69 @@ ffi::Error fill_forward_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
   if (vd[r - 3] != p.seqlen_k || vd[r - 2] != p.heads_kv)
     return invalid("v must have k's seqlen and heads: k " + shape_string(kd) + ", v " +
                    shape_string(vd));
-  if (p.seqlen_q < 1 || p.seqlen_k < 1 || p.heads_kv < 1 || p.heads_q < 1)
-    return invalid("seqlens and heads must be >= 1");
-  if (p.heads_q % p.heads_kv != 0) return invalid("heads_q must be a multiple of heads_kv");
-  if (p.head_dim < 1 || p.head_dim > kMaxHeadDim || p.head_dim_v < 1 ||
-      p.head_dim_v > kMaxHeadDim)
-    return invalid("head_dim and head_dim_v must be in [1, 256]");
-  if (options.window_left < -1 || options.window_right < -1)
-    return invalid("window sizes must be >= -1");
-  if (!(options.softcap >= 0.0f) || !std::isfinite(options.softmax_scale))
-    return invalid("softcap must be >= 0 and softmax_scale finite");
-  p.softmax_scale = options.softmax_scale;
-  p.softcap = options.softcap;
-  p.window_left = options.window_left;
-  p.window_right = options.window_right;
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
-  p.sinks = nullptr;
-  if (options.has_sinks) {
-    if (ffi::Error e = expect_rows("sinks", sinks, p, 0); e.failure()) return e;
-    p.sinks = static_cast<const float*>(sinks.untyped_data());
+  if (p.seqlen_q < 1 || p.seqlen_k < 1) return invalid("seqlens must be >= 1");
+  return check_and_set_common(p, q, k, v, options);
+}
+
+ffi::Error fill_packed_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
+                              const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                              const ffi::AnyBuffer& cu_seqlens_q,
+                              const ffi::AnyBuffer& cu_seqlens_k, const Options& options) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3)
+    return invalid("packed q, k, v must have rank 3 (total, heads, head_dim); got " +
+                   shape_string(qd) + ", " + shape_string(kd) + ", " + shape_string(vd));
+  auto cq = cu_seqlens_q.dimensions(), ck = cu_seqlens_k.dimensions();
+  if (cu_seqlens_q.element_type() != ffi::DataType::S32 ||
+      cu_seqlens_k.element_type() != ffi::DataType::S32 || cq.size() != 1 || ck.size() != 1 ||
+      cq[0] != ck[0] || cq[0] < 1)
+    return invalid("cu_seqlens_q and cu_seqlens_k must be int32 (num_seqs + 1,); got " +
+                   shape_string(cq) + ", " + shape_string(ck));
+  p.cu_seqlens_q = static_cast<const int32_t*>(cu_seqlens_q.untyped_data());
+  p.cu_seqlens_k = static_cast<const int32_t*>(cu_seqlens_k.untyped_data());
+  p.batch = cq[0] - 1;
+  p.total_q = qd[0];
+  p.heads_q = qd[1];
+  p.head_dim = qd[2];
+  p.total_k = kd[0];
+  p.heads_kv = kd[1];
+  p.head_dim_v = vd[2];
+  p.seqlen_q = options.max_seqlen_q;
+  p.seqlen_k = options.max_seqlen_k;
+  if (kd[2] != p.head_dim) return invalid("k head_dim must equal q head_dim");
+  if (vd[0] != p.total_k || vd[1] != p.heads_kv)
+    return invalid("v must have k's total and heads: k " + shape_string(kd) + ", v " +
+                   shape_string(vd));
+  if (p.seqlen_q < 0 || p.seqlen_k < 0) return invalid("max_seqlen must be >= 0");
+  return check_and_set_common(p, q, k, v, options);
+}
+
+ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs) {
+  if (inputs.sinks) {
+    if (ffi::Error e = expect_per_head("sinks", *inputs.sinks, p); e.failure()) return e;
+    p.sinks = static_cast<const float*>(inputs.sinks->untyped_data());
+  }
+  if (inputs.seqused_q) {
+    if (!is_int32_array(*inputs.seqused_q, p.batch, {}))
+      return invalid("seqused_q must be int32 (batch,); got " +
+                     shape_string(inputs.seqused_q->dimensions()));
+    p.seqused_q = static_cast<const int32_t*>(inputs.seqused_q->untyped_data());
+  }
+  if (inputs.seqused_k) {
+    if (!is_int32_array(*inputs.seqused_k, p.batch, {}))
+      return invalid("seqused_k must be int32 (batch,); got " +
+                     shape_string(inputs.seqused_k->dimensions()));
+    p.seqused_k = static_cast<const int32_t*>(inputs.seqused_k->untyped_data());
+  }
+  if (inputs.q_segment_ids || inputs.kv_segment_ids) {
+    if (p.packed()) return invalid("segment ids are for the dense layout only");
+    if (!inputs.q_segment_ids || !inputs.kv_segment_ids ||
+        !is_int32_array(*inputs.q_segment_ids, p.batch, {p.seqlen_q}) ||
+        !is_int32_array(*inputs.kv_segment_ids, p.batch, {p.seqlen_k}))
+      return invalid("q_segment_ids and kv_segment_ids must be int32 (batch, seqlen_q) and "
+                     "(batch, seqlen_k)");
+    p.q_segment_ids = static_cast<const int32_t*>(inputs.q_segment_ids->untyped_data());
+    p.kv_segment_ids = static_cast<const int32_t*>(inputs.kv_segment_ids->untyped_data());
   }
   return ffi::Error::Success();
 }
@@ -105,17 +213,30 @@ ffi::Error expect_like(const char* name, const ffi::AnyBuffer& buffer,
   return ffi::Error::Success();
 }
 
-ffi::Error expect_rows(const char* name, const ffi::AnyBuffer& buffer, const AttentionParams& p,
-                       int64_t rows_per_head) {
+ffi::Error expect_row_stats(const char* name, const ffi::AnyBuffer& buffer,
+                            const AttentionParams& p) {
   auto d = buffer.dimensions();
-  const size_t trailing = rows_per_head > 0 ? 2 : 1;
-  const bool ok = buffer.element_type() == ffi::DataType::F32 && d.size() >= trailing &&
-                  leading_product(d, trailing) == p.batch &&
-                  d[d.size() - trailing] == p.heads_q &&
-                  (rows_per_head == 0 || d[d.size() - 1] == rows_per_head);
+  bool ok = buffer.element_type() == ffi::DataType::F32 && d.size() >= 2;
+  if (ok && p.packed())
+    ok = d.size() == 2 && d[0] == p.heads_q && d[1] == p.total_q;
+  else if (ok)
+    ok = leading_product(d, 2) == p.batch && d[d.size() - 2] == p.heads_q &&
+         d[d.size() - 1] == p.seqlen_q;
   if (!ok)
-    return invalid(std::string(name) + " must be float32 [batch.., heads_q" +
-                   (rows_per_head > 0 ? ", seqlen_q]" : "]") + "; got " + shape_string(d));
+    return invalid(std::string(name) + " must be float32 " +
+                   (p.packed() ? "[heads_q, total_q]" : "[batch.., heads_q, seqlen_q]") +
+                   "; got " + shape_string(d));
+  return ffi::Error::Success();
+}
+
+ffi::Error expect_per_head(const char* name, const ffi::AnyBuffer& buffer,
+                           const AttentionParams& p) {
+  auto d = buffer.dimensions();
+  const bool ok = buffer.element_type() == ffi::DataType::F32 && d.size() >= 1 &&
+                  leading_product(d, 1) == p.batch && d[d.size() - 1] == p.heads_q;
+  if (!ok)
+    return invalid(std::string(name) + " must be float32 [batch.., heads_q]; got " +
+                   shape_string(d));
   return ffi::Error::Success();
 }
 

@@ -4,8 +4,7 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
-#include <utility>
+#include <optional>
 
 #include "flashjax/params.h"
 #include "xla/ffi/api/ffi.h"
@@ -14,42 +13,71 @@ namespace flashjax::ffi_layer {
 
 namespace ffi = xla::ffi;
 
-// Attributes common to forward and backward (Python folds causal into
-// window_right = 0).
+// Every target's attributes, decoded as one struct (Python passes them all;
+// causal is folded into window_right = 0). has_* say which optional inputs
+// follow the required ones, in the order of OptionalInputs.
 struct Options {
   float softmax_scale;
   int64_t window_left;
   int64_t window_right;
   float softcap;
+  int64_t max_seqlen_q;  // packed targets: slot bound; dense: unused (0)
+  int64_t max_seqlen_k;
   bool has_sinks;
+  bool has_seqused_q;
+  bool has_seqused_k;
+  bool has_segment_ids;
+  bool deterministic;    // backward only
 };
 
-// Bind() fragment declaring the attributes of Options, in order.
-template <class Binding>
-auto bind_options(Binding binding) {
-  return std::move(binding).template Attr<float>("softmax_scale")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<float>("softcap")
-      .template Attr<bool>("has_sinks");
-}
+// The optional inputs a call passes after its required ones, present ones
+// only, in this order (no placeholder arrays).
+struct OptionalInputs {
+  std::optional<ffi::AnyBuffer> sinks, seqused_q, seqused_k, q_segment_ids, kv_segment_ids;
+};
+ffi::Error take_optional_inputs(const ffi::RemainingArgs& rest, const Options& options,
+                                OptionalInputs& inputs);
 
-// Fills the shape/semantics part of `p` and its forward input pointers.
-ffi::Error fill_forward_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
-                               const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                               const ffi::AnyBuffer& sinks, const Options& options);
+// Fills shapes, semantics and q/k/v of a dense call: (batch.., seqlen, heads, dim).
+ffi::Error fill_dense_inputs(AttentionParams& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                             const ffi::AnyBuffer& v, const Options& options);
+// The same for a packed call: (total, heads, dim) and cu_seqlens (num_seqs + 1,).
+ffi::Error fill_packed_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
+                              const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                              const ffi::AnyBuffer& cu_seqlens_q,
+                              const ffi::AnyBuffer& cu_seqlens_k, const Options& options);
+// Checks and sets sinks, seqused and segment ids (after fill_*_inputs).
+ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs);
+
+// Per-layout views of a buffer shaped like q/k (query_side) with `heads` and
+// `dim`, and of an lse-like per-row float32 array.
+TensorRef row_tensor(const AttentionParams& p, void* data, bool query_side, int64_t heads,
+                     int64_t dim);
+TensorRef row_stats(const AttentionParams& p, void* data);
 
 // Checks that `buffer` has the element type and dimensions of `like`.
 ffi::Error expect_like(const char* name, const ffi::AnyBuffer& buffer,
                        const ffi::AnyBuffer& like);
-
-// Checks a float32 per-row buffer: [batch.., heads_q] when rows_per_head == 0
-// (sinks), else [batch.., heads_q, rows_per_head] (lse).
-ffi::Error expect_rows(const char* name, const ffi::AnyBuffer& buffer, const AttentionParams& p,
-                       int64_t rows_per_head);
-
 // Checks the forward output shape: q's with head_dim replaced by head_dim_v.
 ffi::Error expect_output(const char* name, const ffi::AnyBuffer& buffer,
                          const ffi::AnyBuffer& q, const AttentionParams& p);
+// Checks an lse-like float32 array: [batch.., heads_q, seqlen_q], or packed [heads_q, total_q].
+ffi::Error expect_row_stats(const char* name, const ffi::AnyBuffer& buffer,
+                            const AttentionParams& p);
+// Checks a float32 [batch.., heads_q] array (sinks, dsinks).
+ffi::Error expect_per_head(const char* name, const ffi::AnyBuffer& buffer,
+                           const AttentionParams& p);
 
 }  // namespace flashjax::ffi_layer
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    flashjax::ffi_layer::Options, ::xla::ffi::StructMember<float>("softmax_scale"),
+    ::xla::ffi::StructMember<int64_t>("window_left"),
+    ::xla::ffi::StructMember<int64_t>("window_right"),
+    ::xla::ffi::StructMember<float>("softcap"),
+    ::xla::ffi::StructMember<int64_t>("max_seqlen_q"),
+    ::xla::ffi::StructMember<int64_t>("max_seqlen_k"),
+    ::xla::ffi::StructMember<bool>("has_sinks"), ::xla::ffi::StructMember<bool>("has_seqused_q"),
+    ::xla::ffi::StructMember<bool>("has_seqused_k"),
+    ::xla::ffi::StructMember<bool>("has_segment_ids"),
+    ::xla::ffi::StructMember<bool>("deterministic"));

@@ -1,6 +1,15 @@
 // Platform-independent bodies of the flashjax FFI handlers: validate, fill
 // AttentionParams, then call the platform's `run(params)`. The CPU and CUDA
 // handler files only bind these to XLA with their own context.
+//
+// Targets (the same four on every platform):
+//   forward         (q, k, v, [optional..]) -> (out, lse)
+//   backward        (q, k, v, out, dout, lse, dlse, [optional..]) -> (dq, dk, dv, dsinks)
+//   varlen_forward  (q, k, v, cu_seqlens_q, cu_seqlens_k, [optional..]) -> (out, lse)
+//   varlen_backward (q, k, v, cu_seqlens_q, cu_seqlens_k, out, dout, lse, dlse, [optional..])
+//                   -> (dq, dk, dv, dsinks)
+// [optional..]: the present ones of sinks, seqused_q, seqused_k, q_segment_ids,
+// kv_segment_ids, in that order, as the Options flags announce.
 #pragma once
 
 #include "ffi_params.h"
@@ -11,81 +20,185 @@
 
 namespace flashjax::ffi_layer {
 
-// Forward: (q, k, v, sinks) -> (out, lse).
+// A call's required tensors: q, k, v, plus cu_seqlens when packed.
+struct Inputs {
+  ffi::AnyBuffer q, k, v;
+  const ffi::AnyBuffer* cu_seqlens_q = nullptr;  // null: dense layout
+  const ffi::AnyBuffer* cu_seqlens_k = nullptr;
+};
+
+// Shapes, semantics, q/k/v and the optional inputs.
+inline ffi::Error fill_inputs(AttentionParams& p, const Inputs& in, const ffi::RemainingArgs& rest,
+                              const Options& options) {
+  ffi::Error e = in.cu_seqlens_q ? fill_packed_inputs(p, in.q, in.k, in.v, *in.cu_seqlens_q,
+                                                      *in.cu_seqlens_k, options)
+                                 : fill_dense_inputs(p, in.q, in.k, in.v, options);
+  if (e.failure()) return e;
+  OptionalInputs optional;
+  if (e = take_optional_inputs(rest, options, optional); e.failure()) return e;
+  return fill_optional_inputs(p, optional);
+}
+
 template <class Run>
-ffi::Error forward_handler(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                           const ffi::AnyBuffer& v, const ffi::AnyBuffer& sinks,
-                           ffi::AnyBuffer out, ffi::AnyBuffer lse, const Options& options,
-                           Run&& run) {
+ffi::Error forward_handler(const Inputs& in, const ffi::RemainingArgs& rest, ffi::AnyBuffer out,
+                           ffi::AnyBuffer lse, const Options& options, Run&& run) {
   AttentionParams p;
-  if (ffi::Error e = fill_forward_inputs(p, q, k, v, sinks, options); e.failure()) return e;
-  if (ffi::Error e = expect_output("out", out, q, p); e.failure()) return e;
-  if (ffi::Error e = expect_rows("lse", lse, p, p.seqlen_q); e.failure()) return e;
-  p.out = out.untyped_data();
-  p.lse = static_cast<float*>(lse.untyped_data());
+  if (ffi::Error e = fill_inputs(p, in, rest, options); e.failure()) return e;
+  if (ffi::Error e = expect_output("out", out, in.q, p); e.failure()) return e;
+  if (ffi::Error e = expect_row_stats("lse", lse, p); e.failure()) return e;
+  p.out = row_tensor(p, out.untyped_data(), true, p.heads_q, p.head_dim_v);
+  p.lse = row_stats(p, lse.untyped_data());
   if (p.batch == 0) return ffi::Error::Success();  // vmap over an empty axis: nothing to do
   return run(p);
 }
 
-// Backward: (q, k, v, out, dout, lse, dlse, sinks) -> (dq, dk, dv, dsinks).
+// The backward's extra inputs.
+struct BackwardInputs {
+  ffi::AnyBuffer out, dout, lse, dlse;
+};
+
 template <class Run>
-ffi::Error backward_handler(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                            const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
-                            const ffi::AnyBuffer& dout, const ffi::AnyBuffer& lse,
-                            const ffi::AnyBuffer& dlse, const ffi::AnyBuffer& sinks,
-                            ffi::AnyBuffer dq, ffi::AnyBuffer dk, ffi::AnyBuffer dv,
-                            ffi::AnyBuffer dsinks, const Options& options, bool deterministic,
+ffi::Error backward_handler(const Inputs& in, const BackwardInputs& b,
+                            const ffi::RemainingArgs& rest, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
+                            ffi::AnyBuffer dv, ffi::AnyBuffer dsinks, const Options& options,
                             Run&& run) {
   AttentionParams p;
-  if (ffi::Error e = fill_forward_inputs(p, q, k, v, sinks, options); e.failure()) return e;
-  if (ffi::Error e = expect_output("out", out, q, p); e.failure()) return e;
-  if (ffi::Error e = expect_like("dout", dout, out); e.failure()) return e;
-  if (ffi::Error e = expect_rows("lse", lse, p, p.seqlen_q); e.failure()) return e;
-  if (ffi::Error e = expect_like("dlse", dlse, lse); e.failure()) return e;
-  if (ffi::Error e = expect_like("dq", dq, q); e.failure()) return e;
-  if (ffi::Error e = expect_like("dk", dk, k); e.failure()) return e;
-  if (ffi::Error e = expect_like("dv", dv, v); e.failure()) return e;
-  if (ffi::Error e = expect_rows("dsinks", dsinks, p, 0); e.failure()) return e;
-  p.out = out.untyped_data();
-  p.dout = dout.untyped_data();
-  // The forward's lse is only read here.
-  p.lse = static_cast<float*>(lse.untyped_data());
-  p.dlse = static_cast<const float*>(dlse.untyped_data());
-  p.dq = dq.untyped_data();
-  p.dk = dk.untyped_data();
-  p.dv = dv.untyped_data();
+  if (ffi::Error e = fill_inputs(p, in, rest, options); e.failure()) return e;
+  if (ffi::Error e = expect_output("out", b.out, in.q, p); e.failure()) return e;
+  if (ffi::Error e = expect_like("dout", b.dout, b.out); e.failure()) return e;
+  if (ffi::Error e = expect_row_stats("lse", b.lse, p); e.failure()) return e;
+  if (ffi::Error e = expect_like("dlse", b.dlse, b.lse); e.failure()) return e;
+  if (ffi::Error e = expect_like("dq", dq, in.q); e.failure()) return e;
+  if (ffi::Error e = expect_like("dk", dk, in.k); e.failure()) return e;
+  if (ffi::Error e = expect_like("dv", dv, in.v); e.failure()) return e;
+  if (ffi::Error e = expect_per_head("dsinks", dsinks, p); e.failure()) return e;
+  p.out = row_tensor(p, b.out.untyped_data(), true, p.heads_q, p.head_dim_v);
+  p.dout = row_tensor(p, b.dout.untyped_data(), true, p.heads_q, p.head_dim_v);
+  p.lse = row_stats(p, b.lse.untyped_data());  // the forward's lse is only read here
+  p.dlse = row_stats(p, b.dlse.untyped_data());
+  p.dq = row_tensor(p, dq.untyped_data(), true, p.heads_q, p.head_dim);
+  p.dk = row_tensor(p, dk.untyped_data(), false, p.heads_kv, p.head_dim);
+  p.dv = row_tensor(p, dv.untyped_data(), false, p.heads_kv, p.head_dim_v);
   p.dsinks = static_cast<float*>(dsinks.untyped_data());
-  p.deterministic = deterministic;
   if (p.batch == 0) return ffi::Error::Success();  // (no zero-block kernel launches)
   return run(p);
 }
 
-// The XLA binding of the forward's buffers and attributes, after any context.
+// XLA bindings of the four targets' buffers and attributes, after any context.
 template <class Binding>
 auto bind_forward(Binding binding) {
-  return bind_options(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
-                          .template Arg<ffi::AnyBuffer>()     // k
-                          .template Arg<ffi::AnyBuffer>()     // v
-                          .template Arg<ffi::AnyBuffer>()     // sinks
-                          .template Ret<ffi::AnyBuffer>()     // out
-                          .template Ret<ffi::AnyBuffer>());   // lse
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k
+      .template Arg<ffi::AnyBuffer>()  // v
+      .RemainingArgs()                 // optional inputs
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // lse
+      .template Attrs<Options>();
+}
+
+template <class Binding>
+auto bind_varlen_forward(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k
+      .template Arg<ffi::AnyBuffer>()  // v
+      .template Arg<ffi::AnyBuffer>()  // cu_seqlens_q
+      .template Arg<ffi::AnyBuffer>()  // cu_seqlens_k
+      .RemainingArgs()
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // lse
+      .template Attrs<Options>();
+}
+
+template <class Binding>
+auto bind_backward_tail(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // out
+      .template Arg<ffi::AnyBuffer>()  // dout
+      .template Arg<ffi::AnyBuffer>()  // lse
+      .template Arg<ffi::AnyBuffer>()  // dlse
+      .RemainingArgs()
+      .template Ret<ffi::AnyBuffer>()  // dq
+      .template Ret<ffi::AnyBuffer>()  // dk
+      .template Ret<ffi::AnyBuffer>()  // dv
+      .template Ret<ffi::AnyBuffer>()  // dsinks
+      .template Attrs<Options>();
 }
 
 template <class Binding>
 auto bind_backward(Binding binding) {
-  return bind_options(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
-                          .template Arg<ffi::AnyBuffer>()     // k
-                          .template Arg<ffi::AnyBuffer>()     // v
-                          .template Arg<ffi::AnyBuffer>()     // out
-                          .template Arg<ffi::AnyBuffer>()     // dout
-                          .template Arg<ffi::AnyBuffer>()     // lse
-                          .template Arg<ffi::AnyBuffer>()     // dlse
-                          .template Arg<ffi::AnyBuffer>()     // sinks
-                          .template Ret<ffi::AnyBuffer>()     // dq
-                          .template Ret<ffi::AnyBuffer>()     // dk
-                          .template Ret<ffi::AnyBuffer>()     // dv
-                          .template Ret<ffi::AnyBuffer>())    // dsinks
-      .template Attr<bool>("deterministic");
+  return bind_backward_tail(std::move(binding)
+                                .template Arg<ffi::AnyBuffer>()   // q
+                                .template Arg<ffi::AnyBuffer>()   // k
+                                .template Arg<ffi::AnyBuffer>());  // v
 }
 
+template <class Binding>
+auto bind_varlen_backward(Binding binding) {
+  return bind_backward_tail(std::move(binding)
+                                .template Arg<ffi::AnyBuffer>()   // q
+                                .template Arg<ffi::AnyBuffer>()   // k
+                                .template Arg<ffi::AnyBuffer>()   // v
+                                .template Arg<ffi::AnyBuffer>()   // cu_seqlens_q
+                                .template Arg<ffi::AnyBuffer>());  // cu_seqlens_k
+}
+
+// The handler functions of one platform, from its `Platform::forward(ctx.., p)`
+// and `Platform::backward(ctx.., p)`; Ctx are the context parameters XLA
+// passes first (stream, scratch allocator).
+template <class Platform, class... Ctx>
+struct Handlers {
+  static ffi::Error forward(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> lse, Options options) {
+    return forward_handler(Inputs{q, k, v}, rest, *out, *lse, options,
+                           [&](const AttentionParams& p) { return Platform::forward(ctx..., p); });
+  }
+  static ffi::Error varlen_forward(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                   ffi::AnyBuffer v, ffi::AnyBuffer cu_q, ffi::AnyBuffer cu_k,
+                                   ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::Result<ffi::AnyBuffer> lse, Options options) {
+    return forward_handler(Inputs{q, k, v, &cu_q, &cu_k}, rest, *out, *lse, options,
+                           [&](const AttentionParams& p) { return Platform::forward(ctx..., p); });
+  }
+  static ffi::Error backward(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
+                             ffi::AnyBuffer dlse, ffi::RemainingArgs rest,
+                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dsinks,
+                             Options options) {
+    return backward_handler(
+        Inputs{q, k, v}, BackwardInputs{out, dout, lse, dlse}, rest, *dq, *dk, *dv, *dsinks,
+        options, [&](const AttentionParams& p) { return Platform::backward(ctx..., p); });
+  }
+  static ffi::Error varlen_backward(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                    ffi::AnyBuffer v, ffi::AnyBuffer cu_q, ffi::AnyBuffer cu_k,
+                                    ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
+                                    ffi::AnyBuffer dlse, ffi::RemainingArgs rest,
+                                    ffi::Result<ffi::AnyBuffer> dq,
+                                    ffi::Result<ffi::AnyBuffer> dk,
+                                    ffi::Result<ffi::AnyBuffer> dv,
+                                    ffi::Result<ffi::AnyBuffer> dsinks, Options options) {
+    return backward_handler(
+        Inputs{q, k, v, &cu_q, &cu_k}, BackwardInputs{out, dout, lse, dlse}, rest, *dq, *dk, *dv,
+        *dsinks, options, [&](const AttentionParams& p) { return Platform::backward(ctx..., p); });
+  }
+};
+
 }  // namespace flashjax::ffi_layer
+
+// Defines the four exported handler symbols Prefix{Forward,Backward,VarlenForward,
+// VarlenBackward}Suffix of a platform; `bind` is its Ffi::Bind() with contexts.
+#define FLASHJAX_DEFINE_HANDLERS(H, bind, Forward, Backward, VarlenForward, VarlenBackward) \
+  FLASHJAX_EXPORT_HANDLER(Forward);                                                          \
+  FLASHJAX_EXPORT_HANDLER(Backward);                                                         \
+  FLASHJAX_EXPORT_HANDLER(VarlenForward);                                                    \
+  FLASHJAX_EXPORT_HANDLER(VarlenBackward);                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Forward, H::forward, flashjax::ffi_layer::bind_forward(bind)); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Backward, H::backward,                                       \
+                                flashjax::ffi_layer::bind_backward(bind));                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(VarlenForward, H::varlen_forward,                            \
+                                flashjax::ffi_layer::bind_varlen_forward(bind));             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(VarlenBackward, H::varlen_backward,                          \
+                                flashjax::ffi_layer::bind_varlen_backward(bind))

@@ -10,12 +10,18 @@ import jax
 
 FORWARD_TARGET = "flashjax_fwd"
 BACKWARD_TARGET = "flashjax_bwd"
+VARLEN_FORWARD_TARGET = "flashjax_varlen_fwd"
+VARLEN_BACKWARD_TARGET = "flashjax_varlen_bwd"
 
-# (target name, symbol in the library) per platform, as XLA names platforms.
-_HANDLERS = {
-    "cpu": {FORWARD_TARGET: "FlashjaxForwardCpu", BACKWARD_TARGET: "FlashjaxBackwardCpu"},
-    "CUDA": {FORWARD_TARGET: "FlashjaxForwardCuda", BACKWARD_TARGET: "FlashjaxBackwardCuda"},
+# Handler symbol stems per target; the library adds the platform's suffix.
+_SYMBOLS = {
+    FORWARD_TARGET: "FlashjaxForward",
+    BACKWARD_TARGET: "FlashjaxBackward",
+    VARLEN_FORWARD_TARGET: "FlashjaxVarlenForward",
+    VARLEN_BACKWARD_TARGET: "FlashjaxVarlenBackward",
 }
+# XLA's platform names and the library's symbol suffixes.
+_PLATFORMS = {"cpu": "Cpu", "CUDA": "Cuda"}
 
 
 def _library_path() -> pathlib.Path:
@@ -34,10 +40,11 @@ def load() -> frozenset[str]:
     """Registers every handler the library has; returns the platforms served."""
     lib = ctypes.cdll.LoadLibrary(str(_library_path()))
     platforms = set()
-    for platform, targets in _HANDLERS.items():
-        if not all(hasattr(lib, symbol) for symbol in targets.values()):
+    for platform, suffix in _PLATFORMS.items():
+        symbols = {target: stem + suffix for target, stem in _SYMBOLS.items()}
+        if not all(hasattr(lib, symbol) for symbol in symbols.values()):
             continue  # e.g. a CPU-only build has no CUDA handlers
-        for target, symbol in targets.items():
+        for target, symbol in symbols.items():
             jax.ffi.register_ffi_target(
                 target, jax.ffi.pycapsule(getattr(lib, symbol)), platform=platform
             )

@@ -161,8 +161,12 @@ def make_inputs(case: Case, seed: int = 0):
     return q, k, v, dout
 
 
-def build_step(fn: Callable, mode: str, q, k, v, dout):
-    """Returns ``(jitted_step, args)``: the function to time and its arguments."""
+def build_step(fn: Callable, mode: str, q, k, v, dout, loop: int = 1):
+    """Returns ``(jitted_step, args)``: the function to time and its arguments. With
+    loop > 1 the step is a jitted loop of `loop` dependent calls (each call's q, or
+    dout for bwd, depends on the previous result), so host dispatch is amortised."""
+    if loop > 1:
+        return _looped_step(fn, mode, loop, q, k, v, dout)
     if mode == "fwd":
         return jax.jit(fn), (q, k, v)
     if mode == "fwdbwd":
@@ -173,6 +177,36 @@ def build_step(fn: Callable, mode: str, q, k, v, dout):
     if mode == "bwd":
         _, pullback = jax.vjp(jax.jit(fn), q, k, v)  # residuals computed once, untimed
         return jax.jit(lambda pullback, dout: pullback(dout)), (pullback, dout)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def _nudge(x, by):
+    """x plus a negligible multiple of `by`: a data dependence XLA cannot drop."""
+    return (x.astype(jnp.float32) + 1e-6 * by.astype(jnp.float32).reshape(x.shape)).astype(x.dtype)
+
+
+def _looped_step(fn: Callable, mode: str, loop: int, q, k, v, dout):
+    if q.shape[:-1] + (v.shape[-1],) != q.shape:
+        raise Unsupported("--loop needs head_dim_v == head_dim (each output feeds the next q)")
+    if mode == "fwd":
+        body = lambda _, q: _nudge(q, fn(q, k, v))
+        return jax.jit(lambda q: jax.lax.fori_loop(0, loop, body, q)), (q,)
+    if mode == "fwdbwd":
+        def loss(q, k, v, dout):
+            return jnp.sum(fn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+        grad = jax.grad(loss, argnums=(0, 1, 2))
+
+        def body(_, q):
+            dq, dk, dv = grad(q, k, v, dout)
+            return _nudge(q, dq + dk[..., :1, :, :].sum() + dv[..., :1, :, :].sum())
+        return jax.jit(lambda q: jax.lax.fori_loop(0, loop, body, q)), (q,)
+    if mode == "bwd":
+        _, pullback = jax.vjp(jax.jit(fn), q, k, v)
+
+        def body(_, dout):
+            dq, dk, dv = pullback(dout)
+            return _nudge(dout, dq + dk[..., :1, :, :].sum() + dv[..., :1, :, :].sum())
+        return jax.jit(lambda dout: jax.lax.fori_loop(0, loop, body, dout)), (dout,)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -196,11 +230,12 @@ def short_reason(error: Exception) -> str:
     return first if len(first) <= REASON_CHARS else first[:REASON_CHARS - 3] + "..."
 
 
-def measure(case: Case, mode: str, impl: str, inputs, warmup: int, iters: int) -> Result:
+def measure(case: Case, mode: str, impl: str, inputs, warmup: int, iters: int,
+            loop: int = 1) -> Result:
     result = Result(case, mode, impl)
     try:
-        step, args = build_step(attention_fn(impl, case), mode, *inputs)
-        result.ms = median_ms(step, args, warmup, iters)
+        step, args = build_step(attention_fn(impl, case), mode, *inputs, loop=loop)
+        result.ms = median_ms(step, args, warmup, iters) / loop
     except Exception as e:  # noqa: BLE001 -- any failure becomes an "n/a" cell
         result.error = short_reason(e)
     return result
@@ -243,6 +278,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--impl", nargs="+", help=f"any of {','.join(IMPLS)}")
     p.add_argument("--iters", type=int, help="timed runs (default 20 on GPU, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs after compilation")
+    p.add_argument("--loop", type=int, default=1,
+                   help="time a jitted loop of this many dependent calls (amortises the "
+                        "~50-100 us host dispatch of one call; reported time is per call)")
+    p.add_argument("--varlen", choices=("uniform", "longtail", "both"),
+                   help="packed-document benchmark instead (see flashjax.bench_varlen)")
+    p.add_argument("--tokens", type=_int, help="--varlen: tokens of the packed batch")
     p.add_argument("--fa3-shapes", action="store_true",
                    help="FlashAttention-3 paper shapes (the GPU default)")
     p.add_argument("--plot", metavar="PATH.png", help="TFLOP/s vs seqlen plot")
@@ -440,7 +481,8 @@ def run(args: argparse.Namespace) -> list[Result]:
                 for impl in args.impl:
                     print(f"[{n}/{len(cases)}] {mode:6s} {impl:8s} {case.label()} ...",
                           end=" ", flush=True)
-                    result = measure(case, mode, impl, inputs, args.warmup, args.iters)
+                    result = measure(case, mode, impl, inputs, args.warmup, args.iters,
+                                     args.loop)
                     print(format_cell(result).strip(), flush=True)
                     results.append(result)
                     if json_file:
@@ -456,7 +498,11 @@ def run(args: argparse.Namespace) -> list[Result]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = resolve_defaults(parse_args(argv), _on_gpu())
+    args = parse_args(argv)
+    if args.varlen:
+        from . import bench_varlen
+        return bench_varlen.main(args)
+    args = resolve_defaults(args, _on_gpu())
     results = run(args)
     print("\nResults (median time, TFLOP/s in the FlashAttention convention)")
     print(results_table(results, args.impl))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["attention", "visible_mask"]
+__all__ = ["attention", "attention_varlen", "visible_mask"]
 
 
 def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
@@ -46,12 +46,34 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
     return mask
 
 
+def _used_mask(seqlen_q, seqlen_k, causal, window_size, seqused_q, seqused_k):
+    """(batch, 1, seqlen_q, seqlen_k) visibility on each entry's used lengths, and
+    (batch, seqlen_q) which rows are used."""
+    seqlen_q_used = jnp.clip(jnp.asarray(seqused_q), 0, seqlen_q)[:, None, None]
+    seqlen_k_used = jnp.clip(jnp.asarray(seqused_k), 0, seqlen_k)[:, None, None]
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    i = jnp.arange(seqlen_q)[None, :, None]
+    j = jnp.arange(seqlen_k)[None, None, :]
+    diagonal = i + (seqlen_k_used - seqlen_q_used)
+    mask = (i < seqlen_q_used) & (j < seqlen_k_used)
+    if left >= 0:
+        mask &= j >= diagonal - left
+    if right >= 0:
+        mask &= j <= diagonal + right
+    return mask[:, None], (i < seqlen_q_used)[:, :, 0]
+
+
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              sinks=None, return_lse=False, compute_dtype=None):
+              sinks=None, return_lse=False, compute_dtype=None, q_segment_ids=None,
+              kv_segment_ids=None, seqused_q=None, seqused_k=None):
     """softmax(scale * q k^T [softcapped, masked, + sink]) v, materialised.
 
     q: (..., seqlen_q, heads_q, head_dim); k: (..., seqlen_k, heads_kv, head_dim);
     v: (..., seqlen_k, heads_kv, head_dim_v); sinks: (heads_q,) or None.
+    Segment ids ((batch, seqlen)) and seqused ((batch,)) as in
+    flashjax.flash_attention (they need exactly one leading batch dim).
     Returns out (..., seqlen_q, heads_q, head_dim_v) and, if return_lse, the
     log-sum-exp (..., heads_q, seqlen_q) (float32, or float64 when computing in float64).
     """
@@ -74,7 +96,18 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * jnp.asarray(softmax_scale, dtype)
     if softcap > 0:
         scores = jnp.asarray(softcap, dtype) * jnp.tanh(scores / jnp.asarray(softcap, dtype))
-    mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
+    row_used = None
+    if seqused_q is not None or seqused_k is not None:
+        batch = q.shape[0]
+        mask, row_used = _used_mask(
+            seqlen_q, seqlen_k, causal, window_size,
+            jnp.full((batch,), seqlen_q) if seqused_q is None else seqused_q,
+            jnp.full((batch,), seqlen_k) if seqused_k is None else seqused_k)
+    else:
+        mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
+    if q_segment_ids is not None:
+        same = jnp.asarray(q_segment_ids)[:, :, None] == jnp.asarray(kv_segment_ids)[:, None, :]
+        mask = mask & same[:, None]
     scores = jnp.where(mask, scores, -jnp.inf)
 
     row_max = jnp.max(scores, axis=-1, keepdims=True)  # -inf for rows that see no key
@@ -89,10 +122,49 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     if sinks is not None:
         denom = denom + jnp.exp(sink - row_max)
     nonempty = denom > 0
+    if row_used is not None:  # rows past seqused_q: out 0 and lse -inf, sink or not
+        nonempty = nonempty & row_used[:, None, :, None]
     safe = jnp.where(nonempty, denom, 1)  # the where trick: no 0/0 in value or gradient
-    probs = weights / safe
+    probs = jnp.where(nonempty, weights / safe, 0)
     out = jnp.einsum("...hqk,...khd->...qhd", probs, v).astype(out_dtype)
     if not return_lse:
         return out
     lse = jnp.where(nonempty, jnp.log(safe) + row_max, -jnp.inf)[..., 0]
     return out, lse.astype(lse_dtype)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     seqused_q=None, seqused_k=None, return_lse=False, **options):
+    """flashjax.flash_attention_varlen, sequence by sequence (`attention` on each).
+
+    cu_seqlens and seqused must be concrete (NumPy) values; they are clamped as
+    flash_attention_varlen documents (for non-decreasing cu_seqlens). Rows that no
+    sequence uses get out 0 and lse -inf. Same `options` as `attention`.
+    """
+    cu_q, cu_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    total_q, total_k = q.shape[0], k.shape[0]
+    dtype = jnp.dtype(jnp.float32 if options.get("compute_dtype") is None
+                      else options["compute_dtype"])
+    high = dtype == jnp.float64
+    out = jnp.zeros(q.shape[:-1] + (v.shape[-1],), jnp.float64 if high else q.dtype)
+    lse = jnp.full((q.shape[1], total_q), -jnp.inf, jnp.float64 if high else jnp.float32)
+    for b in range(len(cu_q) - 1):
+        q0 = int(np.clip(cu_q[b], 0, total_q))
+        k0 = int(np.clip(cu_k[b], 0, total_k))
+        slot_q = int(np.clip(min(cu_q[b + 1] - q0, max_seqlen_q), 0, total_q - q0))
+        slot_k = int(np.clip(min(cu_k[b + 1] - k0, max_seqlen_k), 0, total_k - k0))
+        used_q = slot_q if seqused_q is None else int(np.clip(seqused_q[b], 0, slot_q))
+        used_k = slot_k if seqused_k is None else int(np.clip(seqused_k[b], 0, slot_k))
+        if used_q == 0:
+            continue
+        if used_k == 0:  # every row sees nothing: out 0, lse = the sink or -inf
+            sinks = options.get("sinks")
+            if sinks is not None:
+                lse = lse.at[:, q0:q0 + used_q].set(
+                    jnp.asarray(sinks, lse.dtype)[:, None] * jnp.ones((1, used_q), lse.dtype))
+            continue
+        o, l = attention(q[None, q0:q0 + used_q], k[None, k0:k0 + used_k],
+                         v[None, k0:k0 + used_k], return_lse=True, **options)
+        out = out.at[q0:q0 + used_q].set(o[0].astype(out.dtype))
+        lse = lse.at[:, q0:q0 + used_q].set(l[0].astype(lse.dtype))
+    return (out, lse) if return_lse else out

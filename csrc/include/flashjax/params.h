@@ -1,7 +1,9 @@
 // One description of an attention call, shared by the CPU path and the CUDA
 // kernels. The FFI layer fills it from XLA buffers and attributes; kernels
-// only read it. Layout is (batch, seqlen, heads, head_dim), contiguous, so
-// strides are derived rather than stored.
+// only read it. Every tensor is a TensorRef (explicit strides); where a
+// sequence's rows are is SeqlenInfo's business (seqlen.h), so that dense,
+// padded (seqused), packed (cu_seqlens) and later paged layouts differ in one
+// place only.
 #pragma once
 
 #include <cstdint>
@@ -18,8 +20,41 @@ enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 inline constexpr int64_t kMaxHeadDim = 256;
 
+// A tensor of (batch, rows, heads, [dim]) elements, the last dim contiguous.
+// Packed (varlen) tensors have one batch entry of total_rows rows and
+// batch_stride 0; per-row statistics (lse, D) are (batch, heads, rows) with
+// row_stride 1.
+struct TensorRef {
+  void* data = nullptr;
+  int64_t batch_stride = 0;  // elements
+  int64_t row_stride = 0;
+  int64_t head_stride = 0;
+
+  FJ_HOST_DEVICE int64_t offset(int64_t batch, int64_t row, int64_t head) const {
+    return batch * batch_stride + row * row_stride + head * head_stride;
+  }
+  // Element 0 of (batch, row, head); T may be const.
+  template <class T>
+  FJ_HOST_DEVICE T* at(int64_t batch, int64_t row, int64_t head) const {
+    return static_cast<T*>(data) + offset(batch, row, head);
+  }
+  explicit FJ_HOST_DEVICE operator bool() const { return data != nullptr; }
+
+  // A contiguous (batch, rows, heads, dim) tensor.
+  static TensorRef rows_heads_dim(void* data, int64_t rows, int64_t heads, int64_t dim) {
+    return {data, rows * heads * dim, heads * dim, dim};
+  }
+  // A contiguous (batch, heads, rows) array of per-row float32 statistics.
+  static TensorRef heads_rows(void* data, int64_t rows, int64_t heads) {
+    return {data, heads * rows, 1, rows};
+  }
+};
+
 struct AttentionParams {
-  // Shapes. `batch` folds every leading dimension (vmap adds them).
+  // Shapes. `batch` is the number of sequences: the dense batch (every leading
+  // dimension folded in: vmap adds them) or, packed, len(cu_seqlens) - 1.
+  // seqlen_q / seqlen_k are the rows of one sequence's slot: the padded length
+  // when dense, max_seqlen when packed (lengths are clamped to it).
   int64_t batch = 0;
   int64_t seqlen_q = 0;
   int64_t seqlen_k = 0;
@@ -35,44 +70,38 @@ struct AttentionParams {
   int64_t window_left = -1;      // -1 = unbounded
   int64_t window_right = -1;     // -1 = unbounded
 
+  // Sequence layout (int32 device arrays, all optional; see seqlen.h).
+  const int32_t* cu_seqlens_q = nullptr;   // [batch + 1]: set = packed layout
+  const int32_t* cu_seqlens_k = nullptr;   // [batch + 1] (set together with _q)
+  int64_t total_q = 0, total_k = 0;        // rows of the packed tensors
+  const int32_t* seqused_q = nullptr;      // [batch]: rows of each sequence taking part
+  const int32_t* seqused_k = nullptr;      // [batch]
+  const int32_t* q_segment_ids = nullptr;  // [batch, seqlen_q] (dense only)
+  const int32_t* kv_segment_ids = nullptr; // [batch, seqlen_k]: q sees k iff ids equal
+
   // Forward tensors.
-  const void* q = nullptr;       // [batch, seqlen_q, heads_q, head_dim]
-  const void* k = nullptr;       // [batch, seqlen_k, heads_kv, head_dim]
-  const void* v = nullptr;       // [batch, seqlen_k, heads_kv, head_dim_v]
+  TensorRef q;                   // [batch, seqlen_q, heads_q, head_dim]
+  TensorRef k;                   // [batch, seqlen_k, heads_kv, head_dim]
+  TensorRef v;                   // [batch, seqlen_k, heads_kv, head_dim_v]
   const float* sinks = nullptr;  // [batch, heads_q], nullptr = no sinks
-  void* out = nullptr;           // [batch, seqlen_q, heads_q, head_dim_v]
-  float* lse = nullptr;          // [batch, heads_q, seqlen_q]
+  TensorRef out;                 // like q, head_dim_v
+  TensorRef lse;                 // float32 [batch, heads_q, seqlen_q]
 
   // Backward tensors (unused by the forward).
-  const void* dout = nullptr;    // like out
-  const float* dlse = nullptr;   // like lse: cotangent of the returned lse
-  void* dq = nullptr;            // like q
-  void* dk = nullptr;            // like k
-  void* dv = nullptr;            // like v
+  TensorRef dout;                // like out
+  TensorRef dlse;                // like lse: cotangent of the returned lse (may be null)
+  TensorRef dq;                  // like q
+  TensorRef dk;                  // like k
+  TensorRef dv;                  // like v
   float* dsinks = nullptr;       // [batch, heads_q]
   bool deterministic = false;    // GPU: bitwise-repeatable dq accumulation
 
   FJ_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }
-  // Key offset of bottom-right alignment: row i's diagonal is key i + offset.
-  FJ_HOST_DEVICE int64_t diagonal_offset() const { return seqlen_k - seqlen_q; }
-
-  // Visible key range [first, last] of query row i (may be empty: first > last).
-  FJ_HOST_DEVICE int64_t first_key(int64_t i) const {
-    int64_t lo = window_left < 0 ? 0 : i + diagonal_offset() - window_left;
-    return lo < 0 ? 0 : lo;
-  }
-  FJ_HOST_DEVICE int64_t last_key(int64_t i) const {
-    int64_t hi = window_right < 0 ? seqlen_k - 1 : i + diagonal_offset() + window_right;
-    return hi > seqlen_k - 1 ? seqlen_k - 1 : hi;
-  }
-  // Query rows that see key j: [first_query(j), last_query(j)] (may be empty).
-  FJ_HOST_DEVICE int64_t first_query(int64_t j) const {
-    int64_t lo = window_right < 0 ? 0 : j - diagonal_offset() - window_right;
-    return lo < 0 ? 0 : lo;
-  }
-  FJ_HOST_DEVICE int64_t last_query(int64_t j) const {
-    int64_t hi = window_left < 0 ? seqlen_q - 1 : j - diagonal_offset() + window_left;
-    return hi > seqlen_q - 1 ? seqlen_q - 1 : hi;
+  FJ_HOST_DEVICE bool packed() const { return cu_seqlens_q != nullptr; }
+  FJ_HOST_DEVICE bool has_segments() const { return q_segment_ids != nullptr; }
+  // Every sequence fills its whole slot: the kernels' original, fastest case.
+  FJ_HOST_DEVICE bool uniform() const {
+    return !packed() && !seqused_q && !seqused_k && !has_segments();
   }
 };
 

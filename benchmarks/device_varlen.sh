@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call (H100): build this tree (and optionally the baseline snapshot in
+# .baseline/), run the GPU tests, the varlen benchmark and the dense A/B.
+# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base tests sanitize varlen dense)
+set -uo pipefail
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PY=python3
+for step in "$@"; do
+  case $step in
+    build)
+      start=$(date +%s)
+      $PY -m pip install -q --no-build-isolation --no-deps -C build-dir=/tmp/fjb \
+        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+      echo "build: $(( $(date +%s) - start )) s" ;;
+    base)
+      $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/base -C build-dir=/tmp/fjb_base \
+        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ./.baseline > "$OUT/build_base.log" 2>&1 || { tail -30 "$OUT/build_base.log"; exit 1; }
+      cp src/flashjax/bench.py src/flashjax/bench_varlen.py /tmp/base/flashjax/  # same timing code
+      echo "baseline built" ;;
+    tests)
+      $PY -m pytest -q -n 8 -m gpu -x tests/test_gpu_varlen.py tests/test_gpu.py 2>&1 | tail -25 ;;
+    sanitize)
+      compute-sanitizer --tool memcheck $PY tools/sanitize_varlen.py 2>&1 | tail -8 ;;
+    varlen)
+      $PY -m flashjax.bench --varlen both --json "$OUT/varlen.jsonl" 2>&1 | tail -14 ;;
+    dense)
+      # Dense FA3 shapes, new vs baseline, jitted loops of 10 dependent calls, one process each.
+      for who in new base; do
+        pp=""; [ "$who" = base ] && pp=/tmp/base
+        PYTHONPATH=$pp $PY -m flashjax.bench --fa3-shapes --seqlen 2k 16k --impl flashjax \
+          --mode fwd fwdbwd --loop 10 --iters 10 --json "$OUT/dense_$who.jsonl" > "$OUT/dense_$who.log" 2>&1
+      done
+      $PY - "$OUT" <<'PYEOF'
+import json, sys
+rows = {}
+for who in ("new", "base"):
+    for line in open(f"{sys.argv[1]}/dense_{who}.jsonl"):
+        r = json.loads(line)
+        rows.setdefault((r["mode"], r["head_dim"], r["seqlen_q"], r["causal"]), {})[who] = r["tflops"]
+print("mode    d    s causal   new  base  new/base")
+for (mode, d, s, c), v in sorted(rows.items()):
+    n, b = v.get("new"), v.get("base")
+    print(f"{mode:6s} {d:3d} {s:5d} {int(c)}  {n or 0:6.1f} {b or 0:6.1f}  {(n or 0) / (b or 1):.3f}")
+PYEOF
+      ;;
+  esac
+done

@@ -1,0 +1,117 @@
+"""Trace-time argument checks shared by the public functions: mistakes surface
+as ValueError/TypeError naming the argument before anything runs."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._calls import Config
+
+MAX_HEAD_DIM = 256
+DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+def shape_of(name, x) -> tuple:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(x.shape)
+
+
+def is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_qkv(q, k, v, rank: int, dims: tuple, key_rows: str) -> None:
+    """Ranks, one dtype, matching head dims and k/v heads; `dims` names the axes,
+    `key_rows` k's row axis."""
+    qs, ks, vs = shape_of("q", q), shape_of("k", k), shape_of("v", v)
+    for name, s, axes in zip(("q", "k", "v"), (qs, ks, vs), dims):
+        if len(s) != rank:
+            raise ValueError(f"{name} must have rank {rank} {axes}, got shape {s}")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    heads_q, head_dim, heads_kv = qs[-2], qs[-1], ks[-2]
+    if ks[-1] != head_dim:
+        raise ValueError(f"head_dim of k must equal q's ({head_dim}), got k shape {ks}")
+    if vs[-3] != ks[-3] or vs[-2] != heads_kv:
+        raise ValueError(
+            f"v must have k's {key_rows} and heads_kv {ks[-3:-1]}, got v shape {vs}")
+    for name, n in (("heads_q", heads_q), ("heads_kv", heads_kv)):
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n} (q {qs}, k {ks})")
+    if heads_q % heads_kv != 0:
+        raise ValueError(
+            f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for MQA/GQA")
+    for name, d in (("head_dim", head_dim), ("head_dim_v", vs[-1])):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be in [1, {MAX_HEAD_DIM}], got {d}")
+
+
+def check_sinks(sinks, heads_q: int) -> None:
+    if sinks is None:
+        return
+    if shape_of("sinks", sinks) != (heads_q,):
+        raise ValueError(f"sinks must have shape (heads_q,) = ({heads_q},), got {sinks.shape}")
+    if sinks.dtype != jnp.float32:
+        raise TypeError(f"sinks must be float32, got {sinks.dtype}")
+
+
+def check_int_array(name: str, x, shape: tuple, meaning: str) -> None:
+    """An int32 array of exactly `shape` (traced values are fine)."""
+    if x is None:
+        return
+    s = shape_of(name, x)
+    if x.dtype != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if s != tuple(shape):
+        raise ValueError(f"{name} must have shape {meaning} = {tuple(shape)}, got {s}")
+
+
+def check_static_length(name: str, n) -> int:
+    """A static, non-negative Python int (not a traced value)."""
+    if isinstance(n, jax.core.Tracer) or (hasattr(n, "shape") and not isinstance(n, np.integer)):
+        raise TypeError(f"{name} must be a static Python int (an upper bound of the lengths), "
+                        f"got a traced or array value {n!r}")
+    if not is_int(n):
+        raise TypeError(f"{name} must be a Python int, got {type(n).__name__} {n!r}")
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return int(n)
+
+
+def make_config(head_dim, softmax_scale, causal, window_size, softcap, has_sinks,
+                deterministic, **layout) -> Config:
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if not is_real(softmax_scale) or not math.isfinite(float(softmax_scale)):
+        raise TypeError(
+            "softmax_scale must be a finite Python/NumPy real number (a static value, not a "
+            f"traced array), got {softmax_scale!r}"
+        )
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(is_int(w) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size}")
+    if not is_real(softcap):
+        raise TypeError(f"softcap must be a real number (0 = off), got {softcap!r}")
+    if not (float(softcap) >= 0.0) or not math.isfinite(float(softcap)):
+        raise ValueError(f"softcap must be a finite real >= 0 (0 = off), got {softcap!r}")
+    if causal:
+        right = 0
+    return Config(float(softmax_scale), left, right, float(softcap), bool(has_sinks),
+                  bool(deterministic), **layout)

@@ -1,0 +1,72 @@
+"""Packed, padded and segment-id batches on the GPU, on every kernel path (default,
+mma.sync, SIMT), forward and gradients, against the float64 per-sequence references
+of varlen_helpers (skipped without a GPU)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashjax
+from varlen_helpers import (SegmentCase, VarlenCase, check_segments, check_varlen,
+                            segment_cases, varlen_cases)
+
+pytestmark = pytest.mark.gpu
+
+PATHS = ["default", "mma", "simt"]
+
+# Tensor-core shapes (head dims % 8, fp16/bf16) plus lengths across 64/128/192-row tiles.
+GPU_VARLEN_CASES = (
+    varlen_cases(dtypes=("float32", "bfloat16"))
+    + [dataclasses.replace(c, head_dim=64, dtype="float16") for c in varlen_cases()[:4]]
+    + [VarlenCase(lengths_q=(300, 129, 1, 0, 257), lengths_k=(300, 129, 1, 5, 257), heads_q=4,
+                  heads_kv=1, head_dim=128, dtype="bfloat16", causal=True, sinks=True),
+       VarlenCase(lengths_q=(7, 200), lengths_k=(500, 3), heads_q=6, heads_kv=2, head_dim=96,
+                  head_dim_v=64, dtype="bfloat16", window_size=(40, 10), softcap=20.0),
+       VarlenCase(lengths_q=(190, 64, 65), lengths_k=(190, 64, 65), heads_q=2, heads_kv=2,
+                  head_dim=256, dtype="bfloat16", causal=True, seqused_q=(150, 64, 1),
+                  seqused_k=(190, 0, 65), pad_q=9, pad_k=4)])
+GPU_SEGMENT_CASES = (segment_cases(dtypes=("float32", "bfloat16"))
+                     + [SegmentCase(docs=((100, 200, 1, 211), (512,)), seqlen=512, head_dim=128,
+                                    dtype="bfloat16", causal=True, sinks=True)])
+
+
+@pytest.fixture(params=PATHS)
+def kernel_path(request, monkeypatch):
+    if request.param != "default":
+        monkeypatch.setenv("FLASHJAX_FORWARD_KERNEL", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("case", GPU_VARLEN_CASES, ids=map(str, GPU_VARLEN_CASES))
+def test_varlen(case, kernel_path, gpu_device):
+    check_varlen(case, gpu_device)
+
+
+@pytest.mark.parametrize("case", GPU_VARLEN_CASES[:6], ids=map(str, GPU_VARLEN_CASES[:6]))
+def test_varlen_deterministic(case, gpu_device):
+    check_varlen(case, gpu_device, deterministic=True)
+
+
+@pytest.mark.parametrize("case", GPU_SEGMENT_CASES, ids=map(str, GPU_SEGMENT_CASES))
+def test_segment_ids(case, kernel_path, gpu_device):
+    check_segments(case, gpu_device)
+
+
+def test_adversarial_metadata_stays_in_bounds(kernel_path, gpu_device):
+    """Garbage cu_seqlens / seqused: finite results, no fault (run under
+    compute-sanitizer memcheck by tools/sanitize_varlen.py for the memory check)."""
+    q = jax.device_put(jax.random.normal(jax.random.key(0), (90, 4, 64), jnp.bfloat16), gpu_device)
+    k = jax.device_put(jax.random.normal(jax.random.key(1), (80, 2, 64), jnp.bfloat16), gpu_device)
+    for cu_q, cu_k, used in (([0, 50, 20, 90], [0, 40, 10, 80], None),
+                             ([-5, 30, 1000, 2 ** 31 - 1], [-100, 60, 70, 5000], None),
+                             ([0, 30, 60, 90], [0, 30, 60, 80], [100, -3, 2 ** 31 - 1])):
+        meta = [None if x is None else jnp.asarray(x, jnp.int32) for x in (cu_q, cu_k, used)]
+        f = lambda q, k, v: flashjax.flash_attention_varlen(
+            q, k, v, meta[0], meta[1], 16, 64, seqused_q=meta[2], seqused_k=meta[2], causal=True)
+        out, grads = jax.value_and_grad(lambda *a: f(*a).astype(jnp.float32).sum(),
+                                        argnums=(0, 1, 2))(q, k, k)
+        assert np.isfinite(float(out)) and all(np.isfinite(np.asarray(g, np.float32)).all()
+                                               for g in grads)

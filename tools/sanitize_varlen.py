@@ -1,0 +1,49 @@
+"""Adversarial varlen / seqused / segment-id metadata through every GPU kernel path,
+forward and backward, for `compute-sanitizer --tool memcheck python tools/sanitize_varlen.py`:
+the sanitizer must report 0 errors (the results themselves are documented as clamped)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+import flashjax
+
+BAD_METADATA = [  # (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen)
+    ([0, 50, 20, 90], [0, 40, 10, 80], None, None, 64),
+    ([-5, 30, 1000, 2 ** 31 - 1], [-100, 60, 70, 5000], None, None, 64),
+    ([0, 30, 60, 90], [0, 30, 60, 80], [100, -3, 2 ** 31 - 1], [40, 5, 1000], 64),
+    ([0, 90, 90, 90], [0, 80, 80, 80], None, None, 16),
+    ([2 ** 31 - 1, -2 ** 31, 7, 0], [0, 0, 0, 0], [-1, -1, -1], None, 300),
+]
+
+
+def run_varlen(dtype, head_dim):
+    q = jax.random.normal(jax.random.key(0), (90, 4, head_dim), dtype)
+    k = jax.random.normal(jax.random.key(1), (80, 2, head_dim), dtype)
+    for cu_q, cu_k, used_q, used_k, max_len in BAD_METADATA:
+        meta = [None if x is None else jnp.asarray(x, jnp.int32) for x in (cu_q, cu_k, used_q, used_k)]
+        for causal in (False, True):
+            f = lambda q, k, v: flashjax.flash_attention_varlen(
+                q, k, v, meta[0], meta[1], max_len, max_len, seqused_q=meta[2], seqused_k=meta[3],
+                causal=causal, sinks=jnp.zeros((4,), jnp.float32)).astype(jnp.float32).sum()
+            jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, k, k))
+
+
+def run_dense(dtype, head_dim):
+    q = jax.random.normal(jax.random.key(0), (3, 100, 4, head_dim), dtype)
+    used = jnp.asarray([2 ** 31 - 1, -7, 50], jnp.int32)
+    ids = jax.random.randint(jax.random.key(2), (3, 100), -2 ** 31, 2 ** 31 - 1, jnp.int32)
+    f = lambda q, k, v: flashjax.flash_attention(
+        q, k, v, causal=True, seqused_q=used, seqused_k=used[::-1], q_segment_ids=ids,
+        kv_segment_ids=ids[:, ::-1]).astype(jnp.float32).sum()
+    jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, q, q))
+
+
+if __name__ == "__main__":
+    for path in ("default", "mma", "simt"):
+        os.environ["FLASHJAX_FORWARD_KERNEL"] = path
+        for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float16, 64), (jnp.float32, 40)):
+            run_varlen(dtype, head_dim)
+            run_dense(dtype, head_dim)
+        print(f"path {path}: done", flush=True)
