@@ -16,7 +16,7 @@ target_sources(flashjax_ffi PRIVATE
   csrc/cuda/simt_attention.cu
   csrc/cuda/tensor_core_forward.cu
   csrc/cuda/hopper_forward.cu
-  csrc/cuda/hopper_backward.cu
+  csrc/cuda/sm90/bwd_launch.cu
   csrc/cuda/tensor_core_backward.cu
   csrc/ffi/cuda_handlers.cc)
 target_link_libraries(flashjax_ffi PRIVATE CUDA::cudart_static)

@@ -15,7 +15,9 @@ from varlen_helpers import (SegmentCase, VarlenCase, check_segments, check_varle
 
 pytestmark = pytest.mark.gpu
 
-PATHS = ["default", "mma", "simt"]
+# "hopper-varlen": the Hopper forward's packed / seqused path, off by default
+# until verified on a GPU (FLASHJAX_HOPPER_VARLEN=1 turns it on).
+PATHS = ["default", "hopper-varlen", "mma", "simt"]
 
 # Tensor-core shapes (head dims % 8, fp16/bf16) plus lengths across 64/128/192-row tiles.
 GPU_VARLEN_CASES = (
@@ -35,7 +37,9 @@ GPU_SEGMENT_CASES = (segment_cases(dtypes=("float32", "bfloat16"))
 
 @pytest.fixture(params=PATHS)
 def kernel_path(request, monkeypatch):
-    if request.param != "default":
+    if request.param == "hopper-varlen":
+        monkeypatch.setenv("FLASHJAX_HOPPER_VARLEN", "1")
+    elif request.param != "default":
         monkeypatch.setenv("FLASHJAX_FORWARD_KERNEL", request.param)
     return request.param
 
@@ -70,3 +74,28 @@ def test_adversarial_metadata_stays_in_bounds(kernel_path, gpu_device):
                                         argnums=(0, 1, 2))(q, k, k)
         assert np.isfinite(float(out)) and all(np.isfinite(np.asarray(g, np.float32)).all()
                                                for g in grads)
+
+
+def test_non_finite_rows_outside_a_sequence_do_not_leak(kernel_path, gpu_device):
+    """NaN/inf in rows no used query or key covers (past seqused, in the padding after the
+    last sequence, in a neighbour's rows read by a tile that crosses a sequence's end)
+    must not reach the used rows: they are finite and match the clean input's result."""
+    total, heads, dim = 300, 2, 64
+    key = jax.random.split(jax.random.key(7), 3)
+    q, k, v = (jax.random.normal(kk, (total, heads, dim), jnp.bfloat16) for kk in key)
+    cu = jnp.array([0, 100, 230, 260], jnp.int32)  # rows 260.. belong to no sequence
+    used = jnp.array([90, 130, 3], jnp.int32)     # rows 90..99 and 233..259 unused
+    bad = np.zeros((total,), bool)
+    bad[90:100] = bad[233:] = True
+    poison = lambda x: jnp.where(jnp.asarray(bad)[:, None, None], jnp.nan, x)
+
+    def f(q, k, v):
+        return flashjax.flash_attention_varlen(q, k, v, cu, cu, 130, 130, seqused_q=used,
+                                               seqused_k=used, causal=True, return_lse=True)
+    clean = jax.device_put((q, k, v), gpu_device)
+    dirty = jax.device_put((poison(q), poison(k), poison(v)), gpu_device)
+    (out_c, lse_c), (out_d, lse_d) = f(*clean), f(*dirty)
+    good = ~bad
+    np.testing.assert_array_equal(np.asarray(out_d, np.float32)[good], np.asarray(out_c, np.float32)[good])
+    np.testing.assert_array_equal(np.asarray(lse_d)[:, good], np.asarray(lse_c)[:, good])
+    assert (np.asarray(out_d, np.float32)[bad] == 0).all() and np.isneginf(np.asarray(lse_d)[:, bad]).all()

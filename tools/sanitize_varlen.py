@@ -41,8 +41,10 @@ def run_dense(dtype, head_dim):
 
 
 if __name__ == "__main__":
-    for path in ("default", "mma", "simt"):
-        os.environ["FLASHJAX_FORWARD_KERNEL"] = path
+    for path in ("default", "hopper-varlen", "mma", "simt"):
+        # hopper-varlen: the gated Hopper forward for packed / seqused layouts.
+        os.environ["FLASHJAX_HOPPER_VARLEN"] = "1" if path == "hopper-varlen" else "0"
+        os.environ["FLASHJAX_FORWARD_KERNEL"] = "default" if path == "hopper-varlen" else path
         for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float16, 64), (jnp.float32, 40)):
             run_varlen(dtype, head_dim)
             run_dense(dtype, head_dim)

@@ -52,14 +52,4 @@ __device__ __forceinline__ QueryTile query_tile(int64_t q_tiles) {
   return {q_tiles - 1 - block % q_tiles, block / q_tiles};
 }
 
-// Calls fn.template operator()<T>() with the storage type of p.dtype.
-template <class Fn>
-cudaError_t dispatch_dtype(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kFloat16: return fn(__half{});
-    case DType::kBFloat16: return fn(__nv_bfloat16{});
-    default: return fn(float{});
-  }
-}
-
 }  // namespace flashjax::cuda

@@ -1,5 +1,15 @@
-// Host-side choices shared by the tensor-core kernels: the compiled head-dim
-// buckets (FLASHJAX_HEAD_DIMS), the 16-bit element type and the GPU.
+// Host-side choices shared by the launchers: which instantiation of a kernel
+// runs a call (its head-dim bucket and element type), and the GPU.
+//
+// Every launcher dispatches the same way:
+//   with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
+//     return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
+//       return launch<decltype(tag), decltype(dim)::value>(p, stream);
+//     });
+//   });
+// A kernel declares the buckets it has code for (a HeadDims list) and the
+// element types it takes (an ElementTypes list); the build compiles the buckets
+// of FLASHJAX_HEAD_DIMS only.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,43 +22,88 @@
 
 namespace flashjax::cuda {
 
-// Smallest compiled bucket holding both head dims, or 0 if none does.
-inline int head_dim_bucket(const AttentionParams& p) {
+// The head-dim buckets this build compiles (FLASHJAX_HEAD_DIMS, which cmake
+// passes as FLASHJAX_TC_HEAD_DIM_<d>); 0 ends the list.
+inline constexpr int kCompiledHeadDims[] = {
+#ifdef FLASHJAX_TC_HEAD_DIM_64
+    64,
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_96
+    96,
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_128
+    128,
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_192
+    192,
+#endif
+#ifdef FLASHJAX_TC_HEAD_DIM_256
+    256,
+#endif
+    0};
+
+constexpr bool head_dim_compiled(int bucket) {
+  for (int compiled : kCompiledHeadDims)
+    if (compiled != 0 && compiled == bucket) return true;
+  return false;
+}
+
+// The head-dim buckets a kernel has code for, smallest first. A call runs in
+// the smallest compiled one that holds both its head dims (zero-padded).
+template <int... kBuckets>
+struct HeadDims {};
+
+// The buckets of the tensor-core kernels; the Hopper forward declares its own
+// list (it also has 96 and 192, which these kernels pad to 128 and 256).
+inline constexpr HeadDims<64, 128, 256> kTensorCoreBuckets{};
+
+// The bucket of `buckets` that runs p, 0 if none does.
+template <int... kBuckets>
+int head_dim_bucket(HeadDims<kBuckets...>, const AttentionParams& p) {
   const int64_t d = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
-#ifdef FLASHJAX_TC_HEAD_DIM_64
-  if (d <= 64) return 64;
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_128
-  if (d <= 128) return 128;
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_256
-  if (d <= 256) return 256;
-#endif
-  return 0;
+  int bucket = 0;
+  (void)((head_dim_compiled(kBuckets) && d <= kBuckets && (bucket = kBuckets, true)) || ...);
+  return bucket;
 }
 
-// Calls fn(std::integral_constant<int, bucket>{}).
-template <class Fn>
-cudaError_t with_bucket(int bucket, Fn&& fn) {
-  switch (bucket) {
-#ifdef FLASHJAX_TC_HEAD_DIM_64
-    case 64: return fn(std::integral_constant<int, 64>{});
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_128
-    case 128: return fn(std::integral_constant<int, 128>{});
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_256
-    case 256: return fn(std::integral_constant<int, 256>{});
-#endif
-    default: return cudaErrorInvalidValue;
-  }
+// Calls fn(std::integral_constant<int, head_dim_bucket(buckets, p)>{});
+// cudaErrorInvalidValue when no bucket runs p. Only compiled buckets are
+// instantiated.
+template <int... kBuckets, class Fn>
+cudaError_t with_bucket(HeadDims<kBuckets...> buckets, const AttentionParams& p, Fn&& fn) {
+  const int bucket = head_dim_bucket(buckets, p);
+  cudaError_t status = cudaErrorInvalidValue;
+  const auto call = [&](auto dim) {
+    if constexpr (head_dim_compiled(decltype(dim)::value)) status = fn(dim);
+    return true;
+  };
+  (void)((bucket == kBuckets && call(std::integral_constant<int, kBuckets>{})) || ...);
+  return status;
 }
 
-// Calls fn(T{}) with the 16-bit storage type of p.dtype.
-template <class Fn>
-cudaError_t with_half_type(DType dtype, Fn&& fn) {
-  if (dtype == DType::kFloat16) return fn(__half{});
-  return fn(__nv_bfloat16{});
+// The element types a kernel takes.
+template <class... Ts>
+struct ElementTypes {};
+
+inline constexpr ElementTypes<__half, __nv_bfloat16, float> kAllTypes{};
+inline constexpr ElementTypes<__half, __nv_bfloat16> kHalfTypes{};  // tensor-core kernels
+
+template <class T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<float>() { return DType::kFloat32; }
+template <>
+constexpr DType dtype_of<__half>() { return DType::kFloat16; }
+template <>
+constexpr DType dtype_of<__nv_bfloat16>() { return DType::kBFloat16; }
+
+// Calls fn(T{}) with the type of `types` that stores `dtype`;
+// cudaErrorInvalidValue when none does.
+template <class... Ts, class Fn>
+cudaError_t with_dtype(ElementTypes<Ts...>, DType dtype, Fn&& fn) {
+  cudaError_t status = cudaErrorInvalidValue;
+  (void)((dtype == dtype_of<Ts>() && (status = fn(Ts{}), true)) || ...);
+  return status;
 }
 
 // Multiprocessors of the current GPU (1 if it cannot be read); persistent
@@ -75,7 +130,7 @@ inline int compute_capability() {
 // Tensor-core paths need fp16/bf16 and 16-byte rows (head dims % 8 == 0).
 inline bool tensor_core_shapes(const AttentionParams& p) {
   return p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0 &&
-         head_dim_bucket(p) != 0;
+         head_dim_bucket(kTensorCoreBuckets, p) != 0;
 }
 
 }  // namespace flashjax::cuda

@@ -150,9 +150,23 @@ struct RowSoftmax {
     rescale<kDimTiles>(o, alpha);
   }
 
+  // Zeros o in the rows past the used ones, for kernels whose tiles load
+  // whatever rows follow them (the Hopper forward's TMA tiles: the next
+  // sequence's or padding, NaN included), which write's o * 0 would pass on.
+  template <int kDimTiles>
+  __device__ void clear_unused_rows(float (&o)[kDimTiles * 4], const SeqlenInfo& seq) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (query(row + 8 * r) < seq.seqlen_q) continue;
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) o[4 * n + 2 * r] = o[4 * n + 2 * r + 1] = 0.0f;
+    }
+  }
+
   // Folds in the sink, normalises o and writes out (head_dim_v % 8 == 0) and lse
   // for the rows of sequence b's slot; rows past the used ones get out 0 and
-  // lse -inf (whatever o holds, as long as it is finite; also with sinks).
+  // lse -inf (whatever o holds, as long as it is finite: see
+  // clear_unused_rows; also with sinks).
   // h0: the head of the tile (the group's first head when packed).
   template <class T, int kDimTiles>
   __device__ void write(const AttentionParams& p, const SeqlenInfo& seq,

@@ -1,5 +1,6 @@
-// Hopper (sm_90a) backward: TMA loads, wgmma, warp specialisation. dQ is
-// accumulated with float32 atomics, or by a second kernel when deterministic.
+// Hopper (sm_90a) backward (csrc/cuda/sm90/bwd_*): TMA loads, wgmma, warp
+// specialisation. dQ is added to a float32 buffer by bulk reductions, or
+// computed by a second kernel when deterministic. Uniform layouts only (for now).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -185,15 +185,20 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// 4-d map (dim, seqlen, heads, batch) of a (batch, seqlen, heads, dim) tensor t;
+// 4-d map (dim, seqlen, heads, batch) of a (batch, seqlen, heads, dim) tensor t
+// (packed: batch 1 and seqlen the total rows);
 // a box is 64 columns of box_rows rows of box_heads heads (head-major in shared memory).
 inline bool make_map(CUtensorMap* map, const TensorRef& t, DType dtype, int64_t batch,
                      int64_t seqlen, int64_t heads, int64_t dim, int box_rows, int box_heads = 1) {
   const cuuint64_t sizes[4] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(seqlen),
                                static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  // A packed tensor (one batch entry) has batch stride 0, never used to
+  // address: give the encoder the entry's extent instead of a zero stride.
+  const int64_t batch_stride =
+      batch == 1 && t.batch_stride == 0 ? seqlen * t.row_stride : t.batch_stride;
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.row_stride * 2),
                                  static_cast<cuuint64_t>(t.head_stride * 2),
-                                 static_cast<cuuint64_t>(t.batch_stride * 2)};
+                                 static_cast<cuuint64_t>(batch_stride * 2)};
   const cuuint32_t box[4] = {kSwizzleCols, static_cast<cuuint32_t>(box_rows),
                              static_cast<cuuint32_t>(box_heads), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) forward: warp-specialised, TMA-fed, wgmma-based.
 //
-// Persistent: one CTA per SM walks a static schedule of query tiles
-// (TileSchedule). Warpgroup 0 is the producer: one thread issues TMA loads of
+// Persistent: one CTA per SM walks a schedule of query tiles (TileSchedule;
+// VarlenTileSchedule for packed / seqused layouts, sm90/fwd_scheduler.cuh).
+// Warpgroup 0 is the producer: one thread issues TMA loads of
 // each tile's Q and of K and V tiles into a kStages-deep ring of shared-memory
 // buffers, each guarded by a "full" and an "empty" mbarrier; the next tile's Q
 // and first K/V tiles load while the consumers finish the current one. The
@@ -16,18 +17,27 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
+#include <type_traits>
 
 #include "common.cuh"
 #include "dispatch.h"
 #include "fragment_softmax.cuh"
 #include "hopper_common.cuh"
 #include "hopper_forward.h"
+#include "sequence_layout.h"
+#include "sm90/fwd_scheduler.cuh"
 
 namespace flashjax::cuda {
 namespace {
 
 constexpr int kStages = 2;
+// Named barriers: 1 + c is consumer c's turn to issue; kClearBarrier + c
+// orders consumer c's zeroing of a V tile before its product (kVarlen).
+constexpr int kMaxConsumers = 3;
+constexpr int kClearBarrier = 1 + kMaxConsumers;
 // GQA packing is compiled for head dims up to 128 (at 256 its row arithmetic
 // makes the kernel spill).
 template <int kHeadDim>
@@ -57,42 +67,21 @@ struct TensorMaps {
   CUtensorMap q, k, v;
 };
 
-// Persistent static schedule. A work item is a pair of query tiles of one
-// head, tile j and tile q_tiles - 1 - j, done one after the other: under a
-// causal mask their costs add up to the same total for every j, so items cost
-// alike under any mask. gridDim.x CTAs (one per SM) take the items in rounds
-// of gridDim.x, one head's items consecutive so that the CTAs running together
-// read the same K and V from L2; odd rounds go in mirrored order (zig-zag) to
-// even out what remains.
-//
-// GQA packing: when a group's heads times seqlen_q fit in one tile
-// (packed_rows = seqlen_q, e.g. decoding), a tile holds every query of a kv
-// head's group of query heads, so K and V are read once for the group; the
-// "heads" of the schedule are then the kv heads.
-struct TileSchedule {
-  int64_t q_tiles, pairs_per_head, total_pairs;
-  int64_t packed_rows;  // 0: one query head per tile
-  enum Step { kTile, kSkip, kEnd };
-  // The k-th tile of this CTA (kSkip: the missing half of a middle pair).
-  __device__ Step tile(int64_t k, QueryTile& out) const {
-    const int64_t g = gridDim.x, round = k / 2;
-    const int64_t item = round * g + ((round & 1) ? g - 1 - blockIdx.x : blockIdx.x);
-    if (item >= total_pairs) return kEnd;
-    const int64_t j = item % pairs_per_head, heavy = q_tiles - 1 - j;
-    if (k % 2 == 1 && j == heavy) return kSkip;
-    out = {k % 2 == 0 ? heavy : j, item / pairs_per_head};
-    return kTile;
-  }
-};
+// The schedule type of a layout (TileSchedule's GQA packing: uniform only).
+template <Layouts kLayouts>
+using ScheduleOf =
+    std::conditional_t<kLayouts == Layouts::kUniform, TileSchedule, VarlenTileSchedule>;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// One work item of a CTA: a tile of kBlockM query rows of one head.
-// (Packed: bh indexes batch * heads_kv, h is the group's first query head.)
-template <int kBlockM, int kBlockN>
+// One work item of a CTA: a tile of kBlockM query rows (slot rows from q0)
+// of one head of sequence b, whose rows seq locates.
+// (GQA packing: bh indexes batch * heads_kv, h is the group's first query head.)
+template <Layouts kLayouts, int kBlockM, int kBlockN>
 struct WorkItem {
-  int64_t b, h, hk, q0, last_row;
-  SeqlenInfo seq;  // (uniform calls only)
+  int64_t b, h, hk, q0;
+  SeqlenInfo seq;
+  int64_t last_row;  // the tile's last used row (< q0: none, the tile only writes zeros)
   KeyRange keys;
   int64_t n_tiles;
   __device__ WorkItem(const AttentionParams& p, QueryTile t, bool packed)
@@ -100,19 +89,34 @@ struct WorkItem {
         h(packed ? t.bh % p.heads_kv * p.group_size() : t.bh % p.heads_q),
         hk(h / p.group_size()),
         q0(t.tile * kBlockM),
-        last_row(min(q0 + kBlockM, p.seqlen_q) - 1),
-        seq(SeqlenInfo::uniform(p, b)),
+        seq(sequence_info<kLayouts>(p, b)),
+        last_row(min(q0 + kBlockM, seq.seqlen_q) - 1),
         keys(seq, q0, last_row, kBlockN),
         n_tiles(keys.tiles(kBlockN)) {}
+
+  // TMA coordinates (int32: the tensors' rows are < 2^30): the tensor rows of
+  // the tile's first query and of slot key k0, and the batch entry. A tile
+  // that crosses the end of its sequence's used rows loads the rows that
+  // follow (padding, or the next sequence's: TMA only zero-fills past the
+  // tensor). Such queries only reach their own rows, cleared before the write
+  // (clear_unused_rows); such keys are masked to P = 0, but O += P V still
+  // adds 0 * v for them, so a non-finite v there (NaN, inf: e.g. uninitialised
+  // padding of a seqused KV cache) makes this sequence's rows NaN.
+  __device__ int q_row() const { return static_cast<int>(seq.q_row(q0)); }
+  __device__ int k_row(int64_t k0) const { return static_cast<int>(seq.k_row(k0)); }
+  __device__ int batch() const { return static_cast<int>(seq.batch); }
 };
 
-template <class T, int kHeadDim>
+// kLayouts: kUniform or kVarlen (sequence_layout.h; no segment ids here).
+template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     hopper_forward_kernel(const AttentionParams p, const __grid_constant__ TensorMaps maps,
-                          const TileSchedule schedule) {
+                          const ScheduleOf<kLayouts> schedule) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kConsumers = Cfg::kConsumers;
-  constexpr bool kPacks = kPacksGroups<kHeadDim>;
+  constexpr bool kPacks = kPacksGroups<kHeadDim> && kLayouts == Layouts::kUniform;
+  using Item = WorkItem<kLayouts, kBlockM, kBlockN>;
+  static_assert(kConsumers <= kMaxConsumers, "named barrier ids overlap");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = align_smem(smem_raw);
   unsigned char* sQ = smem;
@@ -152,23 +156,23 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     QueryTile tile;
     for (int64_t k = 0;; ++k) {
       const auto step = schedule.tile(k, tile);
-      if (step == TileSchedule::kEnd) break;
-      if (step == TileSchedule::kSkip) continue;
-      const WorkItem<kBlockM, kBlockN> w(p, tile, packed);
+      if (step == ScheduleStep::kEnd) break;
+      if (step == ScheduleStep::kSkip) continue;
+      const Item w(p, tile, packed);
       mbar_wait(q_empty, (local++ & 1) ^ 1);
       mbar_expect_tx(q_full, q_bytes);
-      tma_tile<kHeadDim, kBlockM>(sQ, &maps.q, q_full, w.q0, w.h, w.b);
+      tma_tile<kHeadDim, kBlockM>(sQ, &maps.q, q_full, w.q_row(), w.h, w.batch());
       for (int64_t it = 0; it < w.n_tiles; ++it, ++kv) {
         const int stage = kv % kStages, phase = (kv / kStages) & 1;
         const int k0 = static_cast<int>(w.keys.tile_begin + it * kBlockN);
         mbar_wait(&k_empty[stage], phase ^ 1);
         mbar_expect_tx(&k_full[stage], Cfg::kKVBytes);
-        tma_tile<kHeadDim, kBlockN>(sK + stage * Cfg::kKVBytes, &maps.k, &k_full[stage], k0,
-                                    w.hk, w.b);
+        tma_tile<kHeadDim, kBlockN>(sK + stage * Cfg::kKVBytes, &maps.k, &k_full[stage],
+                                    w.k_row(k0), w.hk, w.batch());
         mbar_wait(&v_empty[stage], phase ^ 1);
         mbar_expect_tx(&v_full[stage], Cfg::kKVBytes);
-        tma_tile<kHeadDim, kBlockN>(sV + stage * Cfg::kKVBytes, &maps.v, &v_full[stage], k0,
-                                    w.hk, w.b);
+        tma_tile<kHeadDim, kBlockN>(sV + stage * Cfg::kKVBytes, &maps.v, &v_full[stage],
+                                    w.k_row(k0), w.hk, w.batch());
       }
     }
     return;
@@ -183,9 +187,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
   QueryTile tile;
   for (int64_t k = 0;; ++k) {
     const auto step = schedule.tile(k, tile);
-    if (step == TileSchedule::kEnd) break;
-    if (step == TileSchedule::kSkip) continue;
-    const WorkItem<kBlockM, kBlockN> w(p, tile, packed);
+    if (step == ScheduleStep::kEnd) break;
+    if (step == ScheduleStep::kSkip) continue;
+    const Item w(p, tile, packed);
     const int64_t n_tiles = w.n_tiles;
     float o[kDimTiles * 4] = {};
     RowSoftmax softmax{w.q0 + consumer * 64 + warp_in_group * 16 + lane / 4,
@@ -222,6 +226,27 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       if (lane != 0) return;
       mbar_arrive(&k_empty[(kv + it) % kStages]);
       if (it == n_tiles - 1) mbar_arrive(q_empty);
+    };
+    // kVarlen: V rows of key tile it past the sequence's used keys hold
+    // whatever follows them (see WorkItem); P is 0 there, but 0 * NaN is not,
+    // so the warpgroup zeros those rows (whole 128-byte swizzle rows of each
+    // column block) before its P V. Only an item's last tile can cross the
+    // end; every consumer writes the same zeros before its own product.
+    auto clear_values_past_end = [&](int64_t it) {
+      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
+      if (k0 + kBlockN <= w.seq.seqlen_k) return;
+      const int first_row = static_cast<int>(w.seq.seqlen_k > k0 ? w.seq.seqlen_k - k0 : 0);
+      const int64_t g = kv + it;
+      const uint32_t v_tile = smem_u32(sV + (g % kStages) * Cfg::kKVBytes);
+      mbar_wait(&v_full[g % kStages], (g / kStages) & 1);
+      constexpr int kColumnBlocks = Cfg::kPaddedDim / kSwizzleCols;
+      const int bytes = (kBlockN - first_row) * 128;
+#pragma unroll
+      for (int c = 0; c < kColumnBlocks; ++c)
+        for (int i = (threadIdx.x % 128) * 8; i < bytes; i += 128 * 8)
+          st_shared(v_tile + c * kBlockN * 128 + first_row * 128 + i, 0.0f, 0.0f);
+      fence_proxy_async();  // the zeros, before the warpgroup's wgmma reads them
+      named_sync(kClearBarrier + consumer, 128);
     };
     auto values_done = [&](int64_t it) {
       if (lane == 0) mbar_arrive(&v_empty[(kv + it) % kStages]);
@@ -274,6 +299,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
       }
+      if constexpr (kLayouts != Layouts::kUniform) clear_values_past_end(n_tiles - 1);
       wait_turn();
       issue_values(pa, n_tiles - 1);
       if (consumer != kConsumers - 1) pass_turn();  // balanced arrivals at the item's end
@@ -284,109 +310,116 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       mbar_arrive(q_empty);
     }
     kv += n_tiles;
+    if constexpr (kLayouts != Layouts::kUniform) softmax.clear_unused_rows<kDimTiles>(o, w.seq);
     softmax.write<T, kDimTiles>(p, w.seq, o, w.b, w.h);
   }
 }
 
 #else  // not compiled for sm_90a: never launched (hopper_forward_supports says no)
 
-template <class T, int kHeadDim>
+template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void hopper_forward_kernel(const AttentionParams, const __grid_constant__ TensorMaps,
-                                      const TileSchedule) {}
+                                      const ScheduleOf<kLayouts>) {}
 
 #endif
 
-template <class T, int kHeadDim>
-cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
+// Packed / seqused layouts take this kernel only with FLASHJAX_HOPPER_VARLEN=1
+// until a GPU session has verified it (until then the mma.sync path takes
+// them); segment ids never do. int32 TMA coordinates bound the packed rows.
+bool layouts_supported(const AttentionParams& p) {
+  if (p.uniform()) return true;
+  const char* env = std::getenv("FLASHJAX_HOPPER_VARLEN");
+  return env && std::strcmp(env, "1") == 0 && !p.has_segments() && p.total_q < (1 << 30) &&
+         p.total_k < (1 << 30);
+}
+
+// The batch entries and rows of the query-side / key-side tensors as their
+// TMA maps see them: a packed tensor is one entry of every sequence's rows.
+struct MapExtent {
+  int64_t batch, rows;
+};
+MapExtent query_extent(const AttentionParams& p) {
+  return p.packed() ? MapExtent{1, p.total_q} : MapExtent{p.batch, p.seqlen_q};
+}
+MapExtent key_extent(const AttentionParams& p) {
+  return p.packed() ? MapExtent{1, p.total_k} : MapExtent{p.batch, p.seqlen_k};
+}
+
+// gqa_packed: a tile holds a whole query-head group (TileSchedule).
+template <int kHeadDim>
+bool make_maps(const AttentionParams& p, bool gqa_packed, TensorMaps& maps) {
   using Cfg = Tiles<kHeadDim>;
+  const MapExtent qe = query_extent(p), ke = key_extent(p);
+  return make_map(&maps.q, p.q, p.dtype, qe.batch, qe.rows, p.heads_q, p.head_dim,
+                  gqa_packed ? static_cast<int>(p.seqlen_q) : Cfg::kBlockM,
+                  gqa_packed ? static_cast<int>(p.group_size()) : 1) &&
+         make_map(&maps.k, p.k, p.dtype, ke.batch, ke.rows, p.heads_kv, p.head_dim,
+                  Cfg::kBlockN) &&
+         make_map(&maps.v, p.v, p.dtype, ke.batch, ke.rows, p.heads_kv, p.head_dim_v,
+                  Cfg::kBlockN);
+}
+
+// `workspace`: hopper_forward_workspace_bytes(p) bytes (kVarlen's work list).
+template <class T, int kHeadDim, Layouts kLayouts>
+cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  using Cfg = Tiles<kHeadDim>;
+  constexpr int kBlockM = Cfg::kBlockM;
   static std::once_flag configured;
   static cudaError_t config_status = cudaSuccess;
   std::call_once(configured, [] {
-    config_status = cudaFuncSetAttribute(hopper_forward_kernel<T, kHeadDim>,
+    config_status = cudaFuncSetAttribute(hopper_forward_kernel<T, kHeadDim, kLayouts>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Cfg::kSmemBytes);
   });
   if (config_status != cudaSuccess) return config_status;
+  ScheduleOf<kLayouts> schedule;
+  int64_t items;  // (an upper bound for kVarlen: the device knows the count)
+  const bool gqa_packed = kLayouts == Layouts::kUniform && kPacksGroups<kHeadDim> &&
+                          p.group_size() > 1 && p.seqlen_q * p.group_size() <= kBlockM;
+  if constexpr (kLayouts == Layouts::kUniform) {
+    schedule.packed_rows = gqa_packed ? p.seqlen_q : 0;
+    schedule.q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    schedule.pairs_per_head = (schedule.q_tiles + 1) / 2;
+    schedule.total_pairs =
+        schedule.pairs_per_head * p.batch * (gqa_packed ? p.heads_kv : p.heads_q);
+    items = schedule.total_pairs;
+  } else {
+    if (!workspace) return cudaErrorInvalidValue;
+    items = p.batch * p.heads_q * (((p.seqlen_q + kBlockM - 1) / kBlockM + 1) / 2);
+    if (items == 0) return cudaSuccess;
+    schedule.list = VarlenWorkList(p, workspace);
+    schedule.heads = p.heads_q;
+    if (cudaError_t e = build_work_list<kBlockM>(p, schedule.list, stream); e != cudaSuccess)
+      return e;
+  }
   TensorMaps maps;
-  constexpr int kBlockM = Cfg::kBlockM;
-  const bool packed =
-      kPacksGroups<kHeadDim> && p.group_size() > 1 && p.seqlen_q * p.group_size() <= kBlockM;
-  if (!make_map(&maps.q, p.q, p.dtype, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
-                packed ? static_cast<int>(p.seqlen_q) : kBlockM,
-                packed ? static_cast<int>(p.group_size()) : 1) ||
-      !make_map(&maps.k, p.k, p.dtype, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
-                Cfg::kBlockN) ||
-      !make_map(&maps.v, p.v, p.dtype, p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v,
-                Cfg::kBlockN))
-    return cudaErrorInvalidValue;
-  TileSchedule schedule;
-  schedule.packed_rows = packed ? p.seqlen_q : 0;
-  schedule.q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
-  schedule.pairs_per_head = (schedule.q_tiles + 1) / 2;
-  schedule.total_pairs = schedule.pairs_per_head * p.batch * (packed ? p.heads_kv : p.heads_q);
-  const int64_t blocks = std::min<int64_t>(schedule.total_pairs, multiprocessor_count());
-  hopper_forward_kernel<T, kHeadDim>
+  if (!make_maps<kHeadDim>(p, gqa_packed, maps)) return cudaErrorInvalidValue;
+  const int64_t blocks = std::min<int64_t>(items, multiprocessor_count());
+  hopper_forward_kernel<T, kHeadDim, kLayouts>
       <<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps,
                                                                                  schedule);
   return cudaGetLastError();
 }
 
-// Head-dim buckets of this kernel: those of FLASHJAX_HEAD_DIMS, which for this
-// kernel may also list 96 and 192 (the other kernels pad those to 128 / 256).
-int hopper_forward_bucket(const AttentionParams& p) {
-  const int64_t d = std::max(p.head_dim, p.head_dim_v);
-  for (int bucket : {
-#ifdef FLASHJAX_TC_HEAD_DIM_64
-           64,
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_96
-           96,
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_128
-           128,
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_192
-           192,
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_256
-           256,
-#endif
-           0})
-    if (bucket == 0 || d <= bucket) return bucket;
-  return 0;
+template <class T, int kHeadDim>
+cudaError_t launch(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  if (p.uniform()) return launch_layouts<T, kHeadDim, Layouts::kUniform>(p, workspace, stream);
+  return launch_layouts<T, kHeadDim, Layouts::kVarlen>(p, workspace, stream);
 }
 
-template <class T>
-cudaError_t launch_bucket(const AttentionParams& p, cudaStream_t stream) {
-  switch (hopper_forward_bucket(p)) {
-#ifdef FLASHJAX_TC_HEAD_DIM_64
-    case 64: return launch<T, 64>(p, stream);
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_96
-    case 96: return launch<T, 96>(p, stream);
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_128
-    case 128: return launch<T, 128>(p, stream);
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_192
-    case 192: return launch<T, 192>(p, stream);
-#endif
-#ifdef FLASHJAX_TC_HEAD_DIM_256
-    case 256: return launch<T, 256>(p, stream);
-#endif
-    default: return cudaErrorInvalidValue;
-  }
-}
+// Head-dim buckets of this kernel: it also has native 96 and 192 ones (the
+// other kernels pad those to 128 / 256); FLASHJAX_HEAD_DIMS picks the compiled ones.
+constexpr HeadDims<64, 96, 128, 192, 256> kBuckets{};
 
 }  // namespace
 
 bool hopper_forward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
-  // Uniform layouts only (for now). TMA needs 16-byte row strides (head dims
+  // Layouts: see layouts_supported. TMA needs 16-byte row strides (head dims
   // % 8) and a 64-column box inside the tensor (head dims >= 64); int32 TMA
   // coordinates bound the sizes.
-  return p.uniform() && p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
-         p.head_dim_v % 8 == 0 && hopper_forward_bucket(p) != 0 && p.head_dim >= 64 &&
+  return layouts_supported(p) && p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
+         p.head_dim_v % 8 == 0 && head_dim_bucket(kBuckets, p) != 0 && p.head_dim >= 64 &&
          p.head_dim_v >= 64 &&
          p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && compute_capability() == 90 &&
          encode_fn() != nullptr;
@@ -396,9 +429,16 @@ bool hopper_forward_supports(const AttentionParams& p) {
 #endif
 }
 
-cudaError_t hopper_forward(const AttentionParams& p, cudaStream_t stream) {
-  return with_half_type(p.dtype,
-                        [&](auto tag) { return launch_bucket<decltype(tag)>(p, stream); });
+size_t hopper_forward_workspace_bytes(const AttentionParams& p) {
+  return p.uniform() ? 0 : VarlenWorkList::workspace_bytes(p);
+}
+
+cudaError_t hopper_forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
+    return with_bucket(kBuckets, p, [&](auto dim) {
+      return launch<decltype(tag), decltype(dim)::value>(p, workspace, stream);
+    });
+  });
 }
 
 }  // namespace flashjax::cuda

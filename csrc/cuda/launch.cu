@@ -27,21 +27,27 @@ ForwardCap forward_cap() {
   return ForwardCap::kHopper;
 }
 
+bool use_hopper_forward(const AttentionParams& p) {
+  return forward_cap() == ForwardCap::kHopper && hopper_forward_supports(p);
+}
+
 bool use_hopper_backward(const AttentionParams& p) {
   return forward_cap() == ForwardCap::kHopper && hopper_backward_supports(p);
 }
 
 }  // namespace
 
-// The segment-id tile ranges of the mma.sync path (the others need none).
+// The Hopper path's varlen work list, else the segment-id tile ranges of the
+// mma.sync path (the SIMT path needs none).
 size_t forward_workspace_bytes(const AttentionParams& p) {
+  if (use_hopper_forward(p)) return hopper_forward_workspace_bytes(p);
   return SegmentTiles::workspace_bytes(p);
 }
 
 cudaError_t forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   if (cudaError_t e = fill_uncovered_rows(p, Pass::kForward, stream); e != cudaSuccess) return e;
+  if (use_hopper_forward(p)) return hopper_forward(p, workspace, stream);
   const ForwardCap cap = forward_cap();
-  if (cap == ForwardCap::kHopper && hopper_forward_supports(p)) return hopper_forward(p, stream);
   if (cap != ForwardCap::kSimt && tensor_core_forward_supports(p))
     return tensor_core_forward(p, workspace, stream);
   return simt_forward(p, stream);

@@ -1,6 +1,7 @@
 // Segment-id tile ranges and the packed layout's uncovered rows (see
 // sequence_layout.h).
 #include "common.cuh"
+#include "dispatch.h"
 #include "sequence_layout.h"
 
 namespace flashjax::cuda {
@@ -95,7 +96,7 @@ cudaError_t fill_uncovered_rows(const AttentionParams& p, Pass pass, cudaStream_
   const int64_t rows =
       pass == Pass::kForward ? p.total_q : (p.total_q > p.total_k ? p.total_q : p.total_k);
   if (!p.packed() || rows <= 0) return cudaSuccess;
-  return dispatch_dtype(p.dtype, [&](auto tag) {
+  return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
     fill_uncovered_rows_kernel<decltype(tag)>
         <<<blocks_for(rows), kThreadsPerBlock, 0, stream>>>(p, pass);
     return cudaGetLastError();

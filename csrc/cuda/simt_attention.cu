@@ -3,6 +3,7 @@
 // GPU; the tensor-core kernels take over where they apply.
 #include "backward_workspace.h"
 #include "common.cuh"
+#include "dispatch.h"
 #include "flashjax/seqlen.h"
 #include "launch.h"
 #include "sequence_layout.h"
@@ -246,7 +247,7 @@ cudaError_t launch_warps(Kernel kernel, int64_t warps, cudaStream_t stream, cons
 }  // namespace
 
 cudaError_t simt_forward(const AttentionParams& p, cudaStream_t stream) {
-  return dispatch_dtype(p.dtype, [&](auto tag) {
+  return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
     return launch_warps(forward_kernel<decltype(tag)>, p.batch * p.heads_q * p.seqlen_q, stream,
                         p);
   });
@@ -259,7 +260,7 @@ cudaError_t backward_preprocess(const AttentionParams& p, const TensorRef& D,
     lanes_per_row *= 2;
   const int64_t rows_per_warp = 32 / lanes_per_row;
   const int64_t warps = (p.batch * p.heads_q * p.seqlen_q + rows_per_warp - 1) / rows_per_warp;
-  return dispatch_dtype(p.dtype, [&](auto tag) {
+  return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
     return with_layouts(p, [&](auto layouts) {
       return launch_warps(preprocess_kernel<decltype(tag), decltype(layouts)::value>, warps,
                           stream, p, D, lanes_per_row);
@@ -278,7 +279,7 @@ cudaError_t backward_dsinks(const AttentionParams& p, const TensorRef& dsink_row
 cudaError_t simt_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   const BackwardWorkspace ws(p, workspace, false, 0);
   if (cudaError_t e = backward_preprocess(p, ws.D, stream); e != cudaSuccess) return e;
-  cudaError_t status = dispatch_dtype(p.dtype, [&](auto tag) {
+  cudaError_t status = with_dtype(kAllTypes, p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (cudaError_t e = launch_warps(dkdv_kernel<T>, p.batch * p.heads_kv * p.seqlen_k, stream,
                                      p, ws.D);

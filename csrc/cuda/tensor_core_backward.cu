@@ -266,8 +266,8 @@ cudaError_t tensor_core_backward(const AttentionParams& p, void* workspace,
     if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
     if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
   }
-  cudaError_t status = with_half_type(p.dtype, [&](auto tag) {
-    return with_bucket(head_dim_bucket(p), [&](auto dim) {
+  cudaError_t status = with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
+    return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
       return with_layouts(p, [&](auto layouts) {
         return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value>(p, ws,
                                                                                      stream);

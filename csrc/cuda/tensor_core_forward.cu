@@ -132,8 +132,8 @@ cudaError_t tensor_core_forward(const AttentionParams& p, void* workspace, cudaS
     if (!segment_tiles) return cudaErrorInvalidValue;  // no workspace
     if (cudaError_t e = compute_segment_tiles(p, segment_tiles, stream); e != cudaSuccess) return e;
   }
-  return with_half_type(p.dtype, [&](auto tag) {
-    return with_bucket(head_dim_bucket(p), [&](auto dim) {
+  return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
+    return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
       return with_layouts(p, [&](auto layouts) {
         return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value>(
             p, segment_tiles, stream);

@@ -1,0 +1,98 @@
+// The Hopper backward's dQ reductions: each tile's share of dQ, staged in
+// shared memory in a float32 block's layout (bwd_tile_config.h), is added to
+// the float32 dQ buffer by one bulk reduction (cp.reduce.async.bulk) per
+// block; convert_dq_kernel turns the buffer into dq. The key kernel hands its
+// blocks to a writer thread; the wide kernel's consumers send their own.
+#pragma once
+
+#include <cstdint>
+
+#include "../hopper_common.cuh"
+#include "bwd_params.h"
+#include "bwd_scheduler.cuh"
+#include "bwd_smem.cuh"
+#include "bwd_tile_config.h"
+#include "flashjax/params.h"
+
+namespace flashjax::cuda::hopper_bwd {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Stores columns [kCols * part, +kCols) of a consumer's dQ fragment (64 rows x
+// 64 columns) in a float32 block's layout in shared memory, from where one
+// bulk reduction adds it to the dQ buffer (per-thread atomics cost more than a
+// third of the kernel's time).
+template <int kCols>
+__device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], int part) {
+  const int lane = threadIdx.x % 32;
+  const int row0 = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+  // dq_block_offset's swizzle (rows row0 and row0 + 8 share it).
+  const int swizzle = row0 % (kCols / 8);
+  const uint32_t base = smem_u32(stage) + 4 * (row0 * kCols + 2 * (lane % 4));
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int n = 0; n < kCols / 8; ++n) {
+      const int i = 4 * (n + part * kCols / 8) + 2 * r;
+      const uint32_t at = base + 4 * (8 * r * kCols + 8 * (n ^ swizzle));
+      st_shared(at, dq[i], dq[i + 1]);
+    }
+}
+
+// The fused key kernel's dQ writer, one thread of the producer warpgroup: it
+// sends each consumer's staged dQ block (tile it, stage it % kDqStages) as a
+// bulk reduction once all 128 of its threads have arrived on dq_full, and
+// frees a stage (dq_empty) once the reduction has read it, so that consumers
+// only wait when they are a whole ring ahead.
+template <int kHeadDim>
+__device__ void write_dq(Smem<kHeadDim>& sm, const KeyBlock<kOwnRows>& kb,
+                         const AttentionParams& p, const RowStats& stats, float* dq_accum) {
+  using L = Layout<kHeadDim>;
+  constexpr int kLag = L::kDqStages - 1;  // tiles whose reductions may still read
+  for (int64_t it = 0; it < kb.tiles; ++it) {
+    const int s = it % L::kDqStages;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      mbar_wait(&sm.dq_full[c * L::kDqStages + s], (it / L::kDqStages) & 1);
+      // At head dim 64 both consumers add to the same block (their own keys).
+      const int64_t block = dq_block_start<kHeadDim, 64>(
+          kb.b * p.heads_q + kb.head(p, it), kb.row(it), kHeadDim == 64 ? 0 : c,
+          stats.rows_padded);
+      bulk_reduce_add(dq_accum + block, sm.dq_stage + (c * L::kDqStages + s) * kDqBlock<64>,
+                      kDqBlockBytes<64>);
+    }
+    bulk_wait_reads<2 * kLag>();
+    if (it >= kLag) {
+      const int freed = (it - kLag) % L::kDqStages;
+      mbar_arrive(&sm.dq_empty[freed]);
+      mbar_arrive(&sm.dq_empty[L::kDqStages + freed]);
+    }
+  }
+  bulk_wait_all();
+}
+
+// Adds a consumer's two 32-column halves of one 64-column dQ product, each
+// staged in its own stage and sent by the consumer's thread 0 (so that one is
+// written while the other's reduction may still be reading): before staging, it
+// waits until at most one later reduction may still read a stage.
+__device__ __forceinline__ void add_dq_wide(float* dq_accum, float* stages, int consumer,
+                                            const float (&dq)[32], int64_t bh, int64_t row,
+                                            int col_block64, int64_t rows_padded) {
+  constexpr int kCols = kDqCols<wide::kHeadDim>;
+#pragma unroll
+  for (int part = 0; part < 2; ++part) {
+    float* block = dq_accum + dq_block_start<wide::kHeadDim, kCols>(
+                                  bh, row, 2 * col_block64 + part, rows_padded);
+    float* stage = stages + part * wide::kDqStageFloats;
+    if (threadIdx.x % 128 == 0) bulk_wait_reads<1>();
+    named_sync(barrier_id(NamedBarrier::kDqStage, consumer), 128);
+    stage_dq<kCols>(stage, dq, part);
+    fence_proxy_async();
+    named_sync(barrier_id(NamedBarrier::kDqStage, consumer), 128);
+    if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes<kCols>);
+  }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace flashjax::cuda::hopper_bwd

@@ -1,0 +1,118 @@
+// The Hopper (sm_90a) backward kernels, warp-specialised like the forward and
+// assembled from parts: each kernel carves its shared memory (bwd_smem.cuh),
+// finds the rows its CTA owns (bwd_scheduler.cuh) and splits the warp roles
+// and their registers: warpgroup 0 is the producer (bwd_producer.cuh) and, in
+// the fused key kernel, the dQ writer (bwd_dq_writer.cuh); warpgroups 1 and 2
+// are the consumers (bwd_mainloop.cuh, bwd_wide_mainloop.cuh), which also
+// store their gradients.
+#pragma once
+
+#include <cstdint>
+
+#include "../fragment_softmax.cuh"
+#include "../hopper_common.cuh"
+#include "bwd_dq_writer.cuh"
+#include "bwd_mainloop.cuh"
+#include "bwd_params.h"
+#include "bwd_producer.cuh"
+#include "bwd_scheduler.cuh"
+#include "bwd_smem.cuh"
+#include "bwd_tile_config.h"
+#include "bwd_wide_mainloop.cuh"
+#include "flashjax/params.h"
+
+namespace flashjax::cuda::hopper_bwd {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// setmaxnreg: warpgroup 0 gives registers up, the consumers take them.
+__device__ __forceinline__ void producer_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+}
+__device__ __forceinline__ void consumer_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+}
+
+// dK and dV of a block of 128 keys (and, with kFusedDq, its shares of dQ).
+template <class T, int kHeadDim, bool kFusedDq>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
+                      const RowStats stats, float* dq_accum) {
+  extern __shared__ unsigned char smem_raw[];
+  Smem<kHeadDim> sm(smem_raw);
+  const KeyBlock<kOwnRows> kb(p);
+  sm.init();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    producer_registers();
+    if (threadIdx.x == 0)
+      produce(sm, maps, static_cast<int>(kb.k0), static_cast<int>(kb.hk), static_cast<int>(kb.b),
+              kb.tiles, [&](int64_t it) { return kb.row(it); },
+              [&](int64_t it) { return kb.head(p, it); }, p, stats);
+    else if (kFusedDq && threadIdx.x == 32)
+      write_dq(sm, kb, p, stats, dq_accum);
+    return;
+  }
+  consumer_registers();
+  key_consumer<T, kHeadDim, kFusedDq>(sm, kb, p, warpgroup - 1);
+}
+
+// dQ of a block of 128 query rows, and those rows' shares of dsinks.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_query_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
+                        const __grid_constant__ TensorRef D_all,
+                        const __grid_constant__ TensorRef dsink_rows) {
+  extern __shared__ unsigned char smem_raw[];
+  Smem<kHeadDim> sm(smem_raw);
+  const QueryBlock qb(p);
+  sm.init();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    producer_registers();
+    if (threadIdx.x == 0)
+      produce(sm, maps, static_cast<int>(qb.q0), static_cast<int>(qb.h), static_cast<int>(qb.b),
+              qb.tiles, [&](int64_t it) { return qb.key_tile(it); },
+              [&](int64_t) { return qb.hk; }, p, RowStats{});
+    return;
+  }
+  consumer_registers();
+  query_consumer<T, kHeadDim>(sm, qb, p, warpgroup - 1, D_all, dsink_rows);
+}
+
+// dK, dV and the shares of dQ of a block of 64 keys, head dims 129-256.
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_wide_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
+                           const RowStats stats, float* dq_accum) {
+  extern __shared__ unsigned char smem_raw[];
+  WideSmem sm(smem_raw);
+  const KeyBlock<wide::kKeys> kb(p);
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    producer_registers();
+    if (threadIdx.x == 0) produce_wide(sm, maps, kb, p, stats);
+    return;
+  }
+  consumer_registers();
+  wide_consumer<T>(sm, kb, p, stats, dq_accum, warpgroup - 1);
+}
+
+#else  // not compiled for sm_90a: never launched (hopper_backward_supports says no)
+
+template <class T, int kHeadDim, bool kFusedDq>
+__global__ void hopper_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
+                                  const RowStats, float*) {}
+template <class T, int kHeadDim>
+__global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
+                                    const __grid_constant__ TensorRef,
+                                    const __grid_constant__ TensorRef) {}
+template <class T>
+__global__ void hopper_wide_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
+                                       const RowStats, float*) {}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace flashjax::cuda::hopper_bwd

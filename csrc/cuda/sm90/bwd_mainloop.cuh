@@ -1,0 +1,292 @@
+// The key and query kernels' consumers (warpgroups 1 and 2, 64 owned rows
+// each): their mainloops over the streamed tiles, the wgmma products these
+// issue, and the stores of their gradients.
+//
+//  * key kernel: a CTA owns 128 keys of one kv head (64 per consumer
+//    warpgroup); the producer streams (Q_j, dO_j) tiles of 64 queries for every
+//    query head of the group, with those rows' lse and D. Per tile:
+//    S^T = K Q_j^T and dP^T = V dO_j^T (both operands in shared memory), P^T
+//    and dS^T in registers, then dV += P^T dO_j and dK += dS^T Q_j with the
+//    left operand from registers. With kFusedDq (the default, non-deterministic
+//    mode) it also stores dS^T in shared memory and computes this key block's
+//    share of dQ_j = dS_j K, added to a float32 buffer by bulk reductions; a
+//    last kernel converts that buffer to dq (5 products per tile pair in all).
+//  * query kernel (deterministic mode): a CTA owns 128 query rows; the
+//    producer streams (K_j, V_j) tiles of 64 keys. Per tile: S = Q K_j^T,
+//    dP = dO V_j^T, dS in registers, dQ += dS K_j (7 products in all, no
+//    atomics). It also writes each row's share of dsinks.
+//
+// A consumer's accumulators are declared, and its results stored, in its own
+// function rather than in the kernel: declared in the kernel they compile to
+// another register order, and ptxas then schedules differently.
+#pragma once
+
+#include <cstdint>
+
+#include "../fragment_softmax.cuh"
+#include "../hopper_common.cuh"
+#include "bwd_dq_writer.cuh"
+#include "bwd_gradients.cuh"
+#include "bwd_scheduler.cuh"
+#include "bwd_smem.cuh"
+#include "bwd_tile_config.h"
+#include "flashjax/params.h"
+
+namespace flashjax::cuda::hopper_bwd {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// C(64 x 64) = A(own rows, K-major) * B(streamed tile, K-major)^T over kHeadDim.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void issue_abt(float (&c)[32], const unsigned char* own_rows,
+                                          const unsigned char* tile) {
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk)
+    wgmma_ss_n64<T>(c, k_major_desc<kOwnRows>(own_rows, kk),
+                    k_major_desc<kStreamRows>(tile, kk), kk > 0);
+}
+
+// acc(64 x kHeadDim) += A(64 x 64, registers) * B(streamed tile rows, N-major).
+template <class T, int kHeadDim>
+__device__ __forceinline__ void issue_ab(float (&acc)[kHeadDim / 2], const uint32_t (&a)[4][4],
+                                         const unsigned char* tile) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t desc = smem_desc(tile + kk * 16 * 128, kStreamRows * 128, 1024);
+    if constexpr (kHeadDim == 64) wgmma_rs_n64<T>(acc, a[kk], desc, 1);
+    else wgmma_rs_n128<T>(acc, a[kk], desc, 1);
+  }
+}
+
+// This key block's share of dQ_j (64 queries x 64 head dims) = dS_j K. At
+// head dim 128 the consumers split the head dims and share all 128 keys (both
+// dS^T halves, hence the 256-thread barrier); at 64 each consumer takes its own
+// 64 keys and all head dims, and the reductions add the two halves.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* ds_tile,
+                                         const unsigned char* k_tile, int consumer) {
+  constexpr bool kOwnKeys = kHeadDim == 64;
+  const int key0 = kOwnKeys ? consumer * 64 : 0;
+  const unsigned char* k_cols = k_tile + (kOwnKeys ? 0 : consumer * kOwnRows * 128);
+  // The first product overwrites dq; zeroing it first tells the compiler that
+  // the last tile's values are dead (they would stay live through the softmax).
+#pragma unroll
+  for (int i = 0; i < 32; ++i) dq[i] = 0.0f;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < (kOwnKeys ? 4 : 8); ++kk) {
+    const int row = key0 + 16 * kk;
+    wgmma_ss_mn_n64<T>(dq, smem_desc(ds_tile + row * 128, 1024, 1024),
+                       smem_desc(k_cols + row * 128, 1024, 1024), kk > 0);
+  }
+}
+
+// A consumer's loop over `tiles` streamed tiles: products(it) issues the
+// S-like products of tile it, gradients(it) turns their results into float
+// register fragments, pack(it) rounds those into wgmma operands, updates(it)
+// issues the accumulating products and release(it) frees tile it's stage.
+// Without kOverlap (key kernel), gradients waits for the products itself, so
+// that it may start before all of them are done.
+// kOverlap: the updates of tile it-1 run on the tensor cores while
+// gradients(it) runs on the CUDA cores; this keeps two tiles' fragments live,
+// which the key kernel (dK and dV accumulators) has no registers for.
+template <bool kOverlap, class Products, class Gradients, class Pack, class Updates,
+          class Release>
+__device__ __forceinline__ void pipeline(int64_t tiles, Products&& products,
+                                         Gradients&& gradients, Pack&& pack, Updates&& updates,
+                                         Release&& release) {
+  if (tiles == 0) return;
+  if constexpr (!kOverlap) {
+    for (int64_t it = 0; it < tiles; ++it) {
+      products(it);
+      gradients(it);
+      pack(it);
+      updates(it);
+      wgmma_wait<0>();
+      release(it);
+    }
+    return;
+  }
+  products(0);
+  wgmma_wait<0>();
+  gradients(0);
+  pack(0);
+  for (int64_t it = 1; it < tiles; ++it) {
+    products(it);
+    updates(it - 1);
+    wgmma_wait<1>();  // tile it's products are done; tile it-1's updates may run
+    gradients(it);
+    wgmma_wait<0>();  // the operands packed for tile it-1 are free again
+    release(it - 1);
+    pack(it);
+  }
+  updates(tiles - 1);
+  wgmma_wait<0>();
+  release(tiles - 1);
+}
+
+// Writes rows row0 + [0, 64) of a consumer's 64 x kHeadDim accumulator.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, int64_t rows,
+                                            int64_t dim, int64_t row0,
+                                            const float (&acc)[kHeadDim / 2], float scale) {
+  store_rows<T, kHeadDim>(head_base, row_stride, rows, dim, row0 + ((threadIdx.x / 32) % 4) * 16,
+                          acc, scale);
+}
+
+// A key-kernel consumer: dK and dV of its 64 keys over the block's query
+// tiles (with kFusedDq also each tile's share of dQ, staged for the writer),
+// then its rows of dk and dv.
+template <class T, int kHeadDim, bool kFusedDq>
+__device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm, const KeyBlock<kOwnRows>& kb,
+                                             const AttentionParams& p, int consumer) {
+  using L = Layout<kHeadDim>;
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  const int64_t my_key = kb.k0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+  const unsigned char* k_rows = sm.own_a + consumer * 64 * 128;
+  const unsigned char* v_rows = sm.own_b + consumer * 64 * 128;
+  float dk[kHeadDim / 2] = {}, dv[kHeadDim / 2] = {};
+
+  const auto q_tile = [&](int64_t it) { return sm.stream_a + (it % L::kStages) * L::kStreamBytes; };
+  const auto do_tile = [&](int64_t it) { return sm.stream_b + (it % L::kStages) * L::kStreamBytes; };
+  const auto tile_stats = [&](int64_t it) { return sm.stats + (it % L::kStages) * (L::kStatBytes / 4); };
+  float st[32], dpt[32];
+  uint32_t pa[4][4], dsa[4][4];
+  float dq[32];
+  mbar_wait(sm.owned, 0);
+  pipeline<false>(
+      kb.tiles,
+      [&](int64_t it) {  // S^T = K Q_j^T, dP^T = V dO_j^T
+        mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
+        wgmma_fence();
+        issue_abt<T, kHeadDim>(st, k_rows, q_tile(it));
+        wgmma_commit();
+        issue_abt<T, kHeadDim>(dpt, v_rows, do_tile(it));
+        wgmma_commit();
+      },
+      [&](int64_t it) {  // P^T, dS^T
+        wgmma_wait<1>();
+        fence_operands(st);
+        // (q0 before scores_log2: the other order compiled to a layout 6% slower at d64.)
+        const int64_t q0 = kb.row(it);
+        scores_log2(st, p);
+        kb.mask<8>(st, p, my_key, q0);
+        // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
+        const float* lse2 = tile_stats(it);
+        const float* D = lse2 + kStreamRows;
+        const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
+        probabilities_then_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
+                                [&](int i) { return D[column(i)]; }, [&] {
+                                  wgmma_wait<0>();
+                                  fence_operands(dpt);
+                                });
+      },
+      [&](int64_t it) {
+        pack_fragments<T, 4>(pa, st);
+        pack_fragments<T, 4>(dsa, dpt);
+        if constexpr (kFusedDq) {
+          store_transposed(sm.ds + (it % 2) * L::kDsBytes, consumer * 64, 0, dsa);
+          fence_proxy_async();
+        }
+      },
+      [&](int64_t it) {  // dV += P^T dO_j, (dQ_j = dS_j K,) dK += dS^T Q_j
+        wgmma_fence();
+        issue_ab<T, kHeadDim>(dv, pa, do_tile(it));
+        if constexpr (kFusedDq) {
+          // Both halves of dS^T (or this consumer's, at head dim 64) are stored.
+          if constexpr (kHeadDim == 64)
+            named_sync(barrier_id(NamedBarrier::kDsStored, consumer), 128);
+          else
+            named_sync(barrier_id(NamedBarrier::kDsStored));
+          issue_dq<T, kHeadDim>(dq, sm.ds + (it % 2) * L::kDsBytes, sm.own_a, consumer);
+          wgmma_commit();
+          issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
+          wgmma_commit();
+          // dQ is staged for the writer while dK's product runs.
+          wgmma_wait<1>();
+          fence_operands(dq);
+          const int slot = consumer * L::kDqStages + it % L::kDqStages;
+          mbar_wait(&sm.dq_empty[slot], ((it / L::kDqStages) & 1) ^ 1);
+          stage_dq<64>(sm.dq_stage + slot * kDqBlock<64>, dq, 0);
+          fence_proxy_async();
+          mbar_arrive(&sm.dq_full[slot]);
+        } else {
+          issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
+          wgmma_commit();
+        }
+      },
+      [&](int64_t it) {
+        fence_operands(dv);
+        fence_operands(dk);
+        if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
+      });
+  const int64_t row0 = kb.k0 + consumer * 64;
+  store_block<T, kHeadDim>(p.dk.at<T>(kb.b, 0, kb.hk), p.dk.row_stride, p.seqlen_k, p.head_dim,
+                           row0, dk, p.softmax_scale);
+  store_block<T, kHeadDim>(p.dv.at<T>(kb.b, 0, kb.hk), p.dv.row_stride, p.seqlen_k,
+                           p.head_dim_v, row0, dv, 1.0f);
+}
+
+// A query-kernel consumer: dQ of its 64 rows over the block's key tiles, then
+// its rows of dq and their shares of dsinks.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBlock& qb,
+                                               const AttentionParams& p, int consumer,
+                                               const TensorRef& D_all,
+                                               const TensorRef& dsink_rows) {
+  using L = Layout<kHeadDim>;
+  const int lane = threadIdx.x % 32;
+  RowSoftmax rows{qb.q0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4};
+  const unsigned char* q_rows = sm.own_a + consumer * 64 * 128;
+  const unsigned char* do_rows = sm.own_b + consumer * 64 * 128;
+  float lse2[2], D[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = rows.row + 8 * r;
+    lse2[r] = i < p.seqlen_q ? lse_to_log2(*p.lse.at<const float>(qb.b, i, qb.h)) : -kNegInf;
+    D[r] = i < p.seqlen_q ? *D_all.at<const float>(qb.b, i, qb.h) : 0.0f;
+  }
+  float dq[kHeadDim / 2] = {};
+
+  const auto k_tile = [&](int64_t it) { return sm.stream_a + (it % L::kStages) * L::kStreamBytes; };
+  const auto v_tile = [&](int64_t it) { return sm.stream_b + (it % L::kStages) * L::kStreamBytes; };
+  float s[32], dp[32];
+  uint32_t dsa[4][4];
+  mbar_wait(sm.owned, 0);
+  pipeline<true>(
+      qb.tiles,
+      [&](int64_t it) {  // S = Q K_j^T, dP = dO V_j^T
+        mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
+        wgmma_fence();
+        issue_abt<T, kHeadDim>(s, q_rows, k_tile(it));
+        issue_abt<T, kHeadDim>(dp, do_rows, v_tile(it));
+        wgmma_commit();
+      },
+      [&](int64_t it) {  // dS
+        fence_operands(s);
+        fence_operands(dp);
+        const int64_t k0 = qb.key_tile(it);
+        rows.scores<8>(s, p, qb.seq, k0,
+                       RowSoftmax::tile_needs_mask(qb.seq, qb.q0, qb.last_row, k0, kStreamRows,
+                                                   qb.keys.key_begin, qb.keys.key_end));
+        probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
+                               [&](int i) { return D[(i % 4) / 2]; });
+      },
+      [&](int64_t) { pack_fragments<T, 4>(dsa, dp); },
+      [&](int64_t it) {  // dQ += dS K_j
+        wgmma_fence();
+        issue_ab<T, kHeadDim>(dq, dsa, k_tile(it));
+        wgmma_commit();
+      },
+      [&](int64_t it) {
+        fence_operands(dq);
+        if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
+      });
+  store_block<T, kHeadDim>(p.dq.at<T>(qb.b, 0, qb.h), p.dq.row_stride, p.seqlen_q, p.head_dim,
+                           qb.q0 + consumer * 64, dq, p.softmax_scale);
+  write_dsink_rows(p, qb.seq, qb.b, qb.h, rows.row, lse2, D, dsink_rows);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace flashjax::cuda::hopper_bwd

@@ -1,0 +1,22 @@
+// What the Hopper backward kernels take besides AttentionParams (built by
+// bwd_launch.cu): the TMA tensor maps and the padded row statistics.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace flashjax::cuda::hopper_bwd {
+
+// Where the key kernel finds the streamed rows' statistics (padded rows).
+struct RowStats {
+  const float* lse2 = nullptr;  // null: not streamed (query kernel)
+  const float* D = nullptr;
+  int64_t rows_padded = 0;
+};
+
+struct BackwardMaps {
+  CUtensorMap own_a, own_b, stream_a, stream_b;  // key kernel: K, V, Q, dO; query: Q, dO, K, V
+};
+
+}  // namespace flashjax::cuda::hopper_bwd

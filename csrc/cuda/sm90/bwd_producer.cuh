@@ -1,0 +1,77 @@
+// The Hopper backward's producer (one thread of warpgroup 0): TMA loads of a
+// CTA's owned tiles once, then of the streamed tiles (and their rows'
+// statistics) into the shared-memory rings, paced by the rings' mbarriers.
+#pragma once
+
+#include <cstdint>
+
+#include "../hopper_common.cuh"
+#include "bwd_params.h"
+#include "bwd_scheduler.cuh"
+#include "bwd_smem.cuh"
+#include "bwd_tile_config.h"
+#include "flashjax/params.h"
+
+namespace flashjax::cuda::hopper_bwd {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Producer: owned tensors once, then `tiles` streamed pairs; tile i sits at
+// row stream_row(i) of head stream_head(i). With stats.lse2, also those rows'
+// lse2 and D.
+template <int kHeadDim, class RowOf, class HeadOf>
+__device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_row, int own_head,
+                        int batch, int64_t tiles, RowOf&& stream_row, HeadOf&& stream_head,
+                        const AttentionParams& p, const RowStats& stats) {
+  using L = Layout<kHeadDim>;
+  mbar_expect_tx(sm.owned, 2 * L::kOwnBytes);
+  tma_tile<kHeadDim, kOwnRows>(sm.own_a, &maps.own_a, sm.owned, own_row, own_head, batch);
+  tma_tile<kHeadDim, kOwnRows>(sm.own_b, &maps.own_b, sm.owned, own_row, own_head, batch);
+  for (int64_t it = 0; it < tiles; ++it) {
+    const int stage = it % L::kStages, phase = (it / L::kStages) & 1;
+    mbar_wait(&sm.empty[stage], phase ^ 1);
+    mbar_expect_tx(&sm.full[stage], 2 * L::kStreamBytes + (stats.lse2 ? L::kStatBytes : 0));
+    const int row = static_cast<int>(stream_row(it)), head = static_cast<int>(stream_head(it));
+    if (stats.lse2) {
+      const int64_t at = (batch * p.heads_q + head) * stats.rows_padded + row;
+      float* dst = sm.stats + stage * (L::kStatBytes / 4);
+      bulk_load(dst, stats.lse2 + at, L::kStatBytes / 2, &sm.full[stage]);
+      bulk_load(dst + kStreamRows, stats.D + at, L::kStatBytes / 2, &sm.full[stage]);
+    }
+    tma_tile<kHeadDim, kStreamRows>(sm.stream_a + stage * L::kStreamBytes, &maps.stream_a,
+                                    &sm.full[stage], row, head, batch);
+    tma_tile<kHeadDim, kStreamRows>(sm.stream_b + stage * L::kStreamBytes, &maps.stream_b,
+                                    &sm.full[stage], row, head, batch);
+  }
+}
+
+// The wide kernel's producer: K and V once, then per tile Q (with its rows'
+// lse2) and dO (with D), each in its own ring: Q is released after dK, dO
+// after dV.
+inline __device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps,
+                                    const KeyBlock<wide::kKeys>& kb, const AttentionParams& p,
+                                    const RowStats& stats) {
+  using namespace wide;
+  const int batch = static_cast<int>(kb.b), k0 = static_cast<int>(kb.k0);
+  mbar_expect_tx(sm.owned, 2 * kTileBytes);
+  tma_tile<kHeadDim, kKeys>(sm.k, &maps.own_a, sm.owned, k0, static_cast<int>(kb.hk), batch);
+  tma_tile<kHeadDim, kKeys>(sm.v, &maps.own_b, sm.owned, k0, static_cast<int>(kb.hk), batch);
+  for (int64_t it = 0; it < kb.tiles; ++it) {
+    const int row = static_cast<int>(kb.row(it)), head = static_cast<int>(kb.head(p, it));
+    const int64_t at = (kb.b * p.heads_q + head) * stats.rows_padded + row;
+    const int s = it % kQStages, phase = ((it / kQStages) & 1) ^ 1;
+    mbar_wait(&sm.q_empty[s], phase);
+    mbar_expect_tx(&sm.q_full[s], kTileBytes + kStatBytes);
+    bulk_load(sm.lse2 + s * kStreamRows, stats.lse2 + at, kStatBytes, &sm.q_full[s]);
+    tma_tile<kHeadDim, kStreamRows>(sm.q + s * kTileBytes, &maps.stream_a, &sm.q_full[s], row,
+                                    head, batch);
+    mbar_wait(sm.do_empty, (it & 1) ^ 1);
+    mbar_expect_tx(sm.do_full, kTileBytes + kStatBytes);
+    bulk_load(sm.D, stats.D + at, kStatBytes, sm.do_full);
+    tma_tile<kHeadDim, kStreamRows>(sm.dout, &maps.stream_b, sm.do_full, row, head, batch);
+  }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace flashjax::cuda::hopper_bwd
