@@ -8,6 +8,8 @@ Usage::
     python -m flashjax.bench --heads 32 --heads-kv 8 --seqlen 2048 --seqlen-k 8192
     python -m flashjax.bench --mode bwd --deterministic   # the cost of a repeatable backward
     python -m flashjax.bench --fa3-shapes --json out.jsonl --plot out.png
+    python -m flashjax.bench --fa3-shapes --loop 10     # jitted loops of 10 dependent calls
+    python -m flashjax.bench --varlen both --head-dim 64 128   # packed documents (bench_varlen)
 
 List options take several values, space- or comma-separated; sequence lengths accept a
 ``k`` suffix (``16k`` = 16384).
