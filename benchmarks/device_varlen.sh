@@ -2,6 +2,10 @@
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), run the GPU tests, the varlen benchmark and the dense A/B.
 # Usage: benchmarks/device_varlen.sh STEP...   (steps: build base tests sanitize varlen dense)
+# `base` needs the baseline sources in .baseline/, made here (not on the device) with
+#   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
+# and passed to the device call with carry: [".baseline"]. REV: the commit to compare with
+# (e.g. 0184a42, the last commit before the varlen restructure).
 set -uo pipefail
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
