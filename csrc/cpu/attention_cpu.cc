@@ -69,25 +69,22 @@ void store_tile(HeadRows dst_rows, int64_t row0, int64_t rows, int64_t dim, cons
   }
 }
 
-// The segment ids of a tile pair: whether they can meet at all, and whether
-// every pair shares one id (then no per-element check is needed).
-struct TileSegments {
-  const SegmentIds& ids;
-  int64_t q0, rows, k0, cols;
+// The segment ids of a tile pair (ranges read once): whether they can meet at
+// all, and whether every pair shares one id (then no per-element check).
+class TileSegments {
+ public:
+  TileSegments(const SegmentIds& ids, int64_t q0, int64_t rows, int64_t k0, int64_t cols)
+      : present_(static_cast<bool>(ids)) {
+    if (!present_) return;
+    for (int64_t i = 0; i < rows; ++i) q_.add(ids.q[q0 + i]);
+    for (int64_t j = 0; j < cols; ++j) k_.add(ids.k[k0 + j]);
+  }
+  bool meet() const { return !present_ || q_.meets(k_); }
+  bool uniform() const { return !present_ || q_.all_equal(k_); }
 
-  IdRange q_range() const { return range(ids.q, q0, rows); }
-  IdRange k_range() const { return range(ids.k, k0, cols); }
-  bool meet() const { return !ids || q_range().meets(k_range()); }
-  bool uniform() const {
-    if (!ids) return true;
-    const IdRange a = q_range(), b = k_range();
-    return a.lo == a.hi && b.lo == b.hi && a.lo == b.lo;
-  }
-  static IdRange range(const int32_t* id, int64_t first, int64_t n) {
-    IdRange r;
-    for (int64_t i = 0; i < n; ++i) r.add(id[first + i]);
-    return r;
-  }
+ private:
+  bool present_;
+  IdRange q_, k_;
 };
 
 // Turns raw q.k products into scores: scale, softcap, then -inf outside the
@@ -252,7 +249,7 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
   const KeySpan keys(seq, q0, used);
   for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, keys.end - k0);
-    const TileSegments tile_segments{segments, q0, used, k0, cols};
+    const TileSegments tile_segments(segments, q0, used, k0, cols);
     if (!tile_segments.meet()) continue;
     load_tile<T>(Kr, dp, kBlockK, k_rows, k0, cols, p.head_dim);
     transpose(Kt, kBlockK, Kr, dp, kBlockK, dp);
@@ -348,7 +345,7 @@ struct BackwardHead {
   // Recomputes S and P for the loaded tiles and leaves dS in t.dS; false (and
   // nothing computed) when segment ids rule the whole tile pair out.
   bool gradients(BackwardTiles& t, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
-    const TileSegments tile_segments{segments, q0, rows, k0, cols};
+    const TileSegments tile_segments(segments, q0, rows, k0, cols);
     if (!tile_segments.meet()) return false;
     std::fill(t.S, t.S + kBlockQ * kBlockK, 0.0f);
     matmul_acc(t.S, kBlockK, t.Q, shape.dp, t.Kt, kBlockK, kBlockQ, kBlockK, shape.dp);

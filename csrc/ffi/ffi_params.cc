@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <tuple>
 
 namespace flashjax::ffi_layer {
 namespace {
@@ -179,17 +180,13 @@ ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs
     if (ffi::Error e = expect_per_head("sinks", *inputs.sinks, p); e.failure()) return e;
     p.sinks = static_cast<const float*>(inputs.sinks->untyped_data());
   }
-  if (inputs.seqused_q) {
-    if (!is_int32_array(*inputs.seqused_q, p.batch, {}))
-      return invalid("seqused_q must be int32 (batch,); got " +
-                     shape_string(inputs.seqused_q->dimensions()));
-    p.seqused_q = static_cast<const int32_t*>(inputs.seqused_q->untyped_data());
-  }
-  if (inputs.seqused_k) {
-    if (!is_int32_array(*inputs.seqused_k, p.batch, {}))
-      return invalid("seqused_k must be int32 (batch,); got " +
-                     shape_string(inputs.seqused_k->dimensions()));
-    p.seqused_k = static_cast<const int32_t*>(inputs.seqused_k->untyped_data());
+  for (auto [name, input, target] : {std::tuple{"seqused_q", &inputs.seqused_q, &p.seqused_q},
+                                      std::tuple{"seqused_k", &inputs.seqused_k, &p.seqused_k}}) {
+    if (!*input) continue;
+    if (!is_int32_array(**input, p.batch, {}))
+      return invalid(std::string(name) + " must be int32 (batch,); got " +
+                     shape_string((*input)->dimensions()));
+    *target = static_cast<const int32_t*>((*input)->untyped_data());
   }
   if (inputs.q_segment_ids || inputs.kv_segment_ids) {
     if (p.packed()) return invalid("segment ids are for the dense layout only");

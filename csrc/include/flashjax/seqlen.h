@@ -35,10 +35,11 @@ struct SeqlenInfo {
     if (p.packed()) {
       q_start = clamp_to(p.cu_seqlens_q[b], 0, p.total_q);
       k_start = clamp_to(p.cu_seqlens_k[b], 0, p.total_k);
-      q_slot = clamp_to(p.cu_seqlens_q[b + 1] - q_start, 0, p.seqlen_q);
-      k_slot = clamp_to(p.cu_seqlens_k[b + 1] - k_start, 0, p.seqlen_k);
-      q_slot = q_start + q_slot > p.total_q ? p.total_q - q_start : q_slot;
-      k_slot = k_start + k_slot > p.total_k ? p.total_k - k_start : k_slot;
+      // At most max_seqlen rows, and none past the tensor's end.
+      q_slot = clamp_to(p.cu_seqlens_q[b + 1] - q_start, 0,
+                        p.seqlen_q < p.total_q - q_start ? p.seqlen_q : p.total_q - q_start);
+      k_slot = clamp_to(p.cu_seqlens_k[b + 1] - k_start, 0,
+                        p.seqlen_k < p.total_k - k_start ? p.seqlen_k : p.total_k - k_start);
     } else {
       batch = b;
       q_slot = p.seqlen_q;
