@@ -1,5 +1,5 @@
 """Packed, padded and segment-id batches on the GPU, on every kernel path (default,
-mma.sync, SIMT), forward and gradients, against the float64 per-sequence references
+i.e. Hopper on an H100, mma.sync, SIMT), forward and gradients, against the float64 per-sequence references
 of varlen_helpers (skipped without a GPU)."""
 
 import dataclasses
@@ -15,9 +15,9 @@ from varlen_helpers import (SegmentCase, VarlenCase, check_segments, check_varle
 
 pytestmark = pytest.mark.gpu
 
-# "hopper-varlen": the Hopper forward's packed / seqused path, off by default
-# until verified on a GPU (FLASHJAX_HOPPER_VARLEN=1 turns it on).
-PATHS = ["default", "hopper-varlen", "mma", "simt"]
+# "default" is the Hopper path on an H100 (packed and seqused layouts; segment ids
+# take the mma.sync path there too).
+PATHS = ["default", "mma", "simt"]
 
 # Tensor-core shapes (head dims % 8, fp16/bf16) plus lengths across 64/128/192-row tiles.
 GPU_VARLEN_CASES = (
@@ -37,9 +37,7 @@ GPU_SEGMENT_CASES = (segment_cases(dtypes=("float32", "bfloat16"))
 
 @pytest.fixture(params=PATHS)
 def kernel_path(request, monkeypatch):
-    if request.param == "hopper-varlen":
-        monkeypatch.setenv("FLASHJAX_HOPPER_VARLEN", "1")
-    elif request.param != "default":
+    if request.param != "default":
         monkeypatch.setenv("FLASHJAX_FORWARD_KERNEL", request.param)
     return request.param
 
@@ -99,3 +97,35 @@ def test_non_finite_rows_outside_a_sequence_do_not_leak(kernel_path, gpu_device)
     np.testing.assert_array_equal(np.asarray(out_d, np.float32)[good], np.asarray(out_c, np.float32)[good])
     np.testing.assert_array_equal(np.asarray(lse_d)[:, good], np.asarray(lse_c)[:, good])
     assert (np.asarray(out_d, np.float32)[bad] == 0).all() and np.isneginf(np.asarray(lse_d)[:, bad]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_non_finite_rows_outside_a_sequence_do_not_leak_into_gradients(kernel_path, gpu_device,
+                                                                     causal, deterministic):
+    """The backward's side of the test above: NaN in the unused rows of q, k, v and of the
+    output cotangent leave the used rows' gradients finite and as with clean inputs, and
+    give the unused rows zero gradients."""
+    total, heads, dim = 300, 2, 64
+    key = jax.random.split(jax.random.key(8), 4)
+    q, k, v, ct = (jax.random.normal(kk, (total, heads, dim), jnp.bfloat16) for kk in key)
+    cu = jnp.array([0, 100, 230, 260], jnp.int32)
+    used = jnp.array([90, 130, 3], jnp.int32)
+    bad = np.zeros((total,), bool)
+    bad[90:100] = bad[233:] = True
+    poison = lambda x: jnp.where(jnp.asarray(bad)[:, None, None], jnp.nan, x)
+
+    def grads(q, k, v, ct):
+        f = lambda q, k, v: flashjax.flash_attention_varlen(
+            q, k, v, cu, cu, 130, 130, seqused_q=used, seqused_k=used, causal=causal,
+            deterministic=deterministic)
+        return jax.vjp(f, q, k, v)[1](ct)
+
+    clean = grads(*jax.device_put((q, k, v, ct), gpu_device))
+    dirty = grads(*jax.device_put(tuple(map(poison, (q, k, v, ct))), gpu_device))
+    good = ~bad
+    for name, d, c in zip(("dq", "dk", "dv"), dirty, clean):
+        d, c = np.asarray(d, np.float32), np.asarray(c, np.float32)
+        assert np.isfinite(d[good]).all(), name
+        np.testing.assert_allclose(d[good], c[good], rtol=2e-2, atol=2e-2, err_msg=name)
+        assert (d[bad] == 0).all(), name

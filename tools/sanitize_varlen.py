@@ -18,7 +18,7 @@ BAD_METADATA = [  # (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqle
 ]
 
 
-def run_varlen(dtype, head_dim):
+def run_varlen(dtype, head_dim, deterministic):
     q = jax.random.normal(jax.random.key(0), (90, 4, head_dim), dtype)
     k = jax.random.normal(jax.random.key(1), (80, 2, head_dim), dtype)
     for cu_q, cu_k, used_q, used_k, max_len in BAD_METADATA:
@@ -26,7 +26,8 @@ def run_varlen(dtype, head_dim):
         for causal in (False, True):
             f = lambda q, k, v: flashjax.flash_attention_varlen(
                 q, k, v, meta[0], meta[1], max_len, max_len, seqused_q=meta[2], seqused_k=meta[3],
-                causal=causal, sinks=jnp.zeros((4,), jnp.float32)).astype(jnp.float32).sum()
+                causal=causal, sinks=jnp.zeros((4,), jnp.float32),
+                deterministic=deterministic).astype(jnp.float32).sum()
             jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, k, k))
 
 
@@ -34,18 +35,18 @@ def run_dense(dtype, head_dim):
     q = jax.random.normal(jax.random.key(0), (3, 100, 4, head_dim), dtype)
     used = jnp.asarray([2 ** 31 - 1, -7, 50], jnp.int32)
     ids = jax.random.randint(jax.random.key(2), (3, 100), -2 ** 31, 2 ** 31 - 1, jnp.int32)
-    f = lambda q, k, v: flashjax.flash_attention(
-        q, k, v, causal=True, seqused_q=used, seqused_k=used[::-1], q_segment_ids=ids,
-        kv_segment_ids=ids[:, ::-1]).astype(jnp.float32).sum()
-    jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, q, q))
+    for q_ids, kv_ids in ((ids, ids[:, ::-1]), (None, None)):  # segments; seqused alone
+        f = lambda q, k, v: flashjax.flash_attention(
+            q, k, v, causal=True, seqused_q=used, seqused_k=used[::-1], q_segment_ids=q_ids,
+            kv_segment_ids=kv_ids).astype(jnp.float32).sum()
+        jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, q, q))
 
 
 if __name__ == "__main__":
-    for path in ("default", "hopper-varlen", "mma", "simt"):
-        # hopper-varlen: the gated Hopper forward for packed / seqused layouts.
-        os.environ["FLASHJAX_HOPPER_VARLEN"] = "1" if path == "hopper-varlen" else "0"
-        os.environ["FLASHJAX_FORWARD_KERNEL"] = "default" if path == "hopper-varlen" else path
+    for path in ("default", "mma", "simt"):  # default: Hopper on an H100
+        os.environ["FLASHJAX_FORWARD_KERNEL"] = path
         for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float16, 64), (jnp.float32, 40)):
-            run_varlen(dtype, head_dim)
+            for deterministic in (False, True):
+                run_varlen(dtype, head_dim, deterministic)
             run_dense(dtype, head_dim)
         print(f"path {path}: done", flush=True)

@@ -2,9 +2,9 @@
 // carved into the arrays the chosen backward path needs. Every path uses D
 // and dsink_rows (laid out like lse, so that kernels index them as they index
 // lse) and, with segment ids, the segment-id ranges of the row tiles; the
-// Hopper path (uniform layouts only) adds per-row statistics padded to whole
-// tiles (so that its producer can copy them with bulk copies) and, when it
-// accumulates dQ with atomics, a float32 dQ buffer.
+// Hopper path adds per-row statistics padded to whole tiles (so that its
+// producer can copy them with bulk copies), when it accumulates dQ with
+// atomics a float32 dQ buffer, and for packed / seqused layouts its work lists.
 #pragma once
 
 #include <cstddef>
@@ -12,28 +12,87 @@
 
 #include "flashjax/params.h"
 #include "sequence_layout.h"
+#include "sm90/work_list.h"
 
 namespace flashjax::cuda {
 
+// Where the Hopper backward keeps each (sequence, query head)'s rows padded to
+// whole tiles: its row statistics and its float32 dQ buffer share this layout
+// of regions of kAlign-row multiples. Dense and seqused: region (b * heads + h)
+// of `rows` rows (seqlen_q rounded up). Packed: head h's regions lie in rows
+// [h * rows, +rows) and sequence b's starts at round_up(q_start, kAlign) +
+// kAlign * b: disjoint for non-decreasing cu_seqlens, and inside the head's
+// rows for any (a slot ends at total_q at most).
+struct PaddedRows {
+  static constexpr int64_t kAlign = 128;  // a multiple of every tile height
+  int64_t rows = 0;
+  int64_t heads = 0, batch = 0;
+  bool packed = false;
+
+  PaddedRows() = default;
+  explicit PaddedRows(const AttentionParams& p)
+      : rows(p.packed() ? round_up(p.total_q) + kAlign * p.batch : round_up(p.seqlen_q)),
+        heads(p.heads_q),
+        batch(p.batch),
+        packed(p.packed()) {}
+  FJ_HOST_DEVICE int64_t total() const { return (packed ? 1 : batch) * heads * rows; }
+  // The first padded row of sequence b (seq = SeqlenInfo(p, b)), head h.
+  // kPacked: whether the call is packed, when the caller knows it at compile time.
+  template <bool kPacked>
+  FJ_HOST_DEVICE int64_t start_of(const SeqlenInfo& seq, int64_t b, int64_t h) const {
+    if constexpr (kPacked) return h * rows + round_up(seq.q_start) + kAlign * b;
+    else return (b * heads + h) * rows;
+  }
+  FJ_HOST_DEVICE int64_t start(const SeqlenInfo& seq, int64_t b, int64_t h) const {
+    return packed ? start_of<true>(seq, b, h) : start_of<false>(seq, b, h);
+  }
+  FJ_HOST_DEVICE static int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+  // Whose padded row `at` (< total()) is: sequence b's slot row i of head h
+  // (i outside [0, seq.q_slot): padding).
+  struct Row {
+    int64_t b, h, i;
+    SeqlenInfo seq;
+  };
+  __device__ Row locate(const AttentionParams& p, int64_t at) const {
+    Row r;
+    if (!packed) {
+      const int64_t bh = at / rows;
+      r.b = bh / heads;
+      r.h = bh % heads;
+      r.i = at % rows;
+      r.seq = SeqlenInfo(p, r.b);
+      return r;
+    }
+    r.h = at / rows;
+    const int64_t row = at % rows;
+    const auto region = [&](int64_t b) { return start(SeqlenInfo(p, b), b, 0); };
+    r.b = last_sequence_starting_by(batch, row, region);
+    r.seq = SeqlenInfo(p, r.b);
+    r.i = row - region(r.b);
+    return r;
+  }
+};
+
 struct BackwardWorkspace {
-  static constexpr int64_t kRowAlign = 128;  // padded rows: a multiple of every tile height
   static constexpr size_t kArrayAlign = 256;
 
   TensorRef D;             // float32 like lse: rowsum(dO * O) - dlse (used rows only)
   TensorRef dsink_rows;    // float32 like lse: each used row's share of dsinks
   SegmentTiles segments;   // with segment ids only
-  float* lse2_padded = nullptr;  // [b * hq * rows_padded]: lse in log2 units, +inf past sq
-  float* D_padded = nullptr;     // [b * hq * rows_padded]: D, 0 past sq
-  float* dq_accum = nullptr;     // [b * hq * rows_padded * dq_cols]: float32 dQ
-  int64_t rows_padded = 0;
+  PaddedRows padded;             // the layout of the next three
+  float* lse2_padded = nullptr;  // lse in log2 units, +inf past the used rows
+  float* D_padded = nullptr;     // D, 0 past the used rows
+  float* dq_accum = nullptr;     // float32 dQ, dq_cols a row
+  // Packed / seqused layouts: the key and query kernels' work lists.
+  VarlenWorkList key_list, query_list;
   int64_t dq_cols = 0;
   size_t bytes = 0;
 
   // base may be null to size the workspace only.
   BackwardWorkspace(const AttentionParams& p, void* base, bool padded_stats, int64_t dq_columns)
-      : dq_cols(dq_columns) {
-    rows_padded = (p.seqlen_q + kRowAlign - 1) / kRowAlign * kRowAlign;
-    const size_t padded = static_cast<size_t>(p.batch * p.heads_q * rows_padded);
+      : padded(p), dq_cols(dq_columns) {
+    const size_t padded_rows = static_cast<size_t>(padded.total());
     char* at = static_cast<char*>(base);
     const auto take = [&](size_t array_bytes) {
       void* array = at ? at + bytes : nullptr;
@@ -50,10 +109,14 @@ struct BackwardWorkspace {
     dsink_rows = like_lse(take_floats(floats_like_lse(p)));
     segments = SegmentTiles(p, take(SegmentTiles::workspace_bytes(p)));
     if (padded_stats) {
-      lse2_padded = take_floats(padded);
-      D_padded = take_floats(padded);
+      lse2_padded = take_floats(padded_rows);
+      D_padded = take_floats(padded_rows);
     }
-    if (dq_cols > 0) dq_accum = take_floats(padded * static_cast<size_t>(dq_cols));
+    if (dq_cols > 0) dq_accum = take_floats(padded_rows * static_cast<size_t>(dq_cols));
+    if (padded_stats && !p.uniform()) {
+      key_list = VarlenWorkList(p, take(VarlenWorkList::workspace_bytes(p)));
+      query_list = VarlenWorkList(p, take(VarlenWorkList::workspace_bytes(p)));
+    }
   }
 
   // Floats spanned by an array with lse's strides over every row of the

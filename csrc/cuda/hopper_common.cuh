@@ -140,6 +140,26 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ void named_sync(int id, int threads = 256) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+
+// Zeros rows [first_row, kRows) of a [kRows][kCols] swizzled tile (whole
+// 128-byte rows of each column block, so the swizzle does not matter), then
+// makes the zeros visible to the warpgroup's wgmma reads (`barrier`: the
+// warpgroup's 128-thread named barrier). Tiles that cross the end of a
+// sequence's used rows hold whatever follows them (padding, the next
+// sequence); the masks make their P and dS 0, but 0 * NaN is not 0, so a
+// product that sums over those rows needs them zero. Every warpgroup that
+// reads a tile may zero it: they write the same zeros.
+template <int kRows, int kCols>
+__device__ __forceinline__ void zero_tile_rows(unsigned char* tile, int first_row, int barrier) {
+  const uint32_t base = smem_u32(tile) + first_row * 128;
+  const int bytes = (kRows - first_row) * 128;
+#pragma unroll
+  for (int c = 0; c < (kCols + kSwizzleCols - 1) / kSwizzleCols; ++c)
+    for (int i = (threadIdx.x % 128) * 8; i < bytes; i += 128 * 8)
+      st_shared(base + c * kRows * 128 + i, 0.0f, 0.0f);
+  fence_proxy_async();
+  named_sync(barrier, 128);
+}
 __device__ __forceinline__ void named_arrive(int id) {
   asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
@@ -183,6 +203,24 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
   }();
   return fn;
+}
+
+// Layouts the Hopper kernels take: uniform, packed and seqused ones (segment
+// ids take the mma.sync path); int32 TMA coordinates bound the packed rows.
+inline bool hopper_layouts_supported(const AttentionParams& p) {
+  return p.uniform() || (!p.has_segments() && p.total_q < (1 << 30) && p.total_k < (1 << 30));
+}
+
+// The batch entries and rows of the query-side / key-side tensors as their
+// TMA maps see them: a packed tensor is one entry of every sequence's rows.
+struct MapExtent {
+  int64_t batch, rows;
+};
+inline MapExtent query_extent(const AttentionParams& p) {
+  return p.packed() ? MapExtent{1, p.total_q} : MapExtent{p.batch, p.seqlen_q};
+}
+inline MapExtent key_extent(const AttentionParams& p) {
+  return p.packed() ? MapExtent{1, p.total_k} : MapExtent{p.batch, p.seqlen_k};
 }
 
 // 4-d map (dim, seqlen, heads, batch) of a (batch, seqlen, heads, dim) tensor t

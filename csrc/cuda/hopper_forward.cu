@@ -17,8 +17,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <type_traits>
 
@@ -99,9 +97,9 @@ struct WorkItem {
   // that crosses the end of its sequence's used rows loads the rows that
   // follow (padding, or the next sequence's: TMA only zero-fills past the
   // tensor). Such queries only reach their own rows, cleared before the write
-  // (clear_unused_rows); such keys are masked to P = 0, but O += P V still
-  // adds 0 * v for them, so a non-finite v there (NaN, inf: e.g. uninitialised
-  // padding of a seqused KV cache) makes this sequence's rows NaN.
+  // (clear_unused_rows); such keys are masked to P = 0 and their V rows zeroed
+  // (clear_values_past_end), so a non-finite value there (NaN, inf: e.g.
+  // uninitialised padding of a seqused KV cache) does not reach this sequence.
   __device__ int q_row() const { return static_cast<int>(seq.q_row(q0)); }
   __device__ int k_row(int64_t k0) const { return static_cast<int>(seq.k_row(k0)); }
   __device__ int batch() const { return static_cast<int>(seq.batch); }
@@ -227,26 +225,18 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       mbar_arrive(&k_empty[(kv + it) % kStages]);
       if (it == n_tiles - 1) mbar_arrive(q_empty);
     };
-    // kVarlen: V rows of key tile it past the sequence's used keys hold
-    // whatever follows them (see WorkItem); P is 0 there, but 0 * NaN is not,
-    // so the warpgroup zeros those rows (whole 128-byte swizzle rows of each
-    // column block) before its P V. Only an item's last tile can cross the
-    // end; every consumer writes the same zeros before its own product.
+    // kVarlen: V rows of key tile it past the sequence's used keys are zeroed
+    // before the P V that sums over them (zero_tile_rows says why); only an
+    // item's last tile can cross the end.
     auto clear_values_past_end = [&](int64_t it) {
       const int64_t k0 = w.keys.tile_begin + it * kBlockN;
       if (k0 + kBlockN <= w.seq.seqlen_k) return;
-      const int first_row = static_cast<int>(w.seq.seqlen_k > k0 ? w.seq.seqlen_k - k0 : 0);
       const int64_t g = kv + it;
-      const uint32_t v_tile = smem_u32(sV + (g % kStages) * Cfg::kKVBytes);
       mbar_wait(&v_full[g % kStages], (g / kStages) & 1);
-      constexpr int kColumnBlocks = Cfg::kPaddedDim / kSwizzleCols;
-      const int bytes = (kBlockN - first_row) * 128;
-#pragma unroll
-      for (int c = 0; c < kColumnBlocks; ++c)
-        for (int i = (threadIdx.x % 128) * 8; i < bytes; i += 128 * 8)
-          st_shared(v_tile + c * kBlockN * 128 + first_row * 128 + i, 0.0f, 0.0f);
-      fence_proxy_async();  // the zeros, before the warpgroup's wgmma reads them
-      named_sync(kClearBarrier + consumer, 128);
+      zero_tile_rows<kBlockN, Cfg::kPaddedDim>(
+          sV + (g % kStages) * Cfg::kKVBytes,
+          static_cast<int>(w.seq.seqlen_k > k0 ? w.seq.seqlen_k - k0 : 0),
+          kClearBarrier + consumer);
     };
     auto values_done = [&](int64_t it) {
       if (lane == 0) mbar_arrive(&v_empty[(kv + it) % kStages]);
@@ -323,27 +313,6 @@ __global__ void hopper_forward_kernel(const AttentionParams, const __grid_consta
 
 #endif
 
-// Packed / seqused layouts take this kernel only with FLASHJAX_HOPPER_VARLEN=1
-// until a GPU session has verified it (until then the mma.sync path takes
-// them); segment ids never do. int32 TMA coordinates bound the packed rows.
-bool layouts_supported(const AttentionParams& p) {
-  if (p.uniform()) return true;
-  const char* env = std::getenv("FLASHJAX_HOPPER_VARLEN");
-  return env && std::strcmp(env, "1") == 0 && !p.has_segments() && p.total_q < (1 << 30) &&
-         p.total_k < (1 << 30);
-}
-
-// The batch entries and rows of the query-side / key-side tensors as their
-// TMA maps see them: a packed tensor is one entry of every sequence's rows.
-struct MapExtent {
-  int64_t batch, rows;
-};
-MapExtent query_extent(const AttentionParams& p) {
-  return p.packed() ? MapExtent{1, p.total_q} : MapExtent{p.batch, p.seqlen_q};
-}
-MapExtent key_extent(const AttentionParams& p) {
-  return p.packed() ? MapExtent{1, p.total_k} : MapExtent{p.batch, p.seqlen_k};
-}
 
 // gqa_packed: a tile holds a whole query-head group (TileSchedule).
 template <int kHeadDim>
@@ -389,7 +358,11 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
     if (items == 0) return cudaSuccess;
     schedule.list = VarlenWorkList(p, workspace);
     schedule.heads = p.heads_q;
-    if (cudaError_t e = build_work_list<kBlockM>(p, schedule.list, stream); e != cudaSuccess)
+    WorkShape shape;
+    shape.tile_rows = kBlockM;
+    shape.heads = p.heads_q;
+    shape.pairs = true;
+    if (cudaError_t e = build_work_list(p, shape, schedule.list, stream); e != cudaSuccess)
       return e;
   }
   TensorMaps maps;
@@ -415,10 +388,10 @@ constexpr HeadDims<64, 96, 128, 192, 256> kBuckets{};
 
 bool hopper_forward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
-  // Layouts: see layouts_supported. TMA needs 16-byte row strides (head dims
+  // Layouts: see hopper_layouts_supported. TMA needs 16-byte row strides (head dims
   // % 8) and a 64-column box inside the tensor (head dims >= 64); int32 TMA
   // coordinates bound the sizes.
-  return layouts_supported(p) && p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
+  return hopper_layouts_supported(p) && p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
          p.head_dim_v % 8 == 0 && head_dim_bucket(kBuckets, p) != 0 && p.head_dim >= 64 &&
          p.head_dim_v >= 64 &&
          p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && compute_capability() == 90 &&

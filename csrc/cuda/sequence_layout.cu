@@ -40,17 +40,10 @@ __global__ void segment_tiles_kernel(const AttentionParams p, SegmentTiles tiles
 // candidate is the last sequence whose (clamped) start is at most `row`.
 __device__ bool covered(const AttentionParams& p, int64_t row, bool queries) {
   if (p.batch <= 0) return false;
-  const auto start = [&](int64_t b) {
-    const SeqlenInfo seq(p, b);
-    return queries ? seq.q_start : seq.k_start;
-  };
-  int64_t lo = 0, hi = p.batch - 1;  // binary search for the last b with start(b) <= row
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (start(mid) <= row) lo = mid;
-    else hi = mid - 1;
-  }
-  const SeqlenInfo seq(p, lo);
+  const SeqlenInfo seq(p, last_sequence_starting_by(p.batch, row, [&](int64_t b) {
+                         const SeqlenInfo s(p, b);
+                         return queries ? s.q_start : s.k_start;
+                       }));
   const int64_t begin = queries ? seq.q_start : seq.k_start;
   const int64_t slot = queries ? seq.q_slot : seq.k_slot;
   return begin <= row && row < begin + slot;

@@ -83,6 +83,20 @@ FJ_HOST_DEVICE SeqlenInfo sequence_info(const AttentionParams& p, int64_t b) {
   else return SeqlenInfo(p, b);
 }
 
+// The last sequence b in [0, batch) whose start(b) is at most `row` (0 when
+// none): for starts non-decreasing in b (consistent cu_seqlens), the only
+// sequence whose slot may hold packed row `row`; some b otherwise.
+template <class StartOf>
+__device__ int64_t last_sequence_starting_by(int64_t batch, int64_t row, StartOf&& start) {
+  int64_t lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (start(mid) <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 enum class Pass { kForward, kBackward };
 
 // Packed layout: writes the tensor rows that no sequence's slot covers (the

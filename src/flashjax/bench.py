@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ("flashjax", "xla", "cudnn")
+VARLEN_IMPLS = ("varlen", "segments", "padded", "cudnn-padded", "dense-mean")  # --varlen
 MODES = ("fwd", "fwdbwd", "bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -190,18 +191,23 @@ def _nudge(x, by):
 def _looped_step(fn: Callable, mode: str, loop: int, q, k, v, dout):
     if q.shape[:-1] + (v.shape[-1],) != q.shape:
         raise Unsupported("--loop needs head_dim_v == head_dim (each output feeds the next q)")
+    # The other operands are arguments of the jitted loop, not constants captured
+    # in it (large ones make lowering slow).
     if mode == "fwd":
-        body = lambda _, q: _nudge(q, fn(q, k, v))
-        return jax.jit(lambda q: jax.lax.fori_loop(0, loop, body, q)), (q,)
+        def fwd_loop(q, k, v):
+            return jax.lax.fori_loop(0, loop, lambda _, q: _nudge(q, fn(q, k, v)), q)
+        return jax.jit(fwd_loop), (q, k, v)
     if mode == "fwdbwd":
         def loss(q, k, v, dout):
             return jnp.sum(fn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
         grad = jax.grad(loss, argnums=(0, 1, 2))
 
-        def body(_, q):
-            dq, dk, dv = grad(q, k, v, dout)
-            return _nudge(q, dq + dk[..., :1, :, :].sum() + dv[..., :1, :, :].sum())
-        return jax.jit(lambda q: jax.lax.fori_loop(0, loop, body, q)), (q,)
+        def fwdbwd_loop(q, k, v, dout):
+            def body(_, q):
+                dq, dk, dv = grad(q, k, v, dout)
+                return _nudge(q, dq + dk[..., :1, :, :].sum() + dv[..., :1, :, :].sum())
+            return jax.lax.fori_loop(0, loop, body, q)
+        return jax.jit(fwdbwd_loop), (q, k, v, dout)
     if mode == "bwd":
         _, pullback = jax.vjp(jax.jit(fn), q, k, v)
 
@@ -277,7 +283,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mode", nargs="+", help=f"any of {','.join(MODES)}")
     p.add_argument("--deterministic", action="store_true",
                    help="flashjax with deterministic=True (bitwise-repeatable GPU backward)")
-    p.add_argument("--impl", nargs="+", help=f"any of {','.join(IMPLS)}")
+    p.add_argument("--impl", nargs="+", help=f"any of {','.join(IMPLS)} "
+                   f"(with --varlen: {','.join(VARLEN_IMPLS)})")
     p.add_argument("--iters", type=int, help="timed runs (default 20 on GPU, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs after compilation")
     p.add_argument("--loop", type=int, default=1,
@@ -291,7 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="PATH.png", help="TFLOP/s vs seqlen plot")
     p.add_argument("--json", metavar="PATH", help="JSON lines, one per measurement")
     args = p.parse_args(argv)
-    for name, allowed in (("mode", MODES), ("impl", IMPLS)):
+    for name, allowed in (("mode", MODES), ("impl", VARLEN_IMPLS if args.varlen else IMPLS)):
         values = _split(getattr(args, name))
         if values is not None and not set(values) <= set(allowed):
             p.error(f"--{name}: expected values among {','.join(allowed)}, got {values}")

@@ -38,7 +38,7 @@ import numpy as np
 from . import bench
 
 MIXES = ("uniform", "longtail")
-IMPLS = ("varlen", "segments", "padded", "cudnn-padded", "dense-mean")
+IMPLS = bench.VARLEN_IMPLS
 GPU_TOKENS, CPU_TOKENS = 65536, 4096
 HIDDEN = 2048  # heads * head_dim, as in the FA3 shapes
 DEFAULT_LOOP = 10
@@ -156,7 +156,7 @@ def main(args) -> int:
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     causals = {"no": [False], "yes": [True], "both": [False, True], None: [False, True]}[args.causal]
     modes = args.mode or ["fwd", "fwdbwd"]
-    impls = [i for i in IMPLS if gpu or i != "cudnn-padded"]
+    impls = [i for i in (args.impl or IMPLS) if gpu or i != "cudnn-padded"]
     tokens = args.tokens or (GPU_TOKENS if gpu else CPU_TOKENS)
     iters = args.iters or (10 if gpu else 3)
     loop = args.loop if args.loop > 1 else (DEFAULT_LOOP if gpu else 1)

@@ -44,8 +44,8 @@ __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], in
 // bulk reduction once all 128 of its threads have arrived on dq_full, and
 // frees a stage (dq_empty) once the reduction has read it, so that consumers
 // only wait when they are a whole ring ahead.
-template <int kHeadDim>
-__device__ void write_dq(Smem<kHeadDim>& sm, const KeyBlock<kOwnRows>& kb,
+template <int kHeadDim, class Block>
+__device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb,
                          const AttentionParams& p, const RowStats& stats, float* dq_accum) {
   using L = Layout<kHeadDim>;
   constexpr int kLag = L::kDqStages - 1;  // tiles whose reductions may still read
@@ -56,8 +56,7 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const KeyBlock<kOwnRows>& kb,
       mbar_wait(&sm.dq_full[c * L::kDqStages + s], (it / L::kDqStages) & 1);
       // At head dim 64 both consumers add to the same block (their own keys).
       const int64_t block = dq_block_start<kHeadDim, 64>(
-          kb.b * p.heads_q + kb.head(p, it), kb.row(it), kHeadDim == 64 ? 0 : c,
-          stats.rows_padded);
+          kb.padded_row(p, stats.padded, it), kHeadDim == 64 ? 0 : c);
       bulk_reduce_add(dq_accum + block, sm.dq_stage + (c * L::kDqStages + s) * kDqBlock<64>,
                       kDqBlockBytes<64>);
     }
@@ -76,13 +75,13 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const KeyBlock<kOwnRows>& kb,
 // written while the other's reduction may still be reading): before staging, it
 // waits until at most one later reduction may still read a stage.
 __device__ __forceinline__ void add_dq_wide(float* dq_accum, float* stages, int consumer,
-                                            const float (&dq)[32], int64_t bh, int64_t row,
-                                            int col_block64, int64_t rows_padded) {
+                                            const float (&dq)[32], int64_t padded_row,
+                                            int col_block64) {
   constexpr int kCols = kDqCols<wide::kHeadDim>;
 #pragma unroll
   for (int part = 0; part < 2; ++part) {
-    float* block = dq_accum + dq_block_start<wide::kHeadDim, kCols>(
-                                  bh, row, 2 * col_block64 + part, rows_padded);
+    float* block =
+        dq_accum + dq_block_start<wide::kHeadDim, kCols>(padded_row, 2 * col_block64 + part);
     float* stage = stages + part * wide::kDqStageFloats;
     if (threadIdx.x % 128 == 0) bulk_wait_reads<1>();
     named_sync(barrier_id(NamedBarrier::kDqStage, consumer), 128);

@@ -8,6 +8,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "../backward_workspace.h"
@@ -21,6 +22,7 @@
 #include "bwd_preprocess.cuh"
 #include "bwd_tile_config.h"
 #include "flashjax/params.h"
+#include "work_list.cuh"
 
 namespace flashjax::cuda {
 namespace hopper_bwd {
@@ -32,7 +34,7 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <class T, int kHeadDim>
+template <class T, int kHeadDim, Layouts kLayouts>
 cudaError_t configure_kernels() {
   constexpr int kSmem = smem_bytes<kHeadDim>();
   static std::once_flag configured;
@@ -41,68 +43,108 @@ cudaError_t configure_kernels() {
     if constexpr (kWide<kHeadDim>) {
       config_status = allow_smem(hopper_wide_key_kernel<T>, kSmem);
     } else {
-      for (cudaError_t e : {allow_smem(hopper_key_kernel<T, kHeadDim, true>, kSmem),
-                            allow_smem(hopper_key_kernel<T, kHeadDim, false>, kSmem),
-                            allow_smem(hopper_query_kernel<T, kHeadDim>, kSmem)})
+      for (cudaError_t e : {allow_smem(hopper_key_kernel<T, kHeadDim, true, kLayouts>, kSmem),
+                            allow_smem(hopper_key_kernel<T, kHeadDim, false, kLayouts>, kSmem),
+                            allow_smem(hopper_query_kernel<T, kHeadDim, kLayouts>, kSmem)})
         if (e != cudaSuccess && config_status == cudaSuccess) config_status = e;
     }
   });
   return config_status;
 }
 
-template <class T, int kHeadDim>
+// The grid of a kernel whose CTAs own `rows`-row blocks of each sequence's
+// query (or key) slot, for `heads` heads: kVarlen's is a bound on the work
+// list's blocks (a sequence's slot ends at the total, so the blocks number at
+// most ceil(total / rows) + batch per head; the list is cut there should
+// overlapping slots of inconsistent metadata exceed it).
+int64_t block_grid(const AttentionParams& p, bool keys, int64_t rows, int64_t heads) {
+  const int64_t slot = keys ? p.seqlen_k : p.seqlen_q, total = keys ? p.total_k : p.total_q;
+  const int64_t per_sequence = (slot + rows - 1) / rows;
+  int64_t blocks = p.batch * per_sequence;
+  if (p.packed()) blocks = std::min(blocks, (total + rows - 1) / rows + p.batch);
+  return blocks * heads;
+}
+
+// kVarlen: builds the work list of a kernel's blocks (longest sequences first).
+cudaError_t build_blocks(const AttentionParams& p, const VarlenWorkList& list, bool keys,
+                         int64_t rows, int64_t heads, int64_t grid, cudaStream_t stream) {
+  WorkShape shape;
+  shape.tile_rows = rows;
+  shape.heads = heads;
+  shape.keys = keys;
+  shape.max_items = grid;
+  return build_work_list(p, shape, list, stream);
+}
+
+template <class T, int kHeadDim, Layouts kLayouts>
 cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
   constexpr int kSmem = smem_bytes<kHeadDim>();
   constexpr int kKeysPerBlock = kKeysPerCta<kHeadDim>;
+  constexpr bool kVarlen = kLayouts != Layouts::kUniform;
   const bool fused = ws.dq_accum != nullptr;
-  if (cudaError_t e = configure_kernels<T, kHeadDim>(); e != cudaSuccess) return e;
-  const auto map = [&](CUtensorMap* m, const TensorRef& t, int64_t seqlen, int64_t heads,
-                       int64_t dim, int rows) {
-    return make_map(m, t, p.dtype, p.batch, seqlen, heads, dim, rows);
+  if (cudaError_t e = configure_kernels<T, kHeadDim, kLayouts>(); e != cudaSuccess) return e;
+  const MapExtent qe = query_extent(p), ke = key_extent(p);
+  const auto map = [&](CUtensorMap* m, const TensorRef& t, const MapExtent& extent,
+                       int64_t heads, int64_t dim, int rows) {
+    return make_map(m, t, p.dtype, extent.batch, extent.rows, heads, dim, rows);
   };
   BackwardMaps key_maps, query_maps;
-  if (!map(&key_maps.own_a, p.k, p.seqlen_k, p.heads_kv, p.head_dim, kKeysPerBlock) ||
-      !map(&key_maps.own_b, p.v, p.seqlen_k, p.heads_kv, p.head_dim_v, kKeysPerBlock) ||
-      !map(&key_maps.stream_a, p.q, p.seqlen_q, p.heads_q, p.head_dim, kStreamRows) ||
-      !map(&key_maps.stream_b, p.dout, p.seqlen_q, p.heads_q, p.head_dim_v, kStreamRows) ||
-      !map(&query_maps.own_a, p.q, p.seqlen_q, p.heads_q, p.head_dim, kOwnRows) ||
-      !map(&query_maps.own_b, p.dout, p.seqlen_q, p.heads_q, p.head_dim_v, kOwnRows) ||
-      !map(&query_maps.stream_a, p.k, p.seqlen_k, p.heads_kv, p.head_dim, kStreamRows) ||
-      !map(&query_maps.stream_b, p.v, p.seqlen_k, p.heads_kv, p.head_dim_v, kStreamRows))
+  if (!map(&key_maps.own_a, p.k, ke, p.heads_kv, p.head_dim, kKeysPerBlock) ||
+      !map(&key_maps.own_b, p.v, ke, p.heads_kv, p.head_dim_v, kKeysPerBlock) ||
+      !map(&key_maps.stream_a, p.q, qe, p.heads_q, p.head_dim, kStreamRows) ||
+      !map(&key_maps.stream_b, p.dout, qe, p.heads_q, p.head_dim_v, kStreamRows) ||
+      !map(&query_maps.own_a, p.q, qe, p.heads_q, p.head_dim, kOwnRows) ||
+      !map(&query_maps.own_b, p.dout, qe, p.heads_q, p.head_dim_v, kOwnRows) ||
+      !map(&query_maps.stream_a, p.k, ke, p.heads_kv, p.head_dim, kStreamRows) ||
+      !map(&query_maps.stream_b, p.v, ke, p.heads_kv, p.head_dim_v, kStreamRows))
     return cudaErrorInvalidValue;
-  const int64_t key_blocks =
-      (p.seqlen_k + kKeysPerBlock - 1) / kKeysPerBlock * p.batch * p.heads_kv;
-  const int64_t query_blocks = (p.seqlen_q + kOwnRows - 1) / kOwnRows * p.batch * p.heads_q;
+  const int64_t key_blocks = block_grid(p, true, kKeysPerBlock, p.heads_kv);
+  const int64_t query_blocks = block_grid(p, false, kOwnRows, p.heads_q);
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const RowStats stats{ws.lse2_padded, ws.D_padded, ws.rows_padded};
+  if (kVarlen) {
+    if (cudaError_t e = build_blocks(p, ws.key_list, true, kKeysPerBlock, p.heads_kv, key_blocks,
+                                     stream);
+        e != cudaSuccess)
+      return e;
+    if (!fused)
+      if (cudaError_t e = build_blocks(p, ws.query_list, false, kOwnRows, p.heads_q,
+                                       query_blocks, stream);
+          e != cudaSuccess)
+        return e;
+  }
+  const RowStats stats{ws.lse2_padded, ws.D_padded, ws.padded};
   const unsigned elementwise_blocks = 8 * multiprocessor_count();  // grid-stride kernels
   stage_rows_kernel<<<elementwise_blocks, 256, 0, stream>>>(p, ws, fused);
   if (!fused) {  // deterministic: key kernel without dQ, then the query kernel
     if constexpr (kWide<kHeadDim>) {
       return cudaErrorNotSupported;  // hopper_backward_supports says no
     } else {
-      hopper_key_kernel<T, kHeadDim, false>
-          <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, stats,
-                                                                            nullptr);
-      hopper_query_kernel<T, kHeadDim>
-          <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, query_maps, ws.D,
-                                                                              ws.dsink_rows);
+      if (key_blocks > 0)
+        hopper_key_kernel<T, kHeadDim, false, kLayouts>
+            <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
+                p, key_maps, stats, nullptr, ws.key_list);
+      if (query_blocks > 0)
+        hopper_query_kernel<T, kHeadDim, kLayouts>
+            <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(
+                p, query_maps, ws.D, ws.dsink_rows, ws.query_list);
       return cudaGetLastError();
     }
   }
   const size_t accum_bytes =
-      sizeof(float) * static_cast<size_t>(p.batch * p.heads_q * ws.rows_padded * ws.dq_cols);
+      sizeof(float) * static_cast<size_t>(ws.padded.total() * ws.dq_cols);
   if (cudaError_t e = cudaMemsetAsync(ws.dq_accum, 0, accum_bytes, stream); e != cudaSuccess)
     return e;
-  if constexpr (kWide<kHeadDim>)
-    hopper_wide_key_kernel<T><<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-        p, key_maps, stats, ws.dq_accum);
-  else
-    hopper_key_kernel<T, kHeadDim, true>
-        <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, key_maps, stats,
-                                                                          ws.dq_accum);
+  if (key_blocks > 0) {
+    if constexpr (kWide<kHeadDim>)
+      hopper_wide_key_kernel<T><<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
+          p, key_maps, stats, ws.dq_accum);
+    else
+      hopper_key_kernel<T, kHeadDim, true, kLayouts>
+          <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
+              p, key_maps, stats, ws.dq_accum, ws.key_list);
+  }
   convert_dq_kernel<T, kHeadDim><<<elementwise_blocks, 256, 0, stream>>>(p, ws.dq_accum,
-                                                                         ws.rows_padded);
+                                                                         ws.padded);
   return cudaGetLastError();
 }
 
@@ -111,11 +153,12 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
 
 bool hopper_backward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
-  // As the forward (uniform layouts only, for now). Above head dim 128 only
-  // the fused (non-deterministic) kernel exists; deterministic mode takes the
-  // mma.sync path there.
-  return p.uniform() && tensor_core_shapes(p) &&
-         (head_dim_bucket(kTensorCoreBuckets, p) <= 128 || !p.deterministic) &&
+  // Layouts as the forward's (hopper_layouts_supported). Above head dim 128
+  // only the fused (non-deterministic) kernel exists, for uniform layouts:
+  // the mma.sync path takes the other calls there.
+  const bool narrow = head_dim_bucket(kTensorCoreBuckets, p) <= 128;
+  return hopper_layouts_supported(p) && tensor_core_shapes(p) &&
+         (narrow || (!p.deterministic && p.uniform())) &&
          p.head_dim >= 64 && p.head_dim_v >= 64 && p.seqlen_q < (1 << 30) &&
          p.seqlen_k < (1 << 30) && compute_capability() == 90 && encode_fn() != nullptr;
 #else
@@ -135,7 +178,11 @@ cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStrea
   if (cudaError_t e = backward_preprocess(p, ws.D, stream); e != cudaSuccess) return e;
   cudaError_t status = with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
     return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
-      return hopper_bwd::launch<decltype(tag), decltype(dim)::value>(p, ws, stream);
+      constexpr int kHeadDim = decltype(dim)::value;
+      using T = decltype(tag);
+      if (p.uniform()) return hopper_bwd::launch<T, kHeadDim, Layouts::kUniform>(p, ws, stream);
+      if constexpr (hopper_bwd::kWide<kHeadDim>) return cudaErrorNotSupported;  // (supports)
+      else return hopper_bwd::launch<T, kHeadDim, Layouts::kVarlen>(p, ws, stream);
     });
   });
   if (status != cudaSuccess) return status;

@@ -137,8 +137,9 @@ __device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, in
 // A key-kernel consumer: dK and dV of its 64 keys over the block's query
 // tiles (with kFusedDq also each tile's share of dQ, staged for the writer),
 // then its rows of dk and dv.
-template <class T, int kHeadDim, bool kFusedDq>
-__device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm, const KeyBlock<kOwnRows>& kb,
+template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
+__device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
+                                             const KeyBlock<kOwnRows, kLayouts>& kb,
                                              const AttentionParams& p, int consumer) {
   using L = Layout<kHeadDim>;
   const int lane = threadIdx.x % 32, t = lane % 4;
@@ -153,11 +154,21 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm, const KeyBlock<
   float st[32], dpt[32];
   uint32_t pa[4][4], dsa[4][4];
   float dq[32];
+  const int zeroed = barrier_id(NamedBarrier::kTileZeroed, consumer);
   mbar_wait(sm.owned, 0);
+  if (kLayouts != Layouts::kUniform && kb.k0 + kOwnRows > kb.seq.seqlen_k) {
+    const int first = static_cast<int>(max(kb.seq.seqlen_k - kb.k0, int64_t(0)));
+    zero_tile_rows<kOwnRows, kHeadDim>(sm.own_a, first, zeroed);
+    zero_tile_rows<kOwnRows, kHeadDim>(sm.own_b, first, zeroed);
+  }
   pipeline<false>(
       kb.tiles,
       [&](int64_t it) {  // S^T = K Q_j^T, dP^T = V dO_j^T
         mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
+        if (kb.tile_crosses_end(it)) {
+          zero_tile_rows<kStreamRows, kHeadDim>(q_tile(it), kb.first_unused_row(it), zeroed);
+          zero_tile_rows<kStreamRows, kHeadDim>(do_tile(it), kb.first_unused_row(it), zeroed);
+        }
         wgmma_fence();
         issue_abt<T, kHeadDim>(st, k_rows, q_tile(it));
         wgmma_commit();
@@ -221,16 +232,17 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm, const KeyBlock<
         if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
       });
   const int64_t row0 = kb.k0 + consumer * 64;
-  store_block<T, kHeadDim>(p.dk.at<T>(kb.b, 0, kb.hk), p.dk.row_stride, p.seqlen_k, p.head_dim,
-                           row0, dk, p.softmax_scale);
-  store_block<T, kHeadDim>(p.dv.at<T>(kb.b, 0, kb.hk), p.dv.row_stride, p.seqlen_k,
+  const SeqlenInfo seq = kb.sequence(p);
+  store_block<T, kHeadDim>(seq.template k_at<T>(p.dk, 0, kb.hk), p.dk.row_stride, seq.k_slot,
+                           p.head_dim, row0, dk, p.softmax_scale);
+  store_block<T, kHeadDim>(seq.template k_at<T>(p.dv, 0, kb.hk), p.dv.row_stride, seq.k_slot,
                            p.head_dim_v, row0, dv, 1.0f);
 }
 
 // A query-kernel consumer: dQ of its 64 rows over the block's key tiles, then
 // its rows of dq and their shares of dsinks.
-template <class T, int kHeadDim>
-__device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBlock& qb,
+template <class T, int kHeadDim, Layouts kLayouts>
+__device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBlock<kLayouts>& qb,
                                                const AttentionParams& p, int consumer,
                                                const TensorRef& D_all,
                                                const TensorRef& dsink_rows) {
@@ -243,8 +255,9 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t i = rows.row + 8 * r;
-    lse2[r] = i < p.seqlen_q ? lse_to_log2(*p.lse.at<const float>(qb.b, i, qb.h)) : -kNegInf;
-    D[r] = i < p.seqlen_q ? *D_all.at<const float>(qb.b, i, qb.h) : 0.0f;
+    const bool used = i < qb.seq.seqlen_q;
+    lse2[r] = used ? lse_to_log2(*qb.seq.template q_at<const float>(p.lse, i, qb.h)) : -kNegInf;
+    D[r] = used ? *qb.seq.template q_at<const float>(D_all, i, qb.h) : 0.0f;
   }
   float dq[kHeadDim / 2] = {};
 
@@ -252,11 +265,21 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
   const auto v_tile = [&](int64_t it) { return sm.stream_b + (it % L::kStages) * L::kStreamBytes; };
   float s[32], dp[32];
   uint32_t dsa[4][4];
+  const int zeroed = barrier_id(NamedBarrier::kTileZeroed, consumer);
   mbar_wait(sm.owned, 0);
+  if (kLayouts != Layouts::kUniform && qb.q0 + kOwnRows > qb.seq.seqlen_q) {
+    const int first = static_cast<int>(max(qb.seq.seqlen_q - qb.q0, int64_t(0)));
+    zero_tile_rows<kOwnRows, kHeadDim>(sm.own_a, first, zeroed);
+    zero_tile_rows<kOwnRows, kHeadDim>(sm.own_b, first, zeroed);
+  }
   pipeline<true>(
       qb.tiles,
       [&](int64_t it) {  // S = Q K_j^T, dP = dO V_j^T
         mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
+        if (qb.tile_crosses_end(it)) {
+          zero_tile_rows<kStreamRows, kHeadDim>(k_tile(it), qb.first_unused_row(it), zeroed);
+          zero_tile_rows<kStreamRows, kHeadDim>(v_tile(it), qb.first_unused_row(it), zeroed);
+        }
         wgmma_fence();
         issue_abt<T, kHeadDim>(s, q_rows, k_tile(it));
         issue_abt<T, kHeadDim>(dp, do_rows, v_tile(it));
@@ -282,8 +305,8 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
         fence_operands(dq);
         if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
       });
-  store_block<T, kHeadDim>(p.dq.at<T>(qb.b, 0, qb.h), p.dq.row_stride, p.seqlen_q, p.head_dim,
-                           qb.q0 + consumer * 64, dq, p.softmax_scale);
+  store_block<T, kHeadDim>(qb.seq.template q_at<T>(p.dq, 0, qb.h), p.dq.row_stride,
+                           qb.seq.q_slot, p.head_dim, qb.q0 + consumer * 64, dq, p.softmax_scale);
   write_dsink_rows(p, qb.seq, qb.b, qb.h, rows.row, lse2, D, dsink_rows);
 }
 

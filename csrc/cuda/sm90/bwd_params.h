@@ -6,13 +6,16 @@
 
 #include <cstdint>
 
+#include "../backward_workspace.h"
+
 namespace flashjax::cuda::hopper_bwd {
 
-// Where the key kernel finds the streamed rows' statistics (padded rows).
+// Where the key kernel finds the streamed rows' statistics (and its dQ
+// buffer's rows): PaddedRows' layout.
 struct RowStats {
   const float* lse2 = nullptr;  // null: not streamed (query kernel)
   const float* D = nullptr;
-  int64_t rows_padded = 0;
+  PaddedRows padded;
 };
 
 struct BackwardMaps {

@@ -1,41 +1,98 @@
 // Which rows a Hopper backward CTA owns and which tiles it streams past them:
 // KeyBlock for the key kernels (keys of one kv head; query tiles of every
 // query head of its group), QueryBlock for the query kernel (queries of one
-// head; key tiles). One CTA per block index, so the grids are the block
-// counts.
+// head; key tiles). One CTA per block: uniform calls number the blocks from
+// the shapes; packed / seqused calls take the longest-first work list
+// (work_list.h), whose grid may have slots past its items (invalid blocks).
 #pragma once
 
 #include <cstdint>
 
+#include "../backward_workspace.h"
 #include "../common.cuh"
 #include "../fragment_softmax.cuh"
+#include "../sequence_layout.h"
 #include "bwd_tile_config.h"
 #include "flashjax/seqlen.h"
+#include "work_list.h"
 
 namespace flashjax::cuda::hopper_bwd {
 
-// The keys [k0, last_key] of kv head hk a key-kernel CTA owns (kRows of them),
-// and the streamed query tiles that see them: tile it is rows [row(it),
-// +kStreamRows) of query head head(it).
-template <int kRows>
+// A block of `rows` tiles of a sequence: sequence b, head `head` (of `heads`
+// in the work list's items), tile `tile`; valid = false past the list's items.
+struct BlockIndex {
+  int64_t b = 0, head = 0, tile = 0;
+  bool valid = true;
+};
+template <Layouts kLayouts>
+__device__ __forceinline__ BlockIndex block_index(int64_t tiles_per_head, int64_t heads,
+                                                  const VarlenWorkList& list) {
+  BlockIndex i;
+  if constexpr (kLayouts == Layouts::kUniform) {
+    const int64_t bh = blockIdx.x / tiles_per_head;
+    i.tile = blockIdx.x % tiles_per_head;
+    i.b = bh / heads;
+    i.head = bh % heads;
+  } else {
+    i.valid = blockIdx.x < list.items();
+    if (!i.valid) return i;
+    const VarlenWorkList::Entry e = list.find(blockIdx.x);
+    i.b = e.sequence;
+    i.head = e.local / e.tiles;
+    i.tile = e.local % e.tiles;
+  }
+  return i;
+}
+
+// The keys [k0, last_key] of kv head hk a key-kernel CTA owns (kRows of them;
+// slot rows of sequence b, the used ones), and the streamed query tiles that
+// see them: tile it is slot rows [row(it), +kStreamRows) of query head head(it).
+template <int kRows, Layouts kLayouts = Layouts::kUniform>
 struct KeyBlock {
   int64_t b, hk, k0, last_key, row_begin, q_tiles, tiles;
-  __device__ explicit KeyBlock(const AttentionParams& p) {
-    const int64_t k_tiles = (p.seqlen_k + kRows - 1) / kRows;
-    const int64_t k_tile = blockIdx.x % k_tiles, bhk = blockIdx.x / k_tiles;
-    b = bhk / p.heads_kv;
-    hk = bhk % p.heads_kv;
-    k0 = k_tile * kRows;
-    last_key = min(k0 + kRows, p.seqlen_k) - 1;
-    const SeqlenInfo seq = SeqlenInfo::uniform(p, b);
+  SeqlenInfo seq;
+  bool valid;
+  __device__ KeyBlock(const AttentionParams& p, const VarlenWorkList& list) {
+    const BlockIndex i =
+        block_index<kLayouts>((p.seqlen_k + kRows - 1) / kRows, p.heads_kv, list);
+    valid = i.valid;
+    b = i.b;
+    hk = i.head;
+    k0 = i.tile * kRows;
+    seq = sequence_info<kLayouts>(p, b);
+    last_key = min(k0 + kRows, seq.seqlen_k) - 1;
+    // (No used key, last_key < k0: no query tile; uniform calls have one.)
     row_begin = seq.first_query(k0) / kStreamRows * kStreamRows;
-    const int64_t row_end = seq.last_query(last_key) + 1;
+    const int64_t row_end = last_key < k0 || !valid ? 0 : seq.last_query(last_key) + 1;
     q_tiles = row_end > row_begin ? (row_end - row_begin + kStreamRows - 1) / kStreamRows : 0;
     tiles = q_tiles * p.group_size();
+  }
+  // The sequence: uniform calls rebuild it from the shapes wherever it is
+  // used (constants the compiler need not keep in registers).
+  __device__ SeqlenInfo sequence(const AttentionParams& p) const {
+    if constexpr (kLayouts == Layouts::kUniform) return SeqlenInfo::uniform(p, b);
+    else return seq;
   }
   __device__ int64_t row(int64_t it) const { return row_begin + (it % q_tiles) * kStreamRows; }
   __device__ int64_t head(const AttentionParams& p, int64_t it) const {
     return hk * p.group_size() + it / q_tiles;
+  }
+  // Streamed tile it's first padded row (PaddedRows: its statistics and dQ rows).
+  __device__ int64_t padded_row(const AttentionParams& p, const PaddedRows& padded,
+                                int64_t it) const {
+    // (Uniform calls are not packed: the dense formula, without the branch.)
+    const int64_t start = kLayouts == Layouts::kUniform
+                              ? padded.start_of<false>(seq, b, head(p, it))
+                              : padded.start(seq, b, head(p, it));
+    return start + row(it);
+  }
+  // Does streamed tile it reach past the used queries (kVarlen: what follows
+  // them is loaded, see zero_tile_rows), and from which of its rows?
+  __device__ bool tile_crosses_end(int64_t it) const {
+    return kLayouts != Layouts::kUniform && row(it) + kStreamRows > seq.seqlen_q;
+  }
+  __device__ int first_unused_row(int64_t it) const {
+    return static_cast<int>(max(seq.seqlen_q - row(it), int64_t(0)));
   }
 
   // Masks a thread's S^T fragment (keys key, key + 8; queries col0 + [0, 8 kTiles))
@@ -44,42 +101,63 @@ struct KeyBlock {
   __device__ void mask(float (&st)[kTiles * 4], const AttentionParams& p, int64_t key,
                        int64_t col0) const {
     constexpr int kCols = kTiles * 8;
-    const SeqlenInfo seq = SeqlenInfo::uniform(p, b);
+    const SeqlenInfo seq = sequence(p);
     if (col0 >= seq.first_query(last_key) && col0 + kCols - 1 <= seq.last_query(k0) &&
-        col0 + kCols <= p.seqlen_q && last_key - k0 + 1 == kRows)
+        col0 + kCols <= seq.seqlen_q && last_key - k0 + 1 == kRows)
       return;
     int lo[2], hi[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t k = key + 8 * r;
-      visible_columns(seq.first_query(k), min(seq.last_query(k), p.seqlen_q - 1), col0, kCols,
+      visible_columns(seq.first_query(k), min(seq.last_query(k), seq.seqlen_q - 1), col0, kCols,
                       lo[r], hi[r]);
-      if (k >= p.seqlen_k) hi[r] = -1;
+      if (k >= seq.seqlen_k) hi[r] = -1;
     }
     mask_columns<kTiles>(st, lo, hi);
   }
 };
 
 // The query rows [q0, last_row] of head h a query-kernel CTA owns (kOwnRows of
-// them), and the streamed key tiles they see: tile it is keys [key_tile(it),
-// +kStreamRows) of kv head hk.
+// them), and the streamed key tiles they see: tile it is slot keys
+// [key_tile(it), +kStreamRows) of kv head hk.
+template <Layouts kLayouts = Layouts::kUniform>
 struct QueryBlock {
-  int64_t b, h, hk, q0, last_row;
+  int64_t b, h, hk, q0;
   SeqlenInfo seq;
+  int64_t last_row;
   KeyRange keys;
   int64_t tiles;
-  __device__ explicit QueryBlock(const AttentionParams& p)
-      : QueryBlock(p, query_tile((p.seqlen_q + kOwnRows - 1) / kOwnRows)) {}
-  __device__ QueryBlock(const AttentionParams& p, QueryTile tile)
-      : b(tile.bh / p.heads_q),
-        h(tile.bh % p.heads_q),
-        hk(h / p.group_size()),
-        q0(tile.tile * kOwnRows),
-        last_row(min(q0 + kOwnRows, p.seqlen_q) - 1),
-        seq(SeqlenInfo::uniform(p, b)),
-        keys(seq, q0, last_row, kStreamRows),
-        tiles(keys.tiles(kStreamRows)) {}
+  bool valid;
+  __device__ QueryBlock(const AttentionParams& p, const VarlenWorkList& list)
+      : QueryBlock(p, query_index(p, list)) {}
   __device__ int64_t key_tile(int64_t it) const { return keys.tile_begin + it * kStreamRows; }
+  __device__ bool tile_crosses_end(int64_t it) const {
+    return kLayouts != Layouts::kUniform && key_tile(it) + kStreamRows > seq.seqlen_k;
+  }
+  __device__ int first_unused_row(int64_t it) const {
+    return static_cast<int>(max(seq.seqlen_k - key_tile(it), int64_t(0)));
+  }
+
+ private:
+  // Uniform calls take their query tiles last to first (query_tile).
+  __device__ static BlockIndex query_index(const AttentionParams& p, const VarlenWorkList& list) {
+    if constexpr (kLayouts == Layouts::kUniform) {
+      const QueryTile t = query_tile((p.seqlen_q + kOwnRows - 1) / kOwnRows);
+      return {t.bh / p.heads_q, t.bh % p.heads_q, t.tile, true};
+    } else {
+      return block_index<kLayouts>(0, p.heads_q, list);
+    }
+  }
+  __device__ QueryBlock(const AttentionParams& p, BlockIndex i)
+      : b(i.b),
+        h(i.head),
+        hk(h / p.group_size()),
+        q0(i.tile * kOwnRows),
+        seq(sequence_info<kLayouts>(p, b)),
+        last_row(min(q0 + kOwnRows, seq.seqlen_q) - 1),
+        keys(seq, q0, last_row, kStreamRows),
+        tiles(i.valid ? keys.tiles(kStreamRows) : 0),
+        valid(i.valid) {}
 };
 
 }  // namespace flashjax::cuda::hopper_bwd

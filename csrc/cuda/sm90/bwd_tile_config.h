@@ -25,6 +25,9 @@ enum class NamedBarrier : int {
   kDsStored = 3,
   // Wide kernel: a consumer's dQ stage is written / may be written again.
   kDqStage = 5,
+  // Key and query kernels (kVarlen): a consumer has zeroed a tile's rows past
+  // the used ones (zero_tile_rows).
+  kTileZeroed = 7,
 };
 __host__ __device__ constexpr int barrier_id(NamedBarrier barrier, int consumer = 0) {
   return static_cast<int>(barrier) + consumer;
@@ -32,8 +35,8 @@ __host__ __device__ constexpr int barrier_id(NamedBarrier barrier, int consumer 
 
 // dQ is accumulated in float32 blocks of 64 rows x kCols head dims (64; 32 in
 // the wide kernel, whose shared memory holds only 8 KB stages), contiguous so
-// that one bulk reduction adds a block: block (bh, row tile, column block)
-// starts at ((bh * row_tiles + tile) * kHeadDim / kCols + column block) * 64 *
+// that one bulk reduction adds a block: block (row tile of the padded rows,
+// column block) starts at (tile * kHeadDim / kCols + column block) * 64 *
 // kCols floats, and element (r, c) sits at r * kCols + (c ^ 8 * (r % (kCols /
 // 8))) in it (pairs of columns swizzled by row, so that staging it in shared
 // memory spreads banks).
@@ -48,14 +51,13 @@ __host__ __device__ __forceinline__ int64_t dq_block_offset(int64_t row, int64_t
   return r * kCols + ((col % kCols) ^ (8 * (r % (kCols / 8))));
 }
 
-// The float32 block (in floats from the buffer's start) of head bh's rows
-// [64 * (row / 64), +64) and head dims [kCols * col_block, +kCols).
+// The float32 block (in floats from the buffer's start) of padded rows
+// [64 * (padded_row / 64), +64) (PaddedRows: a region starts at a multiple of
+// 64) and head dims [kCols * col_block, +kCols).
 template <int kHeadDim, int kCols>
-__host__ __device__ __forceinline__ int64_t dq_block_start(int64_t bh, int64_t row,
-                                                           int64_t col_block,
-                                                           int64_t rows_padded) {
-  return ((bh * (rows_padded / 64) + row / 64) * (kHeadDim / kCols) + col_block) *
-         kDqBlock<kCols>;
+__host__ __device__ __forceinline__ int64_t dq_block_start(int64_t padded_row,
+                                                           int64_t col_block) {
+  return (padded_row / 64 * (kHeadDim / kCols) + col_block) * kDqBlock<kCols>;
 }
 
 // Head dims above 128 take the wide key kernel (fused dQ only).

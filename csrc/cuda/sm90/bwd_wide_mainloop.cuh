@@ -112,13 +112,13 @@ __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<wide:
     wgmma_wait<3>();
     fence_operands(dv);
     if (lane == 0) mbar_arrive(sm.do_empty);
-    const int64_t bh = kb.b * p.heads_q + kb.head(p, it);
+    const int64_t padded_row = kb.padded_row(p, stats.padded, it);
     wgmma_wait<2>();
     fence_operands(dq0);
-    add_dq_wide(dq_accum, stages, c, dq0, bh, kb.row(it), 2 * c, stats.rows_padded);
+    add_dq_wide(dq_accum, stages, c, dq0, padded_row, 2 * c);
     wgmma_wait<1>();
     fence_operands(dq1);
-    add_dq_wide(dq_accum, stages, c, dq1, bh, kb.row(it), 2 * c + 1, stats.rows_padded);
+    add_dq_wide(dq_accum, stages, c, dq1, padded_row, 2 * c + 1);
     wgmma_wait<0>();
     fence_operands(dk);
     if (lane == 0) mbar_arrive(&sm.q_empty[s]);

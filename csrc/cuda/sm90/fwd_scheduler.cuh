@@ -9,19 +9,14 @@
 //
 // TileSchedule: uniform calls, every sequence alike, the items from the shapes.
 // VarlenTileSchedule: packed / seqused calls, whose lengths only the device
-// knows: a one-block pre-kernel (build_work_list) orders the sequences by
-// query tiles, longest first, and writes where each one's items start; the
-// persistent kernel finds an item's sequence by binary search.
+// knows: a varlen work list (work_list.cuh) of pairs of query tiles, longest
+// sequences first.
 #pragma once
 
-#include <cuda_runtime.h>
-
-#include <cstddef>
 #include <cstdint>
-#include <cub/block/block_scan.cuh>
 
 #include "../common.cuh"
-#include "flashjax/seqlen.h"
+#include "work_list.cuh"
 
 namespace flashjax::cuda {
 
@@ -64,28 +59,6 @@ struct TileSchedule {
   }
 };
 
-// The varlen work list (device memory), in schedule order: position i is
-// sequence `sequence[i]`, of `q_tiles[i]` query tiles, whose heads x pairs
-// items are [first_item[i], first_item[i + 1]); first_item[batch] is the total.
-struct VarlenWorkList {
-  int64_t* first_item = nullptr;  // [batch + 1]
-  int32_t* sequence = nullptr;    // [batch]
-  int32_t* q_tiles = nullptr;     // [batch] (slots < 2^30 rows: int32)
-  int64_t batch = 0;
-
-  static size_t workspace_bytes(const AttentionParams& p) {
-    const size_t n = static_cast<size_t>(p.batch);
-    return sizeof(int64_t) * (n + 1) + 2 * sizeof(int32_t) * n;
-  }
-  VarlenWorkList() = default;
-  // `workspace`: workspace_bytes(p) bytes, 8-byte aligned.
-  VarlenWorkList(const AttentionParams& p, void* workspace) : batch(p.batch) {
-    first_item = static_cast<int64_t*>(workspace);
-    sequence = reinterpret_cast<int32_t*>(first_item + batch + 1);
-    q_tiles = sequence + batch;
-  }
-};
-
 struct VarlenTileSchedule {
   static constexpr int64_t packed_rows = 0;  // (GQA packing is uniform-only)
   VarlenWorkList list;
@@ -93,101 +66,12 @@ struct VarlenTileSchedule {
 
   __device__ ScheduleStep tile(int64_t k, QueryTile& out) const {
     const int64_t item = scheduled_item(k);
-    if (item >= list.first_item[list.batch]) return ScheduleStep::kEnd;
-    // The last position whose items start at or before `item` (positions with
-    // no items share their start with the next one, so it has items).
-    int64_t lo = 0, hi = list.batch - 1;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (list.first_item[mid] <= item) lo = mid;
-      else hi = mid - 1;
-    }
-    const int64_t q_tiles = list.q_tiles[lo], pairs = (q_tiles + 1) / 2;
-    const int64_t local = item - list.first_item[lo];
-    return tile_of_pair(k, local, pairs, q_tiles, out,
-                        [&] { return list.sequence[lo] * heads + local / pairs; });
+    if (item >= list.items()) return ScheduleStep::kEnd;
+    const VarlenWorkList::Entry e = list.find(item);
+    const int64_t pairs = (e.tiles + 1) / 2;
+    return tile_of_pair(k, e.local, pairs, e.tiles, out,
+                        [&] { return e.sequence * heads + e.local / pairs; });
   }
 };
-
-// build_work_list's block, and the distinct query-tile counts it sorts
-// exactly: sequences of more tiles share the first (longest) bin.
-constexpr int kWorkListThreads = 512;
-constexpr int kTileCountBins = 4096;  // 16 KB of shared memory
-static_assert(kTileCountBins % kWorkListThreads == 0);
-
-template <int kBlockM>
-__device__ __forceinline__ int32_t slot_query_tiles(const AttentionParams& p, int64_t b) {
-  return static_cast<int32_t>((SeqlenInfo(p, b).q_slot + kBlockM - 1) / kBlockM);
-}
-// The bin of a sequence: longest first. The cost is in the used rows (a
-// slot's rows past them only get zeros), so those order the sequences.
-template <int kBlockM>
-__device__ __forceinline__ int tile_count_bin(const AttentionParams& p, int64_t b) {
-  const int64_t used_tiles = (SeqlenInfo(p, b).seqlen_q + kBlockM - 1) / kBlockM;
-  const int64_t top = kTileCountBins - 1;
-  return static_cast<int>(top - (used_tiles < top ? used_tiles : top));
-}
-
-// One block, any number of sequences: a counting sort of the sequences by
-// used query tiles (descending; ties in any order, which changes no result:
-// every tile is computed alike wherever it runs), then the items' prefix sums.
-template <int kBlockM>
-__global__ void __launch_bounds__(kWorkListThreads)
-    build_work_list_kernel(const AttentionParams p, const VarlenWorkList list) {
-  using Scan = cub::BlockScan<int64_t, kWorkListThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int32_t bin_cursor[kTileCountBins];  // counts, then next free position
-  __shared__ int64_t items_before;                // of the positions scanned so far
-  const int tid = threadIdx.x;
-
-  for (int i = tid; i < kTileCountBins; i += kWorkListThreads) bin_cursor[i] = 0;
-  if (tid == 0) items_before = 0;
-  __syncthreads();
-  for (int64_t b = tid; b < p.batch; b += kWorkListThreads)
-    atomicAdd(&bin_cursor[tile_count_bin<kBlockM>(p, b)], 1);
-  __syncthreads();
-
-  // Each bin's first position: an exclusive scan, consecutive bins per thread.
-  constexpr int kBinsPerThread = kTileCountBins / kWorkListThreads;
-  int32_t* bins = bin_cursor + tid * kBinsPerThread;
-  int64_t count = 0, position;
-#pragma unroll
-  for (int i = 0; i < kBinsPerThread; ++i) count += bins[i];
-  Scan(scan_storage).ExclusiveSum(count, position);
-#pragma unroll
-  for (int i = 0; i < kBinsPerThread; ++i) {
-    const int32_t n = bins[i];
-    bins[i] = static_cast<int32_t>(position);
-    position += n;
-  }
-  __syncthreads();
-
-  for (int64_t b = tid; b < p.batch; b += kWorkListThreads) {
-    const int32_t at = atomicAdd(&bin_cursor[tile_count_bin<kBlockM>(p, b)], 1);
-    list.sequence[at] = static_cast<int32_t>(b);
-    list.q_tiles[at] = slot_query_tiles<kBlockM>(p, b);
-  }
-  __syncthreads();  // (also makes the block's global writes visible to it)
-
-  // first_item: prefix sums of heads x pairs over the positions, a block at a time.
-  for (int64_t base = 0; base < p.batch; base += kWorkListThreads) {
-    const int64_t i = base + tid;
-    const int64_t items = i < p.batch ? p.heads_q * ((list.q_tiles[i] + 1) / 2) : 0;
-    int64_t first, block_items;
-    Scan(scan_storage).ExclusiveSum(items, first, block_items);
-    if (i < p.batch) list.first_item[i] = items_before + first;
-    __syncthreads();
-    if (tid == 0) items_before += block_items;
-    __syncthreads();
-  }
-  if (tid == 0) list.first_item[p.batch] = items_before;
-}
-
-template <int kBlockM>
-cudaError_t build_work_list(const AttentionParams& p, const VarlenWorkList& list,
-                            cudaStream_t stream) {
-  build_work_list_kernel<kBlockM><<<1, kWorkListThreads, 0, stream>>>(p, list);
-  return cudaGetLastError();
-}
 
 }  // namespace flashjax::cuda
