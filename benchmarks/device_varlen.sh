@@ -27,7 +27,8 @@ for step in "$@"; do
     sanitize)
       compute-sanitizer --tool memcheck $PY tools/sanitize_varlen.py 2>&1 | tail -8 ;;
     varlen)
-      $PY -m flashjax.bench --varlen both --json "$OUT/varlen.jsonl" 2>&1 | tail -14 ;;
+      $PY -m flashjax.bench --varlen both --iters 5 --loop 5 --json "$OUT/varlen.jsonl" \
+        > "$OUT/varlen.log" 2>&1; tail -20 "$OUT/varlen.log" ;;
     dense)
       # Dense FA3 shapes, new vs baseline, jitted loops of 10 dependent calls, one process each.
       for who in new base; do

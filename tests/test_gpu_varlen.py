@@ -30,9 +30,16 @@ GPU_VARLEN_CASES = (
        VarlenCase(lengths_q=(190, 64, 65), lengths_k=(190, 64, 65), heads_q=2, heads_kv=2,
                   head_dim=256, dtype="bfloat16", causal=True, seqused_q=(150, 64, 1),
                   seqused_k=(190, 0, 65), pad_q=9, pad_k=4)])
+# (Head dims 64 / 128 in 16 bits: the Hopper kernels' segment-id path on an H100.)
 GPU_SEGMENT_CASES = (segment_cases(dtypes=("float32", "bfloat16"))
+                     + [dataclasses.replace(c, head_dim=64) for c in segment_cases(("bfloat16",))]
+                     + [dataclasses.replace(c, head_dim=128, dtype="float16")
+                        for c in segment_cases()[1:]]
                      + [SegmentCase(docs=((100, 200, 1, 211), (512,)), seqlen=512, head_dim=128,
-                                    dtype="bfloat16", causal=True, sinks=True)])
+                                    dtype="bfloat16", causal=True, sinks=True),
+                        SegmentCase(docs=((300, 1, 90, 209), (129, 63, 128, 200)), seqlen=600,
+                                    heads_q=6, heads_kv=2, head_dim=64, dtype="bfloat16",
+                                    window_size=(70, 20), softcap=10.0)])
 
 
 @pytest.fixture(params=PATHS)
@@ -55,6 +62,11 @@ def test_varlen_deterministic(case, gpu_device):
 @pytest.mark.parametrize("case", GPU_SEGMENT_CASES, ids=map(str, GPU_SEGMENT_CASES))
 def test_segment_ids(case, kernel_path, gpu_device):
     check_segments(case, gpu_device)
+
+
+@pytest.mark.parametrize("case", GPU_SEGMENT_CASES[-4:], ids=map(str, GPU_SEGMENT_CASES[-4:]))
+def test_segment_ids_deterministic(case, gpu_device):
+    check_segments(case, gpu_device, deterministic=True)
 
 
 def test_adversarial_metadata_stays_in_bounds(kernel_path, gpu_device):

@@ -265,7 +265,7 @@ class SegmentCase:
         return s
 
 
-def check_segments(case: SegmentCase, device=None, seed=0):
+def check_segments(case: SegmentCase, device=None, seed=0, deterministic=False):
     """flash_attention with segment ids equals attention computed per segment (the
     varlen reference over the flattened rows, float64), forward and gradients."""
     keys = jax.random.split(jax.random.key(seed), 6)
@@ -282,7 +282,7 @@ def check_segments(case: SegmentCase, device=None, seed=0):
         return flashjax.flash_attention(q, k, v, sinks=sinks, return_lse=True,
                                         q_segment_ids=jax.device_put(jnp.asarray(ids), dev),
                                         kv_segment_ids=jax.device_put(jnp.asarray(ids), dev),
-                                        **case.options())
+                                        deterministic=deterministic, **case.options())
 
     cu, max_len = case.varlen_view()
 

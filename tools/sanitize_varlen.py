@@ -31,14 +31,14 @@ def run_varlen(dtype, head_dim, deterministic):
             jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, k, k))
 
 
-def run_dense(dtype, head_dim):
+def run_dense(dtype, head_dim, deterministic):
     q = jax.random.normal(jax.random.key(0), (3, 100, 4, head_dim), dtype)
     used = jnp.asarray([2 ** 31 - 1, -7, 50], jnp.int32)
     ids = jax.random.randint(jax.random.key(2), (3, 100), -2 ** 31, 2 ** 31 - 1, jnp.int32)
     for q_ids, kv_ids in ((ids, ids[:, ::-1]), (None, None)):  # segments; seqused alone
         f = lambda q, k, v: flashjax.flash_attention(
             q, k, v, causal=True, seqused_q=used, seqused_k=used[::-1], q_segment_ids=q_ids,
-            kv_segment_ids=kv_ids).astype(jnp.float32).sum()
+            kv_segment_ids=kv_ids, deterministic=deterministic).astype(jnp.float32).sum()
         jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, q, q))
 
 
@@ -48,5 +48,5 @@ if __name__ == "__main__":
         for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float16, 64), (jnp.float32, 40)):
             for deterministic in (False, True):
                 run_varlen(dtype, head_dim, deterministic)
-            run_dense(dtype, head_dim)
+                run_dense(dtype, head_dim, deterministic)
         print(f"path {path}: done", flush=True)

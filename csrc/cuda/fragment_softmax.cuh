@@ -301,6 +301,12 @@ struct KeyRange {
   __device__ int64_t tiles(int n) const {
     return key_end > tile_begin ? (key_end - tile_begin + n - 1) / n : 0;
   }
+  // Only keys in [lo, hi) too (a segment-id span, SegmentTiles::key_span).
+  __device__ void narrow(int64_t lo, int64_t hi, int n) {
+    key_begin = max(key_begin, lo);
+    key_end = min(key_end, hi);
+    tile_begin = key_begin / n * n;
+  }
 };
 
 // The query rows that see the used keys [k0, k_last] of a tile (k_last: its
@@ -312,6 +318,12 @@ struct QueryRange {
       : row_begin(seq.first_query(k0)),
         row_end(seq.last_query(k_last < k0 ? seq.seqlen_k : k_last) + 1),
         tile_begin(row_begin / n * n) {}
+  // Only rows in [lo, hi) too (a segment-id span, SegmentTiles::query_span).
+  __device__ void narrow(int64_t lo, int64_t hi, int n) {
+    row_begin = max(row_begin, lo);
+    row_end = min(row_end, hi);
+    tile_begin = row_begin / n * n;
+  }
 };
 
 // Segment-id masking of a thread's two fragment rows (row, row + 8) of a
@@ -321,6 +333,29 @@ struct QueryRange {
 // (next_tile), the others compared per element unless all ids are equal.
 // Only kernels compiled for Layouts::kSegments do anything here.
 enum class FragmentRows { kQueries, kKeys };
+
+// kSegments: narrows the keys that sequence b's query rows [q0, q0 + rows)
+// visit to those whose segment-id tiles may meet theirs (documents packed in
+// order: their own documents'), and the query rows that keys [k0, k0 + rows)
+// visit likewise; n: the visiting tile's rows.
+template <Layouts kLayouts>
+__device__ __forceinline__ void narrow_to_segments(KeyRange& keys, const SegmentTiles& tiles,
+                                                   int64_t b, int64_t q0, int64_t rows, int n) {
+  if constexpr (kLayouts == Layouts::kSegments) {
+    int64_t lo, hi;
+    tiles.key_span(b, q0, rows, lo, hi);
+    keys.narrow(lo, hi, n);
+  }
+}
+template <Layouts kLayouts>
+__device__ __forceinline__ void narrow_to_segments(QueryRange& queries, const SegmentTiles& tiles,
+                                                   int64_t b, int64_t k0, int64_t rows, int n) {
+  if constexpr (kLayouts == Layouts::kSegments) {
+    int64_t lo, hi;
+    tiles.query_span(b, k0, rows, lo, hi);
+    queries.narrow(lo, hi, n);
+  }
+}
 
 template <Layouts kLayouts>
 struct FragmentSegments {
@@ -360,21 +395,28 @@ struct FragmentSegments<Layouts::kSegments> {
     while (c0 < end && !row_tile.meets(col_tiles[c0 / SegmentTiles::kRows])) c0 += n;
     return c0;
   }
-  // -inf where a row's id differs from the id of column c0 + col.
+  // -inf where a row's id differs from the id of column c0 + col (c0 a
+  // multiple of SegmentTiles::kRows; the columns may span several such tiles).
   template <int kTiles>
   __device__ void mask(float (&s)[kTiles * 4], int64_t c0) const {
-    if (row_tile.all_equal(col_tiles[c0 / SegmentTiles::kRows])) return;
+    constexpr int kGroupsPerTile = SegmentTiles::kRows / 8;  // 8-column groups
     const int t = threadIdx.x % 4;
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n)
+    for (int tile = 0; tile < (kTiles + kGroupsPerTile - 1) / kGroupsPerTile; ++tile) {
+      const int64_t tile_c0 = c0 + tile * SegmentTiles::kRows;
+      if (tile_c0 < cols_used && row_tile.all_equal(col_tiles[tile_c0 / SegmentTiles::kRows]))
+        continue;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t c = c0 + n * 8 + 2 * t + e;
-        const int32_t id = c < cols_used ? col_ids[c] : 0;
+      for (int n = tile * kGroupsPerTile; n < kTiles && n < (tile + 1) * kGroupsPerTile; ++n)
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-          if (c >= cols_used || id != row_id[r]) s[4 * n + 2 * r + e] = kNegInf;
-      }
+        for (int e = 0; e < 2; ++e) {
+          const int64_t c = c0 + n * 8 + 2 * t + e;
+          const int32_t id = c < cols_used ? col_ids[c] : 0;
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            if (c >= cols_used || id != row_id[r]) s[4 * n + 2 * r + e] = kNegInf;
+        }
+    }
   }
 };
 

@@ -205,10 +205,10 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// Layouts the Hopper kernels take: uniform, packed and seqused ones (segment
-// ids take the mma.sync path); int32 TMA coordinates bound the packed rows.
+// Layouts the Hopper kernels take: uniform, packed, seqused and segment-id
+// ones; int32 TMA coordinates bound the packed rows.
 inline bool hopper_layouts_supported(const AttentionParams& p) {
-  return p.uniform() || (!p.has_segments() && p.total_q < (1 << 30) && p.total_k < (1 << 30));
+  return p.uniform() || (p.total_q < (1 << 30) && p.total_k < (1 << 30));
 }
 
 // The batch entries and rows of the query-side / key-side tensors as their

@@ -82,15 +82,18 @@ struct WorkItem {
   int64_t last_row;  // the tile's last used row (< q0: none, the tile only writes zeros)
   KeyRange keys;
   int64_t n_tiles;
-  __device__ WorkItem(const AttentionParams& p, QueryTile t, bool packed)
+  __device__ WorkItem(const AttentionParams& p, QueryTile t, bool packed,
+                      const SegmentTiles& segment_tiles)
       : b(t.bh / (packed ? p.heads_kv : p.heads_q)),
         h(packed ? t.bh % p.heads_kv * p.group_size() : t.bh % p.heads_q),
         hk(h / p.group_size()),
         q0(t.tile * kBlockM),
         seq(sequence_info<kLayouts>(p, b)),
         last_row(min(q0 + kBlockM, seq.seqlen_q) - 1),
-        keys(seq, q0, last_row, kBlockN),
-        n_tiles(keys.tiles(kBlockN)) {}
+        keys(seq, q0, last_row, kBlockN) {
+    narrow_to_segments<kLayouts>(keys, segment_tiles, b, q0, kBlockM, kBlockN);
+    n_tiles = keys.tiles(kBlockN);
+  }
 
   // TMA coordinates (int32: the tensors' rows are < 2^30): the tensor rows of
   // the tile's first query and of slot key k0, and the batch entry. A tile
@@ -105,11 +108,13 @@ struct WorkItem {
   __device__ int batch() const { return static_cast<int>(seq.batch); }
 };
 
-// kLayouts: kUniform or kVarlen (sequence_layout.h; no segment ids here).
+// kLayouts: any (sequence_layout.h); kSegments narrows each tile's keys to
+// its segment-id span and masks ids per element where a tile's are not all equal.
 template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     hopper_forward_kernel(const AttentionParams p, const __grid_constant__ TensorMaps maps,
-                          const ScheduleOf<kLayouts> schedule) {
+                          const ScheduleOf<kLayouts> schedule,
+                          const __grid_constant__ SegmentTiles segment_tiles) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kConsumers = Cfg::kConsumers;
   constexpr bool kPacks = kPacksGroups<kHeadDim> && kLayouts == Layouts::kUniform;
@@ -156,7 +161,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       const auto step = schedule.tile(k, tile);
       if (step == ScheduleStep::kEnd) break;
       if (step == ScheduleStep::kSkip) continue;
-      const Item w(p, tile, packed);
+      const Item w(p, tile, packed, segment_tiles);
       mbar_wait(q_empty, (local++ & 1) ^ 1);
       mbar_expect_tx(q_full, q_bytes);
       tma_tile<kHeadDim, kBlockM>(sQ, &maps.q, q_full, w.q_row(), w.h, w.batch());
@@ -187,11 +192,14 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     const auto step = schedule.tile(k, tile);
     if (step == ScheduleStep::kEnd) break;
     if (step == ScheduleStep::kSkip) continue;
-    const Item w(p, tile, packed);
+    const Item w(p, tile, packed, segment_tiles);
     const int64_t n_tiles = w.n_tiles;
     float o[kDimTiles * 4] = {};
     RowSoftmax softmax{w.q0 + consumer * 64 + warp_in_group * 16 + lane / 4,
                        kPacks ? static_cast<int>(schedule.packed_rows) : 0};
+    // (kSegments: this consumer's 64 rows are one segment-id tile.)
+    const FragmentSegments<kLayouts> segments(p, segment_tiles, w.seq, w.b, FragmentRows::kQueries,
+                                              w.q0 + consumer * 64, softmax.row);
 
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
@@ -246,6 +254,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       softmax.scores<kKeyTiles>(s, p, w.seq, k0,
                                 RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
                                                             w.keys.key_begin, w.keys.key_end));
+      segments.template mask<kKeyTiles>(s, k0);
       softmax.exponentiate<kKeyTiles>(s, alpha);
     };
 
@@ -309,7 +318,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
 
 template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void hopper_forward_kernel(const AttentionParams, const __grid_constant__ TensorMaps,
-                                      const ScheduleOf<kLayouts>) {}
+                                      const ScheduleOf<kLayouts>, const SegmentTiles) {}
 
 #endif
 
@@ -328,7 +337,25 @@ bool make_maps(const AttentionParams& p, bool gqa_packed, TensorMaps& maps) {
                   Cfg::kBlockN);
 }
 
-// `workspace`: hopper_forward_workspace_bytes(p) bytes (kVarlen's work list).
+// The workspace of a non-uniform call: the work list, then (segment ids) the
+// id ranges and spans of the segment-id tiles. base may be null (sizes only).
+struct ForwardWorkspace {
+  static constexpr size_t kAlign = 256;
+  VarlenWorkList list;
+  SegmentTiles segments;
+  size_t bytes = 0;
+  ForwardWorkspace(const AttentionParams& p, void* base) {
+    if (p.uniform()) return;
+    const size_t list_bytes = (VarlenWorkList::workspace_bytes(p) + kAlign - 1) / kAlign * kAlign;
+    if (base) {
+      list = VarlenWorkList(p, base);
+      segments = SegmentTiles(p, static_cast<char*>(base) + list_bytes);
+    }
+    bytes = list_bytes + SegmentTiles::workspace_bytes(p);
+  }
+};
+
+// `workspace`: hopper_forward_workspace_bytes(p) bytes (ForwardWorkspace).
 template <class T, int kHeadDim, Layouts kLayouts>
 cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   using Cfg = Tiles<kHeadDim>;
@@ -352,11 +379,16 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
     schedule.total_pairs =
         schedule.pairs_per_head * p.batch * (gqa_packed ? p.heads_kv : p.heads_q);
     items = schedule.total_pairs;
-  } else {
+  }
+  const ForwardWorkspace ws(p, workspace);
+  if constexpr (kLayouts != Layouts::kUniform) {
     if (!workspace) return cudaErrorInvalidValue;
     items = p.batch * p.heads_q * (((p.seqlen_q + kBlockM - 1) / kBlockM + 1) / 2);
     if (items == 0) return cudaSuccess;
-    schedule.list = VarlenWorkList(p, workspace);
+    if constexpr (kLayouts == Layouts::kSegments)
+      if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess)
+        return e;
+    schedule.list = ws.list;
     schedule.heads = p.heads_q;
     WorkShape shape;
     shape.tile_rows = kBlockM;
@@ -369,15 +401,16 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
   if (!make_maps<kHeadDim>(p, gqa_packed, maps)) return cudaErrorInvalidValue;
   const int64_t blocks = std::min<int64_t>(items, multiprocessor_count());
   hopper_forward_kernel<T, kHeadDim, kLayouts>
-      <<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps,
-                                                                                 schedule);
+      <<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+          p, maps, schedule, ws.segments);
   return cudaGetLastError();
 }
 
 template <class T, int kHeadDim>
 cudaError_t launch(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  if (p.uniform()) return launch_layouts<T, kHeadDim, Layouts::kUniform>(p, workspace, stream);
-  return launch_layouts<T, kHeadDim, Layouts::kVarlen>(p, workspace, stream);
+  return with_layouts(p, [&](auto layouts) {
+    return launch_layouts<T, kHeadDim, decltype(layouts)::value>(p, workspace, stream);
+  });
 }
 
 // Head-dim buckets of this kernel: it also has native 96 and 192 ones (the
@@ -403,7 +436,7 @@ bool hopper_forward_supports(const AttentionParams& p) {
 }
 
 size_t hopper_forward_workspace_bytes(const AttentionParams& p) {
-  return p.uniform() ? 0 : VarlenWorkList::workspace_bytes(p);
+  return ForwardWorkspace(p, nullptr).bytes;
 }
 
 cudaError_t hopper_forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {

@@ -35,6 +35,31 @@ __global__ void segment_tiles_kernel(const AttentionParams p, SegmentTiles tiles
   if (lane == 0) (queries ? tiles.q : tiles.k)[tile] = range;
 }
 
+// One warp per tile again: the span of the other side's tiles whose ranges
+// meet this tile's (lanes stride over them, then a min / max reduction).
+__global__ void segment_spans_kernel(const AttentionParams p, SegmentTiles tiles) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t query_tiles = p.batch * tiles.q_tiles;
+  if (warp >= query_tiles + p.batch * tiles.k_tiles) return;  // (whole warps)
+  const bool queries = warp < query_tiles;
+  const int64_t tile = queries ? warp : warp - query_tiles;
+  const int64_t per_sequence = queries ? tiles.q_tiles : tiles.k_tiles;
+  const int64_t others = queries ? tiles.k_tiles : tiles.q_tiles;
+  const int64_t b = tile / per_sequence;
+  const IdRange mine = (queries ? tiles.q : tiles.k)[tile];
+  const IdRange* other = (queries ? tiles.k : tiles.q) + b * others;
+  int32_t first = INT32_MAX, last = -1;
+  for (int64_t t = lane; t < others; t += 32)
+    if (mine.meets(other[t])) {
+      first = min(first, static_cast<int32_t>(t));
+      last = max(last, static_cast<int32_t>(t));
+    }
+  first = __reduce_min_sync(0xffffffffu, first);
+  last = __reduce_max_sync(0xffffffffu, last);
+  if (lane == 0) (queries ? tiles.q_span : tiles.k_span)[tile] = {first, last};
+}
+
 // Is row `row` of the packed query (or key) tensors in a sequence's slot?
 // Slots are disjoint and in order for non-decreasing cu_seqlens, so the only
 // candidate is the last sequence whose (clamped) start is at most `row`.
@@ -82,6 +107,7 @@ cudaError_t compute_segment_tiles(const AttentionParams& p, const SegmentTiles& 
   const int64_t warps = p.batch * (tiles.q_tiles + tiles.k_tiles);
   if (warps == 0) return cudaSuccess;
   segment_tiles_kernel<<<blocks_for(32 * warps), kThreadsPerBlock, 0, stream>>>(p, tiles);
+  segment_spans_kernel<<<blocks_for(32 * warps), kThreadsPerBlock, 0, stream>>>(p, tiles);
   return cudaGetLastError();
 }
 

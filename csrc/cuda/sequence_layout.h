@@ -14,19 +14,28 @@
 namespace flashjax::cuda {
 
 // The segment-id range of every kRows-row tile of each sequence's used query
-// rows and used keys (empty for a tile with none), computed on the device by
-// compute_segment_tiles. A tiled kernel skips a (query tile, key tile) pair
-// whose ranges do not meet, and compares ids per element only where their
-// ids are not all equal; its tiles must be these kRows-row tiles.
+// rows and used keys (empty for a tile with none), and each tile's span of the
+// other side's tiles whose ranges meet it, computed on the device by
+// compute_segment_tiles. A tiled kernel narrows a block's loop to the span
+// (documents packed in order: only the tiles of its own documents), skips a
+// (query tile, key tile) pair whose ranges do not meet, and compares ids per
+// element only where their ids are not all equal. Its tiles must be whole
+// kRows-row tiles.
 struct SegmentTiles {
   static constexpr int64_t kRows = 64;
+  struct Span {  // tiles [first, last] of the other side; first > last: none
+    int32_t first, last;
+  };
   IdRange* q = nullptr;  // [batch][q_tiles]; null: no segment ids
   IdRange* k = nullptr;  // [batch][k_tiles]
+  Span* q_span = nullptr;  // [batch][q_tiles]: key tiles meeting each query tile
+  Span* k_span = nullptr;  // [batch][k_tiles]: query tiles meeting each key tile
   int64_t q_tiles = 0, k_tiles = 0;
 
   static size_t workspace_bytes(const AttentionParams& p) {
     if (!p.has_segments()) return 0;
-    return sizeof(IdRange) * static_cast<size_t>(p.batch * (tiles(p.seqlen_q) + tiles(p.seqlen_k)));
+    return (sizeof(IdRange) + sizeof(Span)) *
+           static_cast<size_t>(p.batch * (tiles(p.seqlen_q) + tiles(p.seqlen_k)));
   }
   SegmentTiles() = default;
   // `workspace`: workspace_bytes(p) bytes (4-byte aligned), or null (no tiles).
@@ -36,6 +45,8 @@ struct SegmentTiles {
     k_tiles = tiles(p.seqlen_k);
     q = static_cast<IdRange*>(workspace);
     k = q + p.batch * q_tiles;
+    q_span = reinterpret_cast<Span*>(k + p.batch * k_tiles);
+    k_span = q_span + p.batch * q_tiles;
   }
   explicit FJ_HOST_DEVICE operator bool() const { return q != nullptr; }
 
@@ -46,12 +57,34 @@ struct SegmentTiles {
   FJ_HOST_DEVICE IdRange key_tile(int64_t b, int64_t j) const {
     return k[b * k_tiles + j / kRows];
   }
+  // The keys [begin, end) (whole tiles) whose ids may meet those of sequence
+  // b's query rows [row0, row0 + rows) (row0 a multiple of kRows); begin >= end: none.
+  FJ_HOST_DEVICE void key_span(int64_t b, int64_t row0, int64_t rows, int64_t& begin,
+                               int64_t& end) const {
+    merged_span(q_span + b * q_tiles, q_tiles, row0, rows, begin, end);
+  }
+  // The query rows whose ids may meet those of sequence b's keys [k0, k0 + rows).
+  FJ_HOST_DEVICE void query_span(int64_t b, int64_t k0, int64_t rows, int64_t& begin,
+                                 int64_t& end) const {
+    merged_span(k_span + b * k_tiles, k_tiles, k0, rows, begin, end);
+  }
 
  private:
   static int64_t tiles(int64_t rows) { return (rows + kRows - 1) / kRows; }
+  FJ_HOST_DEVICE static void merged_span(const Span* spans, int64_t count, int64_t row0,
+                                         int64_t rows, int64_t& begin, int64_t& end) {
+    int64_t first = INT64_MAX, last = -1;
+    for (int64_t t = row0 / kRows; t < count && t * kRows < row0 + rows; ++t) {
+      if (spans[t].first > spans[t].last) continue;
+      first = spans[t].first < first ? spans[t].first : first;
+      last = spans[t].last > last ? spans[t].last : last;
+    }
+    begin = last < 0 ? 0 : first * kRows;
+    end = (last + 1) * kRows;
+  }
 };
 
-// Fills `tiles` (segment ids present) from p's ids; stream-ordered.
+// Fills `tiles` (segment ids present) from p's ids, ranges then spans; stream-ordered.
 cudaError_t compute_segment_tiles(const AttentionParams& p, const SegmentTiles& tiles,
                                   cudaStream_t stream);
 

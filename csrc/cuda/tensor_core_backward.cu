@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(kThreads)
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
   zero(dk);
   zero(dv);
-  const QueryRange queries(seq, k0, last_key, kBlock);
+  QueryRange queries(seq, k0, last_key, kBlock);
+  narrow_to_segments<kLayouts>(queries, segment_tiles, b, k0, kBlock, kBlock);
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kKeys, k0,
                                             my_key);
   for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
@@ -182,7 +183,8 @@ __global__ void __launch_bounds__(kThreads)
 
   float dq[kHeadDim / 2];
   zero(dq);
-  const KeyRange keys(seq, q0, last_row, kBlock);
+  KeyRange keys(seq, q0, last_row, kBlock);
+  narrow_to_segments<kLayouts>(keys, segment_tiles, b, q0, kBlock, kBlock);
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
                                             rows.row);
   const T* k_head = seq.k_at<const T>(p.k, 0, hk);

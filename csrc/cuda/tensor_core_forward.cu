@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(kThreads)
   const T* v_base = seq.k_at<const T>(p.v, 0, hk);
 
   const int64_t last_row = min(q0 + kBlockM, seq.seqlen_q) - 1;  // last used row (< q0: none)
-  const KeyRange keys(seq, q0, last_row, kBlockN);
+  KeyRange keys(seq, q0, last_row, kBlockN);
+  narrow_to_segments<kLayouts>(keys, segment_tiles, b, q0, kBlockM, kBlockN);
   RowSoftmax softmax{q0 + warp * 16 + lane / 4};
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
                                             softmax.row);

@@ -49,17 +49,18 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb,
                          const AttentionParams& p, const RowStats& stats, float* dq_accum) {
   using L = Layout<kHeadDim>;
   constexpr int kLag = L::kDqStages - 1;  // tiles whose reductions may still read
+  StreamWalk tile = kb.walk(p, stats.padded);
   for (int64_t it = 0; it < kb.tiles; ++it) {
     const int s = it % L::kDqStages;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       mbar_wait(&sm.dq_full[c * L::kDqStages + s], (it / L::kDqStages) & 1);
       // At head dim 64 both consumers add to the same block (their own keys).
-      const int64_t block = dq_block_start<kHeadDim, 64>(
-          kb.padded_row(p, stats.padded, it), kHeadDim == 64 ? 0 : c);
+      const int64_t block = dq_block_start<kHeadDim, 64>(tile.padded_row, kHeadDim == 64 ? 0 : c);
       bulk_reduce_add(dq_accum + block, sm.dq_stage + (c * L::kDqStages + s) * kDqBlock<64>,
                       kDqBlockBytes<64>);
     }
+    tile.next();
     bulk_wait_reads<2 * kLag>();
     if (it >= kLag) {
       const int freed = (it - kLag) % L::kDqStages;

@@ -34,14 +34,15 @@ __device__ __forceinline__ void consumer_registers() {
 }
 
 // dK and dV of a block of 128 keys (and, with kFusedDq, its shares of dQ).
-// kLayouts: kUniform or kVarlen (no segment ids); `list`: kVarlen's blocks.
+// kLayouts: any; `list`: the blocks of non-uniform ones; `segment_tiles`: kSegments'.
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
-                      const RowStats stats, float* dq_accum, const VarlenWorkList list) {
+                      const RowStats stats, float* dq_accum, const VarlenWorkList list,
+                      const __grid_constant__ SegmentTiles segment_tiles) {
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
-  const KeyBlock<kOwnRows, kLayouts> kb(p, list);
+  const KeyBlock<kOwnRows, kLayouts> kb(p, list, segment_tiles);
   if (!kb.valid) return;  // (the whole CTA: a grid slot past the list's blocks)
   sm.init();
 
@@ -51,15 +52,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0)
       produce(sm, maps, static_cast<int>(kb.sequence(p).k_row(kb.k0)), static_cast<int>(kb.hk),
               static_cast<int>(kb.sequence(p).batch), kb.tiles,
-              [&](int64_t it) { return kb.sequence(p).q_row(kb.row(it)); },
-              [&](int64_t it) { return kb.head(p, it); },
-              [&](int64_t it) { return kb.padded_row(p, stats.padded, it); }, stats);
+              kb.walk(p, stats.padded), stats);
     else if (kFusedDq && threadIdx.x == 32)
       write_dq(sm, kb, p, stats, dq_accum);
     return;
   }
   consumer_registers();
-  key_consumer<T, kHeadDim, kFusedDq, kLayouts>(sm, kb, p, warpgroup - 1);
+  key_consumer<T, kHeadDim, kFusedDq, kLayouts>(sm, kb, p, segment_tiles, warpgroup - 1);
 }
 
 // dQ of a block of 128 query rows, and those rows' shares of dsinks.
@@ -67,10 +66,11 @@ template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_query_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                         const __grid_constant__ TensorRef D_all,
-                        const __grid_constant__ TensorRef dsink_rows, const VarlenWorkList list) {
+                        const __grid_constant__ TensorRef dsink_rows, const VarlenWorkList list,
+                        const __grid_constant__ SegmentTiles segment_tiles) {
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
-  const QueryBlock<kLayouts> qb(p, list);
+  const QueryBlock<kLayouts> qb(p, list, segment_tiles);
   if (!qb.valid) return;
   sm.init();
 
@@ -80,12 +80,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0)
       produce(sm, maps, static_cast<int>(qb.seq.q_row(qb.q0)), static_cast<int>(qb.h),
               static_cast<int>(qb.seq.batch), qb.tiles,
-              [&](int64_t it) { return qb.seq.k_row(qb.key_tile(it)); },
-              [&](int64_t) { return qb.hk; }, [&](int64_t) { return int64_t(0); }, RowStats{});
+              qb.walk(), RowStats{});
     return;
   }
   consumer_registers();
-  query_consumer<T, kHeadDim, kLayouts>(sm, qb, p, warpgroup - 1, D_all, dsink_rows);
+  query_consumer<T, kHeadDim, kLayouts>(sm, qb, p, segment_tiles, warpgroup - 1, D_all,
+                                        dsink_rows);
 }
 
 // dK, dV and the shares of dQ of a block of 64 keys, head dims 129-256.
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                            const RowStats stats, float* dq_accum) {
   extern __shared__ unsigned char smem_raw[];
   WideSmem sm(smem_raw);
-  const KeyBlock<wide::kKeys> kb(p, VarlenWorkList{});
+  const KeyBlock<wide::kKeys> kb(p, VarlenWorkList{}, SegmentTiles{});
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     producer_registers();
@@ -110,11 +110,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
 __global__ void hopper_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
-                                  const RowStats, float*, const VarlenWorkList) {}
+                                  const RowStats, float*, const VarlenWorkList,
+                                  const SegmentTiles) {}
 template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                     const __grid_constant__ TensorRef,
-                                    const __grid_constant__ TensorRef, const VarlenWorkList) {}
+                                    const __grid_constant__ TensorRef, const VarlenWorkList,
+                                    const SegmentTiles) {}
 template <class T>
 __global__ void hopper_wide_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                        const RowStats, float*) {}

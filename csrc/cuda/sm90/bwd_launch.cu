@@ -101,6 +101,10 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   const int64_t key_blocks = block_grid(p, true, kKeysPerBlock, p.heads_kv);
   const int64_t query_blocks = block_grid(p, false, kOwnRows, p.heads_q);
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if constexpr (kLayouts == Layouts::kSegments) {
+    if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
+    if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
+  }
   if (kVarlen) {
     if (cudaError_t e = build_blocks(p, ws.key_list, true, kKeysPerBlock, p.heads_kv, key_blocks,
                                      stream);
@@ -122,11 +126,11 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
       if (key_blocks > 0)
         hopper_key_kernel<T, kHeadDim, false, kLayouts>
             <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-                p, key_maps, stats, nullptr, ws.key_list);
+                p, key_maps, stats, nullptr, ws.key_list, ws.segments);
       if (query_blocks > 0)
         hopper_query_kernel<T, kHeadDim, kLayouts>
             <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(
-                p, query_maps, ws.D, ws.dsink_rows, ws.query_list);
+                p, query_maps, ws.D, ws.dsink_rows, ws.query_list, ws.segments);
       return cudaGetLastError();
     }
   }
@@ -141,7 +145,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
     else
       hopper_key_kernel<T, kHeadDim, true, kLayouts>
           <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-              p, key_maps, stats, ws.dq_accum, ws.key_list);
+              p, key_maps, stats, ws.dq_accum, ws.key_list, ws.segments);
   }
   convert_dq_kernel<T, kHeadDim><<<elementwise_blocks, 256, 0, stream>>>(p, ws.dq_accum,
                                                                          ws.padded);
@@ -153,7 +157,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
 
 bool hopper_backward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
-  // Layouts as the forward's (hopper_layouts_supported). Above head dim 128
+  // Layouts as the forward's. Above head dim 128
   // only the fused (non-deterministic) kernel exists, for uniform layouts:
   // the mma.sync path takes the other calls there.
   const bool narrow = head_dim_bucket(kTensorCoreBuckets, p) <= 128;
@@ -180,9 +184,13 @@ cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStrea
     return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
       constexpr int kHeadDim = decltype(dim)::value;
       using T = decltype(tag);
-      if (p.uniform()) return hopper_bwd::launch<T, kHeadDim, Layouts::kUniform>(p, ws, stream);
-      if constexpr (hopper_bwd::kWide<kHeadDim>) return cudaErrorNotSupported;  // (supports)
-      else return hopper_bwd::launch<T, kHeadDim, Layouts::kVarlen>(p, ws, stream);
+      return with_layouts(p, [&](auto layouts) {
+        constexpr Layouts kLayouts = decltype(layouts)::value;
+        if constexpr (hopper_bwd::kWide<kHeadDim> && kLayouts != Layouts::kUniform)
+          return cudaErrorNotSupported;  // (hopper_backward_supports says no)
+        else
+          return hopper_bwd::launch<T, kHeadDim, kLayouts>(p, ws, stream);
+      });
     });
   });
   if (status != cudaSuccess) return status;

@@ -140,7 +140,8 @@ __device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, in
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
 __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                              const KeyBlock<kOwnRows, kLayouts>& kb,
-                                             const AttentionParams& p, int consumer) {
+                                             const AttentionParams& p,
+                                             const SegmentTiles& segment_tiles, int consumer) {
   using L = Layout<kHeadDim>;
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int64_t my_key = kb.k0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
@@ -155,6 +156,9 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   uint32_t pa[4][4], dsa[4][4];
   float dq[32];
   const int zeroed = barrier_id(NamedBarrier::kTileZeroed, consumer);
+  // (kSegments: this consumer's 64 keys are one segment-id tile.)
+  const FragmentSegments<kLayouts> segments(p, segment_tiles, kb.seq, kb.b, FragmentRows::kKeys,
+                                            kb.k0 + consumer * 64, my_key);
   mbar_wait(sm.owned, 0);
   if (kLayouts != Layouts::kUniform && kb.k0 + kOwnRows > kb.seq.seqlen_k) {
     const int first = static_cast<int>(max(kb.seq.seqlen_k - kb.k0, int64_t(0)));
@@ -182,6 +186,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         const int64_t q0 = kb.row(it);
         scores_log2(st, p);
         kb.mask<8>(st, p, my_key, q0);
+        segments.template mask<8>(st, q0);
         // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
         const float* lse2 = tile_stats(it);
         const float* D = lse2 + kStreamRows;
@@ -243,12 +248,15 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
 // its rows of dq and their shares of dsinks.
 template <class T, int kHeadDim, Layouts kLayouts>
 __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBlock<kLayouts>& qb,
-                                               const AttentionParams& p, int consumer,
+                                               const AttentionParams& p,
+                                               const SegmentTiles& segment_tiles, int consumer,
                                                const TensorRef& D_all,
                                                const TensorRef& dsink_rows) {
   using L = Layout<kHeadDim>;
   const int lane = threadIdx.x % 32;
   RowSoftmax rows{qb.q0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4};
+  const FragmentSegments<kLayouts> segments(p, segment_tiles, qb.seq, qb.b,
+                                            FragmentRows::kQueries, qb.q0 + consumer * 64, rows.row);
   const unsigned char* q_rows = sm.own_a + consumer * 64 * 128;
   const unsigned char* do_rows = sm.own_b + consumer * 64 * 128;
   float lse2[2], D[2];
@@ -292,6 +300,7 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
         rows.scores<8>(s, p, qb.seq, k0,
                        RowSoftmax::tile_needs_mask(qb.seq, qb.q0, qb.last_row, k0, kStreamRows,
                                                    qb.keys.key_begin, qb.keys.key_end));
+        segments.template mask<8>(s, k0);
         probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
                                [&](int i) { return D[(i % 4) / 2]; });
       },

@@ -17,12 +17,10 @@ namespace flashjax::cuda::hopper_bwd {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Producer: owned tensors once (tensor row own_row), then `tiles` streamed
-// pairs; tile i sits at tensor row stream_row(i) of head stream_head(i). With
-// stats.lse2, also those rows' lse2 and D, from padded row stat_row(i).
-template <int kHeadDim, class RowOf, class HeadOf, class StatRowOf>
+// pairs, from the walk's first. With stats.lse2, also those rows' lse2 and D.
+template <int kHeadDim>
 __device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_row, int own_head,
-                        int batch, int64_t tiles, RowOf&& stream_row, HeadOf&& stream_head,
-                        StatRowOf&& stat_row, const RowStats& stats) {
+                        int batch, int64_t tiles, StreamWalk tile, const RowStats& stats) {
   using L = Layout<kHeadDim>;
   mbar_expect_tx(sm.owned, 2 * L::kOwnBytes);
   tma_tile<kHeadDim, kOwnRows>(sm.own_a, &maps.own_a, sm.owned, own_row, own_head, batch);
@@ -31,17 +29,17 @@ __device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_ro
     const int stage = it % L::kStages, phase = (it / L::kStages) & 1;
     mbar_wait(&sm.empty[stage], phase ^ 1);
     mbar_expect_tx(&sm.full[stage], 2 * L::kStreamBytes + (stats.lse2 ? L::kStatBytes : 0));
-    const int row = static_cast<int>(stream_row(it)), head = static_cast<int>(stream_head(it));
     if (stats.lse2) {
-      const int64_t at = stat_row(it);
       float* dst = sm.stats + stage * (L::kStatBytes / 4);
-      bulk_load(dst, stats.lse2 + at, L::kStatBytes / 2, &sm.full[stage]);
-      bulk_load(dst + kStreamRows, stats.D + at, L::kStatBytes / 2, &sm.full[stage]);
+      bulk_load(dst, stats.lse2 + tile.padded_row, L::kStatBytes / 2, &sm.full[stage]);
+      bulk_load(dst + kStreamRows, stats.D + tile.padded_row, L::kStatBytes / 2, &sm.full[stage]);
     }
+    const int row = static_cast<int>(tile.row);
     tma_tile<kHeadDim, kStreamRows>(sm.stream_a + stage * L::kStreamBytes, &maps.stream_a,
-                                    &sm.full[stage], row, head, batch);
+                                    &sm.full[stage], row, tile.head, batch);
     tma_tile<kHeadDim, kStreamRows>(sm.stream_b + stage * L::kStreamBytes, &maps.stream_b,
-                                    &sm.full[stage], row, head, batch);
+                                    &sm.full[stage], row, tile.head, batch);
+    tile.next();
   }
 }
 
@@ -57,8 +55,9 @@ inline __device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps,
   tma_tile<kHeadDim, kKeys>(sm.k, &maps.own_a, sm.owned, k0, static_cast<int>(kb.hk), batch);
   tma_tile<kHeadDim, kKeys>(sm.v, &maps.own_b, sm.owned, k0, static_cast<int>(kb.hk), batch);
   for (int64_t it = 0; it < kb.tiles; ++it) {
-    const int row = static_cast<int>(kb.row(it)), head = static_cast<int>(kb.head(p, it));
-    const int64_t at = kb.padded_row(p, stats.padded, it);
+    const int64_t slot_row = kb.row(it), head64 = kb.head(p, it);
+    const int row = static_cast<int>(slot_row), head = static_cast<int>(head64);
+    const int64_t at = kb.padded_start(p, stats.padded, head64) + slot_row;
     const int s = it % kQStages, phase = ((it / kQStages) & 1) ^ 1;
     mbar_wait(&sm.q_empty[s], phase);
     mbar_expect_tx(&sm.q_full[s], kTileBytes + kStatBytes);

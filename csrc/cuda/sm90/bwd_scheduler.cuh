@@ -18,6 +18,29 @@
 
 namespace flashjax::cuda::hopper_bwd {
 
+// A block's streamed tiles in order, as the producer loads them and the dQ
+// writer adds to them: the tile's first tensor row, its head and (key kernel)
+// its first padded row (PaddedRows: statistics, dQ). Tiles run through
+// `per_head` row tiles of a head, then the next head's; stepped without
+// divisions (these loops run on few registers, and the consumers wait on the
+// dQ writer's).
+struct StreamWalk {
+  int64_t row, padded_row;
+  int head;
+  int64_t per_head, j = 0;
+  int64_t next_head_padded;  // from the head's last tile to the next head's first
+  __device__ void next() {
+    row += kStreamRows;
+    padded_row += kStreamRows;
+    if (++j == per_head) {
+      j = 0;
+      row -= per_head * kStreamRows;
+      ++head;
+      padded_row += next_head_padded;
+    }
+  }
+};
+
 // A block of `rows` tiles of a sequence: sequence b, head `head` (of `heads`
 // in the work list's items), tile `tile`; valid = false past the list's items.
 struct BlockIndex {
@@ -52,7 +75,8 @@ struct KeyBlock {
   int64_t b, hk, k0, last_key, row_begin, q_tiles, tiles;
   SeqlenInfo seq;
   bool valid;
-  __device__ KeyBlock(const AttentionParams& p, const VarlenWorkList& list) {
+  __device__ KeyBlock(const AttentionParams& p, const VarlenWorkList& list,
+                      const SegmentTiles& segment_tiles) {
     const BlockIndex i =
         block_index<kLayouts>((p.seqlen_k + kRows - 1) / kRows, p.heads_kv, list);
     valid = i.valid;
@@ -63,7 +87,15 @@ struct KeyBlock {
     last_key = min(k0 + kRows, seq.seqlen_k) - 1;
     // (No used key, last_key < k0: no query tile; uniform calls have one.)
     row_begin = seq.first_query(k0) / kStreamRows * kStreamRows;
-    const int64_t row_end = last_key < k0 || !valid ? 0 : seq.last_query(last_key) + 1;
+    int64_t row_end = kLayouts != Layouts::kUniform && (last_key < k0 || !valid)
+                          ? 0
+                          : seq.last_query(last_key) + 1;
+    if constexpr (kLayouts == Layouts::kSegments) {
+      int64_t lo, hi;  // (lo: a multiple of kStreamRows, as row_begin)
+      segment_tiles.query_span(b, k0, kRows, lo, hi);
+      row_begin = max(row_begin, lo);
+      row_end = min(row_end, hi);
+    }
     q_tiles = row_end > row_begin ? (row_end - row_begin + kStreamRows - 1) / kStreamRows : 0;
     tiles = q_tiles * p.group_size();
   }
@@ -77,14 +109,17 @@ struct KeyBlock {
   __device__ int64_t head(const AttentionParams& p, int64_t it) const {
     return hk * p.group_size() + it / q_tiles;
   }
-  // Streamed tile it's first padded row (PaddedRows: its statistics and dQ rows).
-  __device__ int64_t padded_row(const AttentionParams& p, const PaddedRows& padded,
-                                int64_t it) const {
+  // The first padded row (PaddedRows: statistics and dQ rows) of query head h.
+  __device__ int64_t padded_start(const AttentionParams& p, const PaddedRows& padded,
+                                  int64_t h) const {
     // (Uniform calls are not packed: the dense formula, without the branch.)
-    const int64_t start = kLayouts == Layouts::kUniform
-                              ? padded.start_of<false>(seq, b, head(p, it))
-                              : padded.start(seq, b, head(p, it));
-    return start + row(it);
+    if constexpr (kLayouts == Layouts::kUniform) return padded.start_of<false>(seq, b, h);
+    else return padded.start(seq, b, h);
+  }
+  __device__ StreamWalk walk(const AttentionParams& p, const PaddedRows& padded) const {
+    const int64_t h0 = hk * p.group_size();
+    return {sequence(p).q_row(row_begin), padded_start(p, padded, h0) + row_begin,
+            static_cast<int>(h0), q_tiles, 0, padded.rows - q_tiles * kStreamRows};
   }
   // Does streamed tile it reach past the used queries (kVarlen: what follows
   // them is loaded, see zero_tile_rows), and from which of its rows?
@@ -128,14 +163,21 @@ struct QueryBlock {
   KeyRange keys;
   int64_t tiles;
   bool valid;
-  __device__ QueryBlock(const AttentionParams& p, const VarlenWorkList& list)
-      : QueryBlock(p, query_index(p, list)) {}
+  __device__ QueryBlock(const AttentionParams& p, const VarlenWorkList& list,
+                        const SegmentTiles& segment_tiles)
+      : QueryBlock(p, query_index(p, list)) {
+    narrow_to_segments<kLayouts>(keys, segment_tiles, b, q0, kOwnRows, kStreamRows);
+    tiles = valid ? keys.tiles(kStreamRows) : 0;
+  }
   __device__ int64_t key_tile(int64_t it) const { return keys.tile_begin + it * kStreamRows; }
   __device__ bool tile_crosses_end(int64_t it) const {
     return kLayouts != Layouts::kUniform && key_tile(it) + kStreamRows > seq.seqlen_k;
   }
   __device__ int first_unused_row(int64_t it) const {
     return static_cast<int>(max(seq.seqlen_k - key_tile(it), int64_t(0)));
+  }
+  __device__ StreamWalk walk() const {  // (one head, no statistics)
+    return {seq.k_row(keys.tile_begin), 0, static_cast<int>(hk), tiles, 0, 0};
   }
 
  private:

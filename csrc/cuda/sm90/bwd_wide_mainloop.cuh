@@ -112,7 +112,7 @@ __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<wide:
     wgmma_wait<3>();
     fence_operands(dv);
     if (lane == 0) mbar_arrive(sm.do_empty);
-    const int64_t padded_row = kb.padded_row(p, stats.padded, it);
+    const int64_t padded_row = kb.padded_start(p, stats.padded, kb.head(p, it)) + kb.row(it);
     wgmma_wait<2>();
     fence_operands(dq0);
     add_dq_wide(dq_accum, stages, c, dq0, padded_row, 2 * c);
