@@ -114,8 +114,8 @@ struct BackwardWorkspace {
     }
     if (dq_cols > 0) dq_accum = take_floats(padded_rows * static_cast<size_t>(dq_cols));
     if (padded_stats && !p.uniform()) {
-      key_list = VarlenWorkList(p.batch, take(VarlenWorkList::workspace_bytes(p.batch)));
-      query_list = VarlenWorkList(p.batch, take(VarlenWorkList::workspace_bytes(p.batch)));
+      key_list = VarlenWorkList(p, take(VarlenWorkList::workspace_bytes(p)));
+      query_list = VarlenWorkList(p, take(VarlenWorkList::workspace_bytes(p)));
     }
   }
 

@@ -334,18 +334,26 @@ struct QueryRange {
 // Only kernels compiled for Layouts::kSegments do anything here.
 enum class FragmentRows { kQueries, kKeys };
 
-// kSegments: narrows the keys (a KeyRange) that sequence b's query rows
-// [row0, row0 + rows) visit to those whose segment-id tiles may meet theirs
-// (documents packed in order: their own documents'), or the query rows (a
-// QueryRange) that its keys [row0, row0 + rows) visit; n: the visited tiles' rows.
-template <Layouts kLayouts, class Range>
-__device__ __forceinline__ void narrow_to_segments(Range& range, const SegmentTiles& tiles,
-                                                   int64_t b, int64_t row0, int64_t rows, int n) {
+// kSegments: narrows the keys that sequence b's query rows [q0, q0 + rows)
+// visit to those whose segment-id tiles may meet theirs (documents packed in
+// order: their own documents'), and the query rows that keys [k0, k0 + rows)
+// visit likewise; n: the visiting tile's rows.
+template <Layouts kLayouts>
+__device__ __forceinline__ void narrow_to_segments(KeyRange& keys, const SegmentTiles& tiles,
+                                                   int64_t b, int64_t q0, int64_t rows, int n) {
   if constexpr (kLayouts == Layouts::kSegments) {
     int64_t lo, hi;
-    if constexpr (std::is_same_v<Range, KeyRange>) tiles.key_span(b, row0, rows, lo, hi);
-    else tiles.query_span(b, row0, rows, lo, hi);
-    range.narrow(lo, hi, n);
+    tiles.key_span(b, q0, rows, lo, hi);
+    keys.narrow(lo, hi, n);
+  }
+}
+template <Layouts kLayouts>
+__device__ __forceinline__ void narrow_to_segments(QueryRange& queries, const SegmentTiles& tiles,
+                                                   int64_t b, int64_t k0, int64_t rows, int n) {
+  if constexpr (kLayouts == Layouts::kSegments) {
+    int64_t lo, hi;
+    tiles.query_span(b, k0, rows, lo, hi);
+    queries.narrow(lo, hi, n);
   }
 }
 
@@ -355,9 +363,7 @@ struct FragmentSegments {
                               int64_t, FragmentRows, int64_t, int64_t) {}
   __device__ int64_t next_tile(int64_t c0, int64_t, int) const { return c0; }
   template <int kTiles>
-  __device__ unsigned compare_tiles(int64_t) const { return 0; }
-  template <int kTiles>
-  __device__ void mask(float (&)[kTiles * 4], int64_t, unsigned = 0) const {}
+  __device__ void mask(float (&)[kTiles * 4], int64_t) const {}
 };
 
 template <>
@@ -389,44 +395,28 @@ struct FragmentSegments<Layouts::kSegments> {
     while (c0 < end && !row_tile.meets(col_tiles[c0 / SegmentTiles::kRows])) c0 += n;
     return c0;
   }
-  // Which segment-id tiles of the columns from c0 (a multiple of
-  // SegmentTiles::kRows; kTiles * 8 columns) need per-element compares: bit j
-  // for tile j, unless its ids and the rows' are all one id. Separate from
-  // mask so that a kernel can read the tiles' ranges early, while the scores'
-  // product runs.
+  // -inf where a row's id differs from the id of column c0 + col (c0 a
+  // multiple of SegmentTiles::kRows; the columns may span several such tiles).
   template <int kTiles>
-  __device__ unsigned compare_tiles(int64_t c0) const {
-    unsigned compare = 0;
-#pragma unroll
-    for (int tile = 0; tile < (kTiles * 8 + SegmentTiles::kRows - 1) / SegmentTiles::kRows; ++tile) {
-      const int64_t tile_c0 = c0 + tile * SegmentTiles::kRows;
-      if (tile_c0 >= cols_used || !row_tile.all_equal(col_tiles[tile_c0 / SegmentTiles::kRows]))
-        compare |= 1u << tile;
-    }
-    return compare;
-  }
-  // -inf where a row's id differs from the id of column c0 + col, in the
-  // tiles `compare` names (compare_tiles).
-  template <int kTiles>
-  __device__ void mask(float (&s)[kTiles * 4], int64_t c0, unsigned compare) const {
+  __device__ void mask(float (&s)[kTiles * 4], int64_t c0) const {
     constexpr int kGroupsPerTile = SegmentTiles::kRows / 8;  // 8-column groups
     const int t = threadIdx.x % 4;
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      if (!((compare >> (n / kGroupsPerTile)) & 1)) continue;
+    for (int tile = 0; tile < (kTiles + kGroupsPerTile - 1) / kGroupsPerTile; ++tile) {
+      const int64_t tile_c0 = c0 + tile * SegmentTiles::kRows;
+      if (tile_c0 < cols_used && row_tile.all_equal(col_tiles[tile_c0 / SegmentTiles::kRows]))
+        continue;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t c = c0 + n * 8 + 2 * t + e;
-        const int32_t id = c < cols_used ? col_ids[c] : 0;
+      for (int n = tile * kGroupsPerTile; n < kTiles && n < (tile + 1) * kGroupsPerTile; ++n)
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-          if (c >= cols_used || id != row_id[r]) s[4 * n + 2 * r + e] = kNegInf;
-      }
+        for (int e = 0; e < 2; ++e) {
+          const int64_t c = c0 + n * 8 + 2 * t + e;
+          const int32_t id = c < cols_used ? col_ids[c] : 0;
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            if (c >= cols_used || id != row_id[r]) s[4 * n + 2 * r + e] = kNegInf;
+        }
     }
-  }
-  template <int kTiles>
-  __device__ void mask(float (&s)[kTiles * 4], int64_t c0) const {
-    mask<kTiles>(s, c0, compare_tiles<kTiles>(c0));
   }
 };
 

@@ -249,18 +249,12 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     auto values_done = [&](int64_t it) {
       if (lane == 0) mbar_arrive(&v_empty[(kv + it) % kStages]);
     };
-    // kSegments: which of tile it's segment-id tiles need per-element
-    // compares, read while its scores' product runs.
-    auto compare_tiles = [&](int64_t it) {
-      return segments.template compare_tiles<kKeyTiles>(w.keys.tile_begin + it * kBlockN);
-    };
-    auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, unsigned compare,
-                            float (&alpha)[2]) {
+    auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
       const int64_t k0 = w.keys.tile_begin + it * kBlockN;
       softmax.scores<kKeyTiles>(s, p, w.seq, k0,
                                 RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
                                                             w.keys.key_begin, w.keys.key_end));
-      segments.template mask<kKeyTiles>(s, k0, compare);
+      segments.template mask<kKeyTiles>(s, k0);
       softmax.exponentiate<kKeyTiles>(s, alpha);
     };
 
@@ -282,11 +276,10 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       wait_turn();
       issue_scores(s, 0);
       pass_turn();
-      const unsigned compare = compare_tiles(0);
       wgmma_wait<0>();
       fence_operands(s);
       scores_done(0);
-      softmax_step(s, 0, compare, alpha);
+      softmax_step(s, 0, alpha);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
       for (int64_t it = 1; it < n_tiles; ++it) {
@@ -294,11 +287,10 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
         issue_scores(s, it);
         issue_values(pa, it - 1);
         pass_turn();
-        const unsigned compare = compare_tiles(it);
         wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
         fence_operands(s);
         scores_done(it);
-        softmax_step(s, it, compare, alpha);
+        softmax_step(s, it, alpha);
         wgmma_wait<0>();
         fence_operands(o);
         values_done(it - 1);
@@ -345,32 +337,18 @@ bool make_maps(const AttentionParams& p, bool gqa_packed, TensorMaps& maps) {
                   Cfg::kBlockN);
 }
 
-// The work list's shape: pairs of kBlockM-row query tiles of each sequence
-// or, with segment ids, of each query tile (ordered by its segment-id span).
-WorkShape work_shape(const AttentionParams& p, int64_t block_m) {
-  WorkShape shape;
-  shape.tile_rows = block_m;
-  shape.heads = p.heads_q;
-  shape.pairs = true;
-  shape.per_tile = p.has_segments();
-  return shape;
-}
-
-// The workspace of a non-uniform call: the work list (room for the entries of
-// the smallest tiles), then (segment ids) the id ranges and spans of the
-// segment-id tiles. base may be null (sizes only).
+// The workspace of a non-uniform call: the work list, then (segment ids) the
+// id ranges and spans of the segment-id tiles. base may be null (sizes only).
 struct ForwardWorkspace {
   static constexpr size_t kAlign = 256;
   VarlenWorkList list;
   SegmentTiles segments;
   size_t bytes = 0;
-  ForwardWorkspace(const AttentionParams& p, void* base, int64_t block_m) {
+  ForwardWorkspace(const AttentionParams& p, void* base) {
     if (p.uniform()) return;
-    const int64_t room = work_shape(p, SegmentTiles::kRows).entries(p);
-    const size_t list_bytes =
-        (VarlenWorkList::workspace_bytes(room) + kAlign - 1) / kAlign * kAlign;
+    const size_t list_bytes = (VarlenWorkList::workspace_bytes(p) + kAlign - 1) / kAlign * kAlign;
     if (base) {
-      list = VarlenWorkList(work_shape(p, block_m).entries(p), base);
+      list = VarlenWorkList(p, base);
       segments = SegmentTiles(p, static_cast<char*>(base) + list_bytes);
     }
     bytes = list_bytes + SegmentTiles::workspace_bytes(p);
@@ -402,7 +380,7 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
         schedule.pairs_per_head * p.batch * (gqa_packed ? p.heads_kv : p.heads_q);
     items = schedule.total_pairs;
   }
-  const ForwardWorkspace ws(p, workspace, kBlockM);
+  const ForwardWorkspace ws(p, workspace);
   if constexpr (kLayouts != Layouts::kUniform) {
     if (!workspace) return cudaErrorInvalidValue;
     items = p.batch * p.heads_q * (((p.seqlen_q + kBlockM - 1) / kBlockM + 1) / 2);
@@ -412,9 +390,11 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
         return e;
     schedule.list = ws.list;
     schedule.heads = p.heads_q;
-    if (cudaError_t e =
-            build_work_list(p, work_shape(p, kBlockM), schedule.list, stream, ws.segments);
-        e != cudaSuccess)
+    WorkShape shape;
+    shape.tile_rows = kBlockM;
+    shape.heads = p.heads_q;
+    shape.pairs = true;
+    if (cudaError_t e = build_work_list(p, shape, schedule.list, stream); e != cudaSuccess)
       return e;
   }
   TensorMaps maps;
@@ -456,7 +436,7 @@ bool hopper_forward_supports(const AttentionParams& p) {
 }
 
 size_t hopper_forward_workspace_bytes(const AttentionParams& p) {
-  return ForwardWorkspace(p, nullptr, SegmentTiles::kRows).bytes;
+  return ForwardWorkspace(p, nullptr).bytes;
 }
 
 cudaError_t hopper_forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {

@@ -13,32 +13,16 @@ unsigned blocks_for(int64_t threads) {
   return static_cast<unsigned>((threads + kThreadsPerBlock - 1) / kThreadsPerBlock);
 }
 
-// The segment-id tile of this warp (one warp per tile: the query tiles of
-// every sequence, then the key tiles); valid = false for the grid's spare warps.
-struct WarpTile {
-  bool valid, queries;
-  int64_t tile, per_sequence, b, row0;
-  int lane;
-  __device__ WarpTile(const AttentionParams& p, const SegmentTiles& tiles)
-      : lane(threadIdx.x % 32) {
-    const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int64_t query_tiles = p.batch * tiles.q_tiles;
-    valid = warp < query_tiles + p.batch * tiles.k_tiles;
-    queries = warp < query_tiles;
-    tile = queries ? warp : warp - query_tiles;
-    per_sequence = queries ? tiles.q_tiles : tiles.k_tiles;
-    b = per_sequence > 0 ? tile / per_sequence : 0;
-    row0 = per_sequence > 0 ? tile % per_sequence * SegmentTiles::kRows : 0;
-  }
-};
-
-// Each tile's id range.
+// One warp per tile: the query tiles of every sequence, then the key tiles.
 __global__ void segment_tiles_kernel(const AttentionParams p, SegmentTiles tiles) {
-  const WarpTile w(p, tiles);
-  if (!w.valid) return;  // (whole warps)
-  const bool queries = w.queries;
-  const int64_t tile = w.tile, b = w.b, row0 = w.row0;
-  const int lane = w.lane;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t query_tiles = p.batch * tiles.q_tiles;
+  if (warp >= query_tiles + p.batch * tiles.k_tiles) return;  // (whole warps)
+  const bool queries = warp < query_tiles;
+  const int64_t tile = queries ? warp : warp - query_tiles;
+  const int64_t per_sequence = queries ? tiles.q_tiles : tiles.k_tiles;
+  const int64_t b = tile / per_sequence, row0 = tile % per_sequence * SegmentTiles::kRows;
   const SeqlenInfo seq(p, b);
   const SegmentIds ids(p, b);
   const int32_t* id = queries ? ids.q : ids.k;
@@ -51,15 +35,18 @@ __global__ void segment_tiles_kernel(const AttentionParams p, SegmentTiles tiles
   if (lane == 0) (queries ? tiles.q : tiles.k)[tile] = range;
 }
 
-// Each tile's span of the other side's tiles whose ranges meet its (lanes
-// stride over them, then a min / max reduction).
+// One warp per tile again: the span of the other side's tiles whose ranges
+// meet this tile's (lanes stride over them, then a min / max reduction).
 __global__ void segment_spans_kernel(const AttentionParams p, SegmentTiles tiles) {
-  const WarpTile w(p, tiles);
-  if (!w.valid) return;  // (whole warps)
-  const bool queries = w.queries;
-  const int64_t tile = w.tile, b = w.b;
-  const int lane = w.lane;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t query_tiles = p.batch * tiles.q_tiles;
+  if (warp >= query_tiles + p.batch * tiles.k_tiles) return;  // (whole warps)
+  const bool queries = warp < query_tiles;
+  const int64_t tile = queries ? warp : warp - query_tiles;
+  const int64_t per_sequence = queries ? tiles.q_tiles : tiles.k_tiles;
   const int64_t others = queries ? tiles.k_tiles : tiles.q_tiles;
+  const int64_t b = tile / per_sequence;
   const IdRange mine = (queries ? tiles.q : tiles.k)[tile];
   const IdRange* other = (queries ? tiles.k : tiles.q) + b * others;
   int32_t first = INT32_MAX, last = -1;

@@ -159,7 +159,6 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   // (kSegments: this consumer's 64 keys are one segment-id tile.)
   const FragmentSegments<kLayouts> segments(p, segment_tiles, kb.seq, kb.b, FragmentRows::kKeys,
                                             kb.k0 + consumer * 64, my_key);
-  unsigned compare = 0;  // kSegments: the streamed tile's segment-id tiles to compare
   mbar_wait(sm.owned, 0);
   if (kLayouts != Layouts::kUniform && kb.k0 + kOwnRows > kb.seq.seqlen_k) {
     const int first = static_cast<int>(max(kb.seq.seqlen_k - kb.k0, int64_t(0)));
@@ -179,7 +178,6 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         wgmma_commit();
         issue_abt<T, kHeadDim>(dpt, v_rows, do_tile(it));
         wgmma_commit();
-        compare = segments.template compare_tiles<8>(kb.row(it));  // (while they run)
       },
       [&](int64_t it) {  // P^T, dS^T
         wgmma_wait<1>();
@@ -188,7 +186,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         const int64_t q0 = kb.row(it);
         scores_log2(st, p);
         kb.mask<8>(st, p, my_key, q0);
-        segments.template mask<8>(st, q0, compare);
+        segments.template mask<8>(st, q0);
         // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
         const float* lse2 = tile_stats(it);
         const float* D = lse2 + kStreamRows;
@@ -259,7 +257,6 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
   RowSoftmax rows{qb.q0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4};
   const FragmentSegments<kLayouts> segments(p, segment_tiles, qb.seq, qb.b,
                                             FragmentRows::kQueries, qb.q0 + consumer * 64, rows.row);
-  unsigned compare = 0;  // kSegments: the streamed tile's segment-id tiles to compare
   const unsigned char* q_rows = sm.own_a + consumer * 64 * 128;
   const unsigned char* do_rows = sm.own_b + consumer * 64 * 128;
   float lse2[2], D[2];
@@ -295,7 +292,6 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
         issue_abt<T, kHeadDim>(s, q_rows, k_tile(it));
         issue_abt<T, kHeadDim>(dp, do_rows, v_tile(it));
         wgmma_commit();
-        compare = segments.template compare_tiles<8>(qb.key_tile(it));  // (while they run)
       },
       [&](int64_t it) {  // dS
         fence_operands(s);
@@ -304,7 +300,7 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
         rows.scores<8>(s, p, qb.seq, k0,
                        RowSoftmax::tile_needs_mask(qb.seq, qb.q0, qb.last_row, k0, kStreamRows,
                                                    qb.keys.key_begin, qb.keys.key_end));
-        segments.template mask<8>(s, k0, compare);
+        segments.template mask<8>(s, k0);
         probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
                                [&](int i) { return D[(i % 4) / 2]; });
       },

@@ -62,7 +62,7 @@ __device__ __forceinline__ BlockIndex block_index(int64_t tiles_per_head, int64_
     const VarlenWorkList::Entry e = list.find(blockIdx.x);
     i.b = e.sequence;
     i.head = e.local / e.tiles;
-    i.tile = e.first_tile + e.local % e.tiles;
+    i.tile = e.local % e.tiles;
   }
   return i;
 }

@@ -69,10 +69,8 @@ struct VarlenTileSchedule {
     if (item >= list.items()) return ScheduleStep::kEnd;
     const VarlenWorkList::Entry e = list.find(item);
     const int64_t pairs = (e.tiles + 1) / 2;
-    const ScheduleStep step = tile_of_pair(k, e.local, pairs, e.tiles, out,
-                                           [&] { return e.sequence * heads + e.local / pairs; });
-    out.tile += e.first_tile;
-    return step;
+    return tile_of_pair(k, e.local, pairs, e.tiles, out,
+                        [&] { return e.sequence * heads + e.local / pairs; });
   }
 };
 
