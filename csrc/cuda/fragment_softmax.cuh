@@ -334,26 +334,18 @@ struct QueryRange {
 // Only kernels compiled for Layouts::kSegments do anything here.
 enum class FragmentRows { kQueries, kKeys };
 
-// kSegments: narrows the keys that sequence b's query rows [q0, q0 + rows)
-// visit to those whose segment-id tiles may meet theirs (documents packed in
-// order: their own documents'), and the query rows that keys [k0, k0 + rows)
-// visit likewise; n: the visiting tile's rows.
-template <Layouts kLayouts>
-__device__ __forceinline__ void narrow_to_segments(KeyRange& keys, const SegmentTiles& tiles,
-                                                   int64_t b, int64_t q0, int64_t rows, int n) {
+// kSegments: narrows the keys (a KeyRange) that sequence b's query rows
+// [row0, row0 + rows) visit to those whose segment-id tiles may meet theirs
+// (documents packed in order: their own documents'), or the query rows (a
+// QueryRange) that its keys [row0, row0 + rows) visit; n: the visited tiles' rows.
+template <Layouts kLayouts, class Range>
+__device__ __forceinline__ void narrow_to_segments(Range& range, const SegmentTiles& tiles,
+                                                   int64_t b, int64_t row0, int64_t rows, int n) {
   if constexpr (kLayouts == Layouts::kSegments) {
     int64_t lo, hi;
-    tiles.key_span(b, q0, rows, lo, hi);
-    keys.narrow(lo, hi, n);
-  }
-}
-template <Layouts kLayouts>
-__device__ __forceinline__ void narrow_to_segments(QueryRange& queries, const SegmentTiles& tiles,
-                                                   int64_t b, int64_t k0, int64_t rows, int n) {
-  if constexpr (kLayouts == Layouts::kSegments) {
-    int64_t lo, hi;
-    tiles.query_span(b, k0, rows, lo, hi);
-    queries.narrow(lo, hi, n);
+    if constexpr (std::is_same_v<Range, KeyRange>) tiles.key_span(b, row0, rows, lo, hi);
+    else tiles.query_span(b, row0, rows, lo, hi);
+    range.narrow(lo, hi, n);
   }
 }
 

@@ -13,51 +13,57 @@ unsigned blocks_for(int64_t threads) {
   return static_cast<unsigned>((threads + kThreadsPerBlock - 1) / kThreadsPerBlock);
 }
 
-// One warp per tile: the query tiles of every sequence, then the key tiles.
+// The segment-id tile of a warp (one warp per tile: the query tiles of every
+// sequence, then the key tiles); false for the grid's spare warps.
+struct WarpTile {
+  int64_t tile, per_sequence;
+  bool queries;
+  int lane;
+  __device__ bool find(const AttentionParams& p, const SegmentTiles& tiles) {
+    const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int64_t query_tiles = p.batch * tiles.q_tiles;
+    lane = threadIdx.x % 32;
+    if (warp >= query_tiles + p.batch * tiles.k_tiles) return false;
+    queries = warp < query_tiles;
+    tile = queries ? warp : warp - query_tiles;
+    per_sequence = queries ? tiles.q_tiles : tiles.k_tiles;
+    return true;
+  }
+};
+
+// Each tile's id range.
 __global__ void segment_tiles_kernel(const AttentionParams p, SegmentTiles tiles) {
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t query_tiles = p.batch * tiles.q_tiles;
-  if (warp >= query_tiles + p.batch * tiles.k_tiles) return;  // (whole warps)
-  const bool queries = warp < query_tiles;
-  const int64_t tile = queries ? warp : warp - query_tiles;
-  const int64_t per_sequence = queries ? tiles.q_tiles : tiles.k_tiles;
-  const int64_t b = tile / per_sequence, row0 = tile % per_sequence * SegmentTiles::kRows;
+  WarpTile w;
+  if (!w.find(p, tiles)) return;  // (whole warps)
+  const int64_t b = w.tile / w.per_sequence, row0 = w.tile % w.per_sequence * SegmentTiles::kRows;
   const SeqlenInfo seq(p, b);
   const SegmentIds ids(p, b);
-  const int32_t* id = queries ? ids.q : ids.k;
-  const int64_t used = queries ? seq.seqlen_q : seq.seqlen_k;
-  const int64_t end = min(row0 + SegmentTiles::kRows, used);
+  const int32_t* id = w.queries ? ids.q : ids.k;
+  const int64_t end = min(row0 + SegmentTiles::kRows, w.queries ? seq.seqlen_q : seq.seqlen_k);
   IdRange range;
-  for (int64_t i = row0 + lane; i < end; i += 32) range.add(id[i]);
+  for (int64_t i = row0 + w.lane; i < end; i += 32) range.add(id[i]);
   range.lo = __reduce_min_sync(0xffffffffu, range.lo);
   range.hi = __reduce_max_sync(0xffffffffu, range.hi);
-  if (lane == 0) (queries ? tiles.q : tiles.k)[tile] = range;
+  if (w.lane == 0) (w.queries ? tiles.q : tiles.k)[w.tile] = range;
 }
 
-// One warp per tile again: the span of the other side's tiles whose ranges
-// meet this tile's (lanes stride over them, then a min / max reduction).
+// Each tile's span of the other side's tiles whose ranges meet its (lanes
+// stride over them, then a min / max reduction).
 __global__ void segment_spans_kernel(const AttentionParams p, SegmentTiles tiles) {
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t query_tiles = p.batch * tiles.q_tiles;
-  if (warp >= query_tiles + p.batch * tiles.k_tiles) return;  // (whole warps)
-  const bool queries = warp < query_tiles;
-  const int64_t tile = queries ? warp : warp - query_tiles;
-  const int64_t per_sequence = queries ? tiles.q_tiles : tiles.k_tiles;
-  const int64_t others = queries ? tiles.k_tiles : tiles.q_tiles;
-  const int64_t b = tile / per_sequence;
-  const IdRange mine = (queries ? tiles.q : tiles.k)[tile];
-  const IdRange* other = (queries ? tiles.k : tiles.q) + b * others;
+  WarpTile w;
+  if (!w.find(p, tiles)) return;  // (whole warps)
+  const int64_t others = w.queries ? tiles.k_tiles : tiles.q_tiles;
+  const IdRange mine = (w.queries ? tiles.q : tiles.k)[w.tile];
+  const IdRange* other = (w.queries ? tiles.k : tiles.q) + w.tile / w.per_sequence * others;
   int32_t first = INT32_MAX, last = -1;
-  for (int64_t t = lane; t < others; t += 32)
+  for (int64_t t = w.lane; t < others; t += 32)
     if (mine.meets(other[t])) {
       first = min(first, static_cast<int32_t>(t));
       last = max(last, static_cast<int32_t>(t));
     }
   first = __reduce_min_sync(0xffffffffu, first);
   last = __reduce_max_sync(0xffffffffu, last);
-  if (lane == 0) (queries ? tiles.q_span : tiles.k_span)[tile] = {first, last};
+  if (w.lane == 0) (w.queries ? tiles.q_span : tiles.k_span)[w.tile] = {first, last};
 }
 
 // Is row `row` of the packed query (or key) tensors in a sequence's slot?

@@ -185,7 +185,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         // (q0 before scores_log2: the other order compiled to a layout 6% slower at d64.)
         const int64_t q0 = kb.row(it);
         scores_log2(st, p);
-        kb.mask<8>(st, p, my_key, q0);
+        kb.template mask<8>(st, p, my_key, q0);
         segments.template mask<8>(st, q0);
         // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
         const float* lse2 = tile_stats(it);
