@@ -3,7 +3,9 @@
 from . import reference
 from ._ffi import has_cuda_kernels
 from .attention import flash_attention
+from .kvcache import flash_attention_with_kvcache
 from .varlen import flash_attention_varlen
 
-__all__ = ["flash_attention", "flash_attention_varlen", "has_cuda_kernels", "reference"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
+           "has_cuda_kernels", "reference"]
 __version__ = "0.1.0"

@@ -1,0 +1,238 @@
+"""flashjax.flash_attention_with_kvcache: attention over a KV cache, the new tokens
+appended to it first (FlashAttention's ``flash_attn_with_kvcache``).
+
+Today the call is composed of JAX operations around the attention kernel: rotary
+embedding, the append (a scatter: in place when the caches are donated), a gather of
+each sequence's key rows and ``flash_attention`` with ``seqused_k``. That gives every
+option its exact semantics on every backend; the fused kernel that reads the cache
+where it lies (paged or not) and splits long caches over the GPU comes next
+(benchmarks/NOTES.md tracks its numbers).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks
+from .attention import flash_attention
+
+__all__ = ["flash_attention_with_kvcache", "apply_rotary"]
+
+
+@jax.custom_vjp
+def _inference_only(x):
+    return x
+
+
+def _inference_only_fwd(x):
+    return x, None
+
+
+def _inference_only_bwd(_, g):
+    raise TypeError(
+        "flash_attention_with_kvcache is an inference interface and has no gradient; "
+        "differentiate flash_attention or flash_attention_varlen instead")
+
+
+_inference_only.defvjp(_inference_only_fwd, _inference_only_bwd)
+
+
+def apply_rotary(x, cos, sin, positions, interleaved: bool):
+    """Rotary embedding of the first 2 * cos.shape[1] features of x (..., rows, heads,
+    dim) at `positions` (..., rows) (clamped to cos's rows): GPT-J style pairs (2i,
+    2i + 1) when interleaved, else NeoX style halves (i, i + rotary_dim / 2). Computed
+    in float32, returned in x's dtype."""
+    half = cos.shape[1]
+    pos = jnp.clip(positions, 0, cos.shape[0] - 1)
+    c = cos.astype(jnp.float32)[pos][..., None, :]  # (..., rows, 1, half)
+    s = sin.astype(jnp.float32)[pos][..., None, :]
+    rot, rest = x[..., :2 * half].astype(jnp.float32), x[..., 2 * half:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rotated = jnp.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(rot.shape)
+    else:
+        a, b = rot[..., :half], rot[..., half:]
+        rotated = jnp.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+    return jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)
+
+
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+           page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse):
+    _checks.check_qkv(q, k_cache, v_cache, 4, (
+        "(batch, seqlen_q, heads_q, head_dim)",
+        "(batch_cache, seqlen_cache, heads_kv, head_dim) or (num_pages, page_size, heads_kv, "
+        "head_dim)", "like k_cache, with head_dim_v"), "rows")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    for name, n in (("batch", batch), ("seqlen_q", seqlen_q), ("k_cache rows", k_cache.shape[1]),
+                    ("k_cache batch_cache / num_pages", k_cache.shape[0])):
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got q {q.shape}, k_cache {k_cache.shape}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must be given together")
+    if k is not None:
+        for name, x, last in (("k", k, head_dim), ("v", v, head_dim_v)):
+            s = _checks.shape_of(name, x)
+            if len(s) != 4 or s[0] != batch or s[2] != heads_kv or s[3] != last:
+                raise ValueError(
+                    f"{name} must have shape (batch, seqlen_new, heads_kv, "
+                    f"{'head_dim' if name == 'k' else 'head_dim_v'}) = "
+                    f"({batch}, seqlen_new, {heads_kv}, {last}), got {s}")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+        if v.shape[1] != k.shape[1]:
+            raise ValueError(f"k and v must have the same seqlen_new, got {k.shape}, {v.shape}")
+    if _checks.is_int(cache_seqlens):
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+    elif cache_seqlens is None:
+        raise TypeError("cache_seqlens is required: an int32 (batch,) array or a Python int")
+    else:
+        _checks.check_int_array("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    _checks.check_int_array("cache_leftpad", cache_leftpad, (batch,), "(batch,)")
+    if page_table is not None:
+        s = _checks.shape_of("page_table", page_table)
+        if len(s) != 2 or s[0] != batch or s[1] < 1:
+            raise ValueError(f"page_table must have shape (batch, max_pages) with batch = "
+                             f"{batch} and max_pages >= 1, got {s}")
+        _checks.check_int_array("page_table", page_table, s, "(batch, max_pages)")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx is for contiguous caches; a paged cache's "
+                             "sequences are named by page_table")
+    else:
+        _checks.check_int_array("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)")
+        if cache_batch_idx is None and k_cache.shape[0] != batch:
+            raise ValueError(
+                f"without cache_batch_idx, k_cache's batch_cache must equal q's batch ({batch}), "
+                f"got k_cache shape {k_cache.shape}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        s = _checks.shape_of("rotary_cos", rotary_cos)
+        if len(s) != 2 or _checks.shape_of("rotary_sin", rotary_sin) != s or s[0] < 1:
+            raise ValueError("rotary_cos and rotary_sin must both have shape (seqlen_ro, "
+                             f"rotary_dim / 2), got {s} and {tuple(rotary_sin.shape)}")
+        rotary_dim = 2 * s[1]
+        if rotary_dim % 16 != 0 or not 16 <= rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must be a "
+                             f"multiple of 16 in [16, head_dim = {head_dim}]")
+        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if x.dtype not in (jnp.float32, q.dtype):
+                raise TypeError(f"{name} must be float32 or q's dtype {q.dtype}, got {x.dtype}")
+    for name, flag in (("rotary_interleaved", rotary_interleaved), ("return_lse", return_lse)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if not _checks.is_int(num_splits) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                                 cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                                 rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                                 softmax_scale=None, causal=False, window_size=(-1, -1),
+                                 softcap=0.0, sinks=None, num_splits=0, return_lse=False):
+    """Attention of q over a KV cache, with new tokens k, v appended to it first.
+
+    Args:
+      q: (batch, seqlen_q, heads_q, head_dim).
+      k_cache, v_cache: contiguous (batch_cache, seqlen_cache, heads_kv, head_dim[_v]),
+        or paged (num_pages, page_size, heads_kv, head_dim[_v]) with `page_table`.
+      k, v: optional new tokens (batch, seqlen_new, heads_kv, head_dim[_v]): written at
+        rows cache_seqlens[i]... of sequence i (after rotary on k), then attended.
+      cache_seqlens: int32 (batch,) or a Python int: rows already in the cache.
+      cache_batch_idx: int32 (batch,): the contiguous cache row of each batch entry
+        (default: entry i uses row i).
+      cache_leftpad: int32 (batch,): first valid cache row of each sequence.
+      page_table: int32 (batch, max_pages): logical row p of sequence i is row
+        p % page_size of page page_table[i, p // page_size].
+      rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), float32 or q's dtype:
+        rotary embedding of q and the new k (GPT-J pairs when rotary_interleaved,
+        else NeoX halves). Positions count from the first valid key: new token j
+        is at cache_seqlens - cache_leftpad + j; q row j at the same position as
+        new token j when causal or windowed, else every q row at
+        cache_seqlens - cache_leftpad.
+      softmax_scale, causal, window_size, softcap, sinks: as in flash_attention;
+        causal and windows are aligned bottom-right on the sequence's keys
+        (cache rows [cache_leftpad, cache_seqlens) then the new tokens).
+      num_splits: split-KV count of the GPU kernel (0: automatic). Accepted and
+        validated; the composed implementation of today does not split.
+      return_lse: also return the float32 lse (batch, heads_q, seqlen_q).
+
+    Returns:
+      out [, lse] when k, v are None; out [, lse], k_cache, v_cache (the caches
+      with the new rows written) when they are given. Under
+      ``jax.jit(..., donate_argnums=...)`` with the caches donated the update
+      happens in place; without donation XLA copies the caches.
+
+    Inconsistent metadata is clamped, never trusted: cache_seqlens and
+    cache_leftpad to [0, capacity] (capacity: seqlen_cache, or max_pages *
+    page_size), new rows past the capacity, batch indices or pages outside the
+    cache are not written (and such keys read a clamped row, unspecified), a
+    sequence's keys are at most the capacity's. Not differentiable: gradients
+    raise a TypeError.
+    """
+    _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+           page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
+    cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
+                              sinks is not None, False)
+    per_row_positions = cfg.window_left >= 0 or cfg.window_right >= 0  # causal or windowed
+    q, k_cache, v_cache, k, v, sinks = (None if x is None else _inference_only(x)
+                                        for x in (q, k_cache, v_cache, k, v, sinks))
+
+    batch, seqlen_q = q.shape[:2]
+    paged = page_table is not None
+    slots, rows_per_slot = k_cache.shape[:2]  # batch_cache / num_pages, seqlen_cache / page_size
+    capacity = page_table.shape[1] * rows_per_slot if paged else rows_per_slot
+    seqlens = (jnp.full((batch,), cache_seqlens, jnp.int32) if _checks.is_int(cache_seqlens)
+               else cache_seqlens)
+    seqlens = jnp.clip(seqlens, 0, capacity)
+    start = (jnp.zeros((batch,), jnp.int32) if cache_leftpad is None
+             else jnp.clip(cache_leftpad, 0, capacity))
+    seqlen_new = 0 if k is None else k.shape[1]
+    first_position = jnp.maximum(seqlens - start, 0)  # of the first new token
+
+    def locate(logical):
+        """(slot, row) of logical rows (batch, n) of each sequence, and whether the
+        row exists (in the capacity, in a valid batch entry or page)."""
+        inside = (logical >= 0) & (logical < capacity)
+        row = jnp.clip(logical, 0, capacity - 1)
+        if paged:
+            slot = jnp.take_along_axis(page_table, row // rows_per_slot, axis=1)
+            row = row % rows_per_slot
+        else:
+            slot = (jnp.arange(batch, dtype=jnp.int32) if cache_batch_idx is None
+                    else cache_batch_idx)[:, None] * jnp.ones_like(row)
+        valid = inside & (slot >= 0) & (slot < slots)
+        return slot, row, valid
+
+    if rotary_cos is not None:
+        rows_q = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :]
+        q_positions = first_position[:, None] + (rows_q if per_row_positions else 0 * rows_q)
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+
+    if k is not None:
+        new = seqlens[:, None] + jnp.arange(seqlen_new, dtype=jnp.int32)[None, :]
+        if rotary_cos is not None:
+            k = apply_rotary(k, rotary_cos, rotary_sin,
+                             first_position[:, None] + (new - seqlens[:, None]),
+                             rotary_interleaved)
+        slot, row, valid = locate(new)
+        slot = jnp.where(valid, slot, slots)  # out of range: the scatter drops it
+        k_cache = k_cache.at[slot, row].set(k, mode="drop")
+        v_cache = v_cache.at[slot, row].set(v, mode="drop")
+
+    # Each sequence's keys: logical rows [start, seqlens + seqlen_new), gathered.
+    end = jnp.minimum(seqlens + seqlen_new, capacity)
+    used_k = jnp.maximum(end - start, 0).astype(jnp.int32)
+    slot, row, _ = locate(start[:, None] + jnp.arange(capacity, dtype=jnp.int32)[None, :])
+    slot = jnp.clip(slot, 0, slots - 1)  # (keys of invalid rows are masked or unspecified)
+    keys, values = k_cache[slot, row], v_cache[slot, row]
+    result = flash_attention(q, keys, values, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, softcap=softcap, sinks=sinks,
+                             return_lse=return_lse, seqused_k=used_k)
+    outputs = result if return_lse else (result,)
+    if k is not None:
+        outputs = (*outputs, k_cache, v_cache)
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -1,0 +1,301 @@
+"""flashjax.flash_attention_with_kvcache against a float64 reference assembled from the
+cache by hand (NumPy: rows located one by one, rotary in float64, the append done
+row by row, then flashjax.reference.attention per sequence)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashjax
+from flashjax import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCase:
+    batch: int = 3
+    seqlen_q: int = 1
+    heads_q: int = 4
+    heads_kv: int = 2
+    head_dim: int = 32
+    head_dim_v: int = 32
+    seqlens: tuple = (5, 0, 17)        # cache_seqlens
+    capacity: int = 24                 # seqlen_cache, or max_pages * page_size
+    seqlen_new: int = 0
+    page_size: int = 0                 # 0: contiguous
+    num_pages: int = 0                 # paged: pages in the pool
+    batch_cache: int = 0               # contiguous with cache_batch_idx (0: none)
+    leftpad: tuple = ()
+    rotary_dim: int = 0
+    interleaved: bool = True
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
+    dtype: str = "float32"
+
+    def __str__(self):
+        parts = [f"b{self.batch}", f"sq{self.seqlen_q}", f"h{self.heads_q}/{self.heads_kv}",
+                 f"d{self.head_dim}", f"cache{'-'.join(map(str, self.seqlens))}/{self.capacity}",
+                 f"new{self.seqlen_new}"]
+        if self.page_size:
+            parts.append(f"page{self.page_size}")
+        if self.batch_cache:
+            parts.append(f"bidx{self.batch_cache}")
+        if self.leftpad:
+            parts.append("leftpad")
+        if self.rotary_dim:
+            parts.append(f"rot{self.rotary_dim}{'i' if self.interleaved else 'n'}")
+        for flag in ("causal", "sinks"):
+            if getattr(self, flag):
+                parts.append(flag)
+        if self.window_size != (-1, -1):
+            parts.append(f"w{self.window_size[0]}_{self.window_size[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        return "-".join(parts + [self.dtype])
+
+
+def make_inputs(case: KVCase, seed=0):
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(case.dtype)
+    normal = lambda *s: jnp.asarray(rng.standard_normal(s), dt)
+    hkv, d, dv = case.heads_kv, case.head_dim, case.head_dim_v
+    if case.page_size:
+        pages_per_seq = case.capacity // case.page_size
+        k_cache = normal(case.num_pages, case.page_size, hkv, d)
+        v_cache = normal(case.num_pages, case.page_size, hkv, dv)
+        table = rng.permutation(case.num_pages)[:case.batch * pages_per_seq]
+        extra = dict(page_table=jnp.asarray(table.reshape(case.batch, pages_per_seq), jnp.int32))
+    else:
+        rows = case.batch_cache or case.batch
+        k_cache, v_cache = normal(rows, case.capacity, hkv, d), normal(rows, case.capacity, hkv, dv)
+        extra = {}
+        if case.batch_cache:
+            extra["cache_batch_idx"] = jnp.asarray(
+                rng.permutation(case.batch_cache)[:case.batch], jnp.int32)
+    if case.leftpad:
+        extra["cache_leftpad"] = jnp.asarray(case.leftpad, jnp.int32)
+    if case.rotary_dim:
+        angles = rng.uniform(0, 2 * np.pi, (case.capacity + case.seqlen_q, case.rotary_dim // 2))
+        extra["rotary_cos"] = jnp.asarray(np.cos(angles), jnp.float32)
+        extra["rotary_sin"] = jnp.asarray(np.sin(angles), jnp.float32)
+        extra["rotary_interleaved"] = case.interleaved
+    if case.sinks:
+        extra["sinks"] = jnp.asarray(rng.standard_normal(case.heads_q), jnp.float32)
+    new = {}
+    if case.seqlen_new:
+        new = dict(k=normal(case.batch, case.seqlen_new, hkv, d),
+                   v=normal(case.batch, case.seqlen_new, hkv, dv))
+    q = normal(case.batch, case.seqlen_q, case.heads_q, d)
+    return q, k_cache, v_cache, new, extra
+
+
+def rotary_np(x, cos, sin, positions, interleaved):
+    """x (rows, heads, dim) float64; positions (rows,)."""
+    half = cos.shape[1]
+    c = cos[np.clip(positions, 0, cos.shape[0] - 1)][:, None, :]
+    s = sin[np.clip(positions, 0, cos.shape[0] - 1)][:, None, :]
+    out = x.copy()
+    if interleaved:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = a * c - b * s, a * s + b * c
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half], out[..., half:2 * half] = a * c - b * s, a * s + b * c
+    return out
+
+
+def expected(case: KVCase, q, k_cache, v_cache, new, extra):
+    """(out, lse, k_cache, v_cache) in float64, by hand."""
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    q, kc, vc = f64(q), f64(k_cache), f64(v_cache)
+    kn = f64(new["k"]) if new else None
+    vn = f64(new["v"]) if new else None
+    rot = case.rotary_dim > 0
+    cos = np.asarray(extra["rotary_cos"], np.float64) if rot else None
+    sin = np.asarray(extra["rotary_sin"], np.float64) if rot else None
+    outs, lses = [], []
+    for i in range(case.batch):
+        def loc(r):
+            if case.page_size:
+                return int(extra["page_table"][i, r // case.page_size]), r % case.page_size
+            slot = int(extra["cache_batch_idx"][i]) if case.batch_cache else i
+            return slot, r
+        seqlen = case.seqlens[i]
+        left = case.leftpad[i] if case.leftpad else 0
+        position = seqlen - left
+        for j in range(case.seqlen_new):
+            r = seqlen + j
+            if r >= case.capacity:
+                continue
+            kj = kn[i, j:j + 1]
+            if rot:
+                kj = rotary_np(kj, cos, sin, np.array([position + j]), case.interleaved)
+            kc[loc(r)], vc[loc(r)] = kj[0], vn[i, j]
+        end = min(seqlen + case.seqlen_new, case.capacity)
+        keys = np.stack([kc[loc(r)] for r in range(left, end)]) if end > left else None
+        vals = np.stack([vc[loc(r)] for r in range(left, end)]) if end > left else None
+        qi = q[i]
+        if rot:
+            per_row = case.causal or case.window_size != (-1, -1)
+            rows = position + (np.arange(case.seqlen_q) if per_row else 0 * np.arange(case.seqlen_q))
+            qi = rotary_np(qi, cos, sin, rows, case.interleaved)
+        if keys is None:  # no key: out 0, lse = the sink or -inf
+            outs.append(np.zeros((case.seqlen_q, case.heads_q, case.head_dim_v)))
+            sink = np.asarray(extra["sinks"], np.float64) if case.sinks else np.full(case.heads_q, -np.inf)
+            lses.append(np.repeat(sink[:, None], case.seqlen_q, axis=1))
+            continue
+        o, l = reference.attention(
+            qi[None], keys[None], vals[None], causal=case.causal, window_size=case.window_size,
+            softcap=case.softcap, sinks=extra.get("sinks"), return_lse=True,
+            compute_dtype=jnp.float64)
+        outs.append(np.asarray(o[0]))
+        lses.append(np.asarray(l[0]))
+    return np.stack(outs), np.stack(lses), kc, vc
+
+
+def run(case: KVCase, **options):
+    q, k_cache, v_cache, new, extra = make_inputs(case)
+    seqlens = jnp.asarray(case.seqlens, jnp.int32)
+    result = flashjax.flash_attention_with_kvcache(
+        q, k_cache, v_cache, **new, cache_seqlens=seqlens, causal=case.causal,
+        window_size=case.window_size, softcap=case.softcap, return_lse=True, **extra, **options)
+    return result, expected(case, q, k_cache, v_cache, new, extra)
+
+
+def check(case: KVCase, **options):
+    result, (out, lse, kc, vc) = run(case, **options)
+    tol = 2e-4 if case.dtype == "float32" else 3e-2
+    np.testing.assert_allclose(np.asarray(result[0], np.float64), out, rtol=tol, atol=tol,
+                               err_msg=f"{case}: out")
+    np.testing.assert_allclose(np.asarray(result[1], np.float64), lse, rtol=tol, atol=tol,
+                               err_msg=f"{case}: lse")
+    if case.seqlen_new:
+        assert len(result) == 4
+        for name, got, want in (("k_cache", result[2], kc), ("v_cache", result[3], vc)):
+            np.testing.assert_allclose(np.asarray(jnp.asarray(got, jnp.float32), np.float64),
+                                       want, rtol=tol, atol=tol, err_msg=f"{case}: {name}")
+    else:
+        assert len(result) == 2
+
+
+CASES = [
+    KVCase(),
+    KVCase(seqlen_new=3, causal=True),
+    KVCase(seqlen_new=2, batch_cache=5, leftpad=(2, 0, 4), causal=True, sinks=True),
+    KVCase(seqlens=(0, 20, 9), seqlen_new=4, seqlen_q=4, causal=True, rotary_dim=16),
+    KVCase(seqlen_new=1, rotary_dim=32, interleaved=False, window_size=(6, 0), softcap=5.0),
+    KVCase(seqlen_q=3, heads_q=8, heads_kv=1, head_dim=64, head_dim_v=40, seqlens=(30, 1, 12),
+           capacity=40, seqlen_new=2, rotary_dim=16),
+    KVCase(page_size=1, num_pages=80, capacity=24, seqlen_new=2, causal=True),
+    KVCase(page_size=16, num_pages=9, capacity=48, seqlens=(33, 3, 15), seqlen_new=3,
+           rotary_dim=16, interleaved=False, causal=True),
+    KVCase(page_size=64, num_pages=7, capacity=128, seqlens=(100, 64, 0), seqlen_new=1,
+           sinks=True, leftpad=(10, 0, 0)),
+    KVCase(page_size=256, num_pages=4, capacity=256, seqlens=(200, 1, 255), seqlen_new=2,
+           seqlen_q=2, causal=True),
+    KVCase(seqlen_new=2, causal=True, rotary_dim=16, dtype="bfloat16"),
+    KVCase(seqlens=(20, 23, 24), seqlen_new=3, causal=True),  # appends past the capacity
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=map(str, CASES))
+def test_kvcache(case):
+    check(case)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_num_splits_give_the_same_result(num_splits):
+    check(CASES[2], num_splits=num_splits)
+
+
+def test_python_int_cache_seqlens_and_no_lse():
+    case = KVCase(seqlens=(7, 7, 7), seqlen_new=1)
+    q, k_cache, v_cache, new, extra = make_inputs(case)
+    out, kc, vc = flashjax.flash_attention_with_kvcache(q, k_cache, v_cache, **new,
+                                                       cache_seqlens=7, **extra)
+    want, _, want_kc, _ = expected(case, q, k_cache, v_cache, new, extra)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(kc, np.float64), want_kc, rtol=2e-4, atol=2e-4)
+
+
+def test_donated_caches_are_updated_in_place():
+    """Under jit with the caches donated, XLA aliases them to the returned caches."""
+    case = KVCase(seqlen_new=1)
+    q, k_cache, v_cache, new, extra = make_inputs(case)
+    step = jax.jit(lambda q, kc, vc, k, v, n: flashjax.flash_attention_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=n), donate_argnums=(1, 2))
+    lowered = step.lower(q, k_cache, v_cache, new["k"], new["v"],
+                         jnp.asarray(case.seqlens, jnp.int32))
+    analysis = lowered.compile().memory_analysis()
+    if analysis is None:
+        pytest.skip("this backend reports no memory analysis")
+    assert analysis.alias_size_in_bytes >= k_cache.nbytes + v_cache.nbytes
+
+
+def test_adversarial_metadata_stays_in_bounds():
+    """Garbage lengths, pages and batch indices: no fault, finite results, the cache
+    rows no valid append reaches unchanged."""
+    case = KVCase(page_size=4, num_pages=12, capacity=16, seqlen_new=2)
+    q, k_cache, v_cache, new, extra = make_inputs(case)
+    table = jnp.asarray([[0, 1, 99, -5], [2, 3, 4, 5], [6, 7, 8, 2 ** 31 - 1]], jnp.int32)
+    for seqlens in ([-7, 15, 2 ** 31 - 1], [16, 0, 3]):
+        out, kc, vc = flashjax.flash_attention_with_kvcache(
+            q, k_cache, v_cache, **new, cache_seqlens=jnp.asarray(seqlens, jnp.int32),
+            page_table=table, cache_leftpad=jnp.asarray([-3, 40, 1], jnp.int32))
+        assert np.isfinite(np.asarray(out)).all()
+        untouched = np.asarray(kc)[9:12]  # pages no sequence's table names
+        np.testing.assert_array_equal(untouched, np.asarray(k_cache)[9:12])
+    q, k_cache, v_cache, new, extra = make_inputs(KVCase(seqlen_new=1, batch_cache=4))
+    out, kc, _ = flashjax.flash_attention_with_kvcache(
+        q, k_cache, v_cache, **new, cache_seqlens=jnp.asarray([1, 2, 3], jnp.int32),
+        cache_batch_idx=jnp.asarray([-1, 4, 2 ** 31 - 1], jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(kc), np.asarray(k_cache))  # no valid row
+
+
+def test_gradients_raise():
+    case = KVCase()
+    q, k_cache, v_cache, _, _ = make_inputs(case)
+    f = lambda q: flashjax.flash_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=3).sum()
+    with pytest.raises(TypeError, match="inference interface"):
+        jax.grad(f)(q)
+
+
+def test_argument_errors():
+    case = KVCase(seqlen_new=1)
+    q, k_cache, v_cache, new, _ = make_inputs(case)
+    call = flashjax.flash_attention_with_kvcache
+    n = jnp.asarray(case.seqlens, jnp.int32)
+    with pytest.raises(ValueError, match="k and v"):
+        call(q, k_cache, v_cache, new["k"], cache_seqlens=n)
+    with pytest.raises(TypeError, match="dtype"):
+        call(q, k_cache.astype(jnp.bfloat16), v_cache, cache_seqlens=n)
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        call(q, k_cache, v_cache, cache_seqlens=n.astype(jnp.float32))
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        call(q, k_cache, v_cache, cache_seqlens=None)
+    with pytest.raises(ValueError, match="page_table"):
+        call(q, k_cache, v_cache, cache_seqlens=n, page_table=jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        call(q, k_cache, v_cache, cache_seqlens=n, page_table=jnp.zeros((3, 3), jnp.int32),
+             cache_batch_idx=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="batch_cache"):
+        call(q, k_cache[:2], v_cache[:2], cache_seqlens=n)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        call(q, k_cache, v_cache, cache_seqlens=n, rotary_cos=jnp.ones((8, 3)),
+             rotary_sin=jnp.ones((8, 3)))
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin"):
+        call(q, k_cache, v_cache, cache_seqlens=n, rotary_cos=jnp.ones((8, 8)))
+    with pytest.raises(ValueError, match="num_splits"):
+        call(q, k_cache, v_cache, cache_seqlens=n, num_splits=-1)
+    with pytest.raises(ValueError, match="seqlen_new"):
+        call(q, k_cache, v_cache, new["k"], new["v"][:, :0], cache_seqlens=n)
+    with pytest.raises(ValueError, match=r"k must have shape"):
+        call(q, k_cache, v_cache, new["k"][..., :8], new["v"], cache_seqlens=n)
