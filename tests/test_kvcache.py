@@ -299,3 +299,50 @@ def test_argument_errors():
         call(q, k_cache, v_cache, new["k"], new["v"][:, :0], cache_seqlens=n)
     with pytest.raises(ValueError, match=r"k must have shape"):
         call(q, k_cache, v_cache, new["k"][..., :8], new["v"], cache_seqlens=n)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_continuous_batching_with_paged_caches(page_size):
+    """flash_attention_varlen over paged caches (prefill and decode rows in one call)
+    equals the varlen reference on the keys gathered by hand."""
+    rng = np.random.default_rng(3)
+    lengths_q, used_k = (5, 1, 1, 3), (9, 30, 1, 17)
+    heads_q, heads_kv, d, max_pages = 4, 2, 32, 32 // page_size
+    num_pages = len(lengths_q) * max_pages + 3
+    k_cache = jnp.asarray(rng.standard_normal((num_pages, page_size, heads_kv, d)), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal((num_pages, page_size, heads_kv, d)), jnp.float32)
+    table = rng.permutation(num_pages)[:len(lengths_q) * max_pages].reshape(len(lengths_q), -1)
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((cu_q[-1], heads_q, d)), jnp.float32)
+    out, lse = flashjax.flash_attention_varlen(
+        q, k_cache, v_cache, jnp.asarray(cu_q), None, 5, 32, seqused_k=jnp.asarray(used_k, jnp.int32),
+        page_table=jnp.asarray(table, jnp.int32), causal=True, return_lse=True)
+    keys = [np.stack([np.asarray(k_cache)[table[i, r // page_size], r % page_size]
+                      for r in range(n)]) for i, n in enumerate(used_k)]
+    vals = [np.stack([np.asarray(v_cache)[table[i, r // page_size], r % page_size]
+                      for r in range(n)]) for i, n in enumerate(used_k)]
+    cu_k = np.concatenate([[0], np.cumsum(used_k)]).astype(np.int32)
+    want, want_lse = reference.attention_varlen(
+        np.asarray(q, np.float64), np.concatenate(keys).astype(np.float64),
+        np.concatenate(vals).astype(np.float64), cu_q, cu_k, 5, 32, causal=True,
+        return_lse=True, compute_dtype=jnp.float64)
+    np.testing.assert_allclose(np.asarray(out, np.float64), np.asarray(want), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), np.asarray(want_lse), rtol=2e-4,
+                               atol=2e-4)
+
+
+def test_paged_varlen_argument_errors():
+    q = jnp.zeros((4, 2, 32), jnp.float32)
+    cache = jnp.zeros((6, 4, 2, 32), jnp.float32)
+    cu = jnp.asarray([0, 4], jnp.int32)
+    table = jnp.zeros((1, 2), jnp.int32)
+    used = jnp.asarray([3], jnp.int32)
+    call = flashjax.flash_attention_varlen
+    with pytest.raises(ValueError, match="seqused_k"):
+        call(q, cache, cache, cu, None, 4, 8, page_table=table)
+    with pytest.raises(ValueError, match="cu_seqlens_k=None"):
+        call(q, cache, cache, cu, cu, 4, 8, seqused_k=used, page_table=table)
+    with pytest.raises(ValueError, match="page_table"):
+        call(q, cache, cache, cu, None, 4, 8, seqused_k=used, page_table=jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="k must have rank 4"):
+        call(q, cache[0], cache[0], cu, None, 4, 8, seqused_k=used, page_table=table)

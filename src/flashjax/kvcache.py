@@ -58,6 +58,33 @@ def apply_rotary(x, cos, sin, positions, interleaved: bool):
     return jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)
 
 
+def cache_rows(logical, cache, page_table=None, batch_idx=None):
+    """Where logical rows `logical` (batch, n) of each sequence lie in a cache:
+    (slot, row, valid). Paged (page_table (batch, max_pages)): logical row p of
+    sequence i is row p % page_size of page page_table[i, p // page_size]; contiguous:
+    row p of cache entry batch_idx[i] (default i). valid: inside the capacity and in a
+    batch entry / page of the cache; invalid rows get a clamped (row, slot)... but the
+    slot is left as is, for the caller to drop or clamp."""
+    slots, rows_per_slot = cache.shape[:2]
+    capacity = page_table.shape[1] * rows_per_slot if page_table is not None else rows_per_slot
+    inside = (logical >= 0) & (logical < capacity)
+    row = jnp.clip(logical, 0, capacity - 1)
+    if page_table is not None:
+        slot = jnp.take_along_axis(page_table, row // rows_per_slot, axis=1)
+        row = row % rows_per_slot
+    else:
+        entries = jnp.arange(logical.shape[0], dtype=jnp.int32) if batch_idx is None else batch_idx
+        slot = entries[:, None] * jnp.ones_like(row)
+    return slot, row, inside & (slot >= 0) & (slot < slots)
+
+
+def gather_rows(cache, logical, page_table=None, batch_idx=None):
+    """The cache rows of logical rows (batch, n): (batch, n, ...); invalid rows read a
+    clamped row (in bounds, unspecified values)."""
+    slot, row, _ = cache_rows(logical, cache, page_table, batch_idx)
+    return cache[jnp.clip(slot, 0, cache.shape[0] - 1), row]
+
+
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
            page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse):
     _checks.check_qkv(q, k_cache, v_cache, 4, (
@@ -193,20 +220,6 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     seqlen_new = 0 if k is None else k.shape[1]
     first_position = jnp.maximum(seqlens - start, 0)  # of the first new token
 
-    def locate(logical):
-        """(slot, row) of logical rows (batch, n) of each sequence, and whether the
-        row exists (in the capacity, in a valid batch entry or page)."""
-        inside = (logical >= 0) & (logical < capacity)
-        row = jnp.clip(logical, 0, capacity - 1)
-        if paged:
-            slot = jnp.take_along_axis(page_table, row // rows_per_slot, axis=1)
-            row = row % rows_per_slot
-        else:
-            slot = (jnp.arange(batch, dtype=jnp.int32) if cache_batch_idx is None
-                    else cache_batch_idx)[:, None] * jnp.ones_like(row)
-        valid = inside & (slot >= 0) & (slot < slots)
-        return slot, row, valid
-
     if rotary_cos is not None:
         rows_q = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :]
         q_positions = first_position[:, None] + (rows_q if per_row_positions else 0 * rows_q)
@@ -218,7 +231,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
             k = apply_rotary(k, rotary_cos, rotary_sin,
                              first_position[:, None] + (new - seqlens[:, None]),
                              rotary_interleaved)
-        slot, row, valid = locate(new)
+        slot, row, valid = cache_rows(new, k_cache, page_table, cache_batch_idx)
         slot = jnp.where(valid, slot, slots)  # out of range: the scatter drops it
         k_cache = k_cache.at[slot, row].set(k, mode="drop")
         v_cache = v_cache.at[slot, row].set(v, mode="drop")
@@ -226,9 +239,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     # Each sequence's keys: logical rows [start, seqlens + seqlen_new), gathered.
     end = jnp.minimum(seqlens + seqlen_new, capacity)
     used_k = jnp.maximum(end - start, 0).astype(jnp.int32)
-    slot, row, _ = locate(start[:, None] + jnp.arange(capacity, dtype=jnp.int32)[None, :])
-    slot = jnp.clip(slot, 0, slots - 1)  # (keys of invalid rows are masked or unspecified)
-    keys, values = k_cache[slot, row], v_cache[slot, row]
+    logical = start[:, None] + jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    keys, values = (gather_rows(c, logical, page_table, cache_batch_idx)
+                    for c in (k_cache, v_cache))
     result = flash_attention(q, keys, values, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, softcap=softcap, sinks=sinks,
                              return_lse=return_lse, seqused_k=used_k)

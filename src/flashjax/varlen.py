@@ -3,23 +3,57 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from . import _checks, _ffi
 from ._calls import Layout, attention_core
+from .kvcache import gather_rows
 
 
-def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks):
-    _checks.check_qkv(q, k, v, 3, ("(total_q, heads_q, head_dim)",
-                                   "(total_k, heads_kv, head_dim)",
-                                   "(total_k, heads_kv, head_dim_v)"), "total_k")
+def _unpage(k_cache, v_cache, page_table, seqused_k, max_seqlen_k):
+    """Paged caches as packed keys: each sequence's first max_seqlen_k logical rows
+    (gathered), cu_seqlens_k of equal slots, seqused_k clamped to the slot."""
+    sequences = page_table.shape[0]
+    slot = max(1, min(max_seqlen_k, page_table.shape[1] * k_cache.shape[1]))
+    logical = jnp.broadcast_to(jnp.arange(slot, dtype=jnp.int32), (sequences, slot))
+    k, v = (gather_rows(c, logical, page_table).reshape((sequences * slot,) + c.shape[2:])
+            for c in (k_cache, v_cache))
+    cu_seqlens_k = jnp.arange(sequences + 1, dtype=jnp.int32) * slot
+    return k, v, cu_seqlens_k, jnp.clip(seqused_k, 0, slot)
+
+
+def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks,
+                 page_table):
+    if page_table is None:
+        _checks.check_qkv(q, k, v, 3, ("(total_q, heads_q, head_dim)",
+                                       "(total_k, heads_kv, head_dim)",
+                                       "(total_k, heads_kv, head_dim_v)"), "total_k")
+    else:  # paged caches: q packed, k and v pages
+        qs = _checks.shape_of("q", q)
+        if len(qs) != 3:
+            raise ValueError(f"q must have rank 3 (total_q, heads_q, head_dim), got shape {qs}")
+        q_rows = jax.ShapeDtypeStruct((qs[0], 1) + qs[1:], q.dtype)  # (checks only)
+        _checks.check_qkv(q_rows, k, v, 4, (
+            "(total_q, heads_q, head_dim)", "(num_pages, page_size, heads_kv, head_dim)",
+            "(num_pages, page_size, heads_kv, head_dim_v)"), "page_size")
     cu_shape = _checks.shape_of("cu_seqlens_q", cu_seqlens_q)
     if len(cu_shape) != 1 or cu_shape[0] < 1:
         raise ValueError(f"cu_seqlens_q must have shape (num_seqs + 1,), got {cu_shape}")
     sequences = cu_shape[0] - 1
     _checks.check_int_array("cu_seqlens_q", cu_seqlens_q, cu_shape, "(num_seqs + 1,)")
-    _checks.check_int_array("cu_seqlens_k", cu_seqlens_k, cu_shape,
-                            "(num_seqs + 1,) like cu_seqlens_q")
+    if page_table is not None:
+        if cu_seqlens_k is not None or seqused_k is None:
+            raise ValueError("with page_table, the keys of sequence i are its first "
+                             "seqused_k[i] cache rows: give seqused_k, and cu_seqlens_k=None")
+        s = _checks.shape_of("page_table", page_table)
+        if len(s) != 2 or s[0] != sequences or s[1] < 1:
+            raise ValueError(f"page_table must have shape (num_seqs, max_pages) = ({sequences}, "
+                             f"max_pages >= 1), got {s}")
+        _checks.check_int_array("page_table", page_table, s, "(num_seqs, max_pages)")
+    else:
+        _checks.check_int_array("cu_seqlens_k", cu_seqlens_k, cu_shape,
+                                "(num_seqs + 1,) like cu_seqlens_q")
     _checks.check_int_array("seqused_q", seqused_q, (sequences,), "(num_seqs,)")
     _checks.check_int_array("seqused_k", seqused_k, (sequences,), "(num_seqs,)")
     _checks.check_sinks(sinks, q.shape[1])
@@ -28,7 +62,7 @@ def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sin
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
-                           deterministic=False):
+                           deterministic=False, page_table=None):
     """Attention over a packed batch of sequences of different lengths.
 
     Args:
@@ -45,6 +79,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         `flash_attention`; causal and windows are aligned bottom-right within
         each sequence, on its used lengths.
       return_lse: also return the float32 lse, shape (heads_q, total_q).
+      page_table: optional int32 (num_seqs, max_pages): k and v are then paged
+        caches (num_pages, page_size, heads_kv, head_dim[_v]) (continuous batching:
+        prefill and decode rows in one call), cu_seqlens_k must be None and the
+        keys of sequence i are its logical cache rows [0, seqused_k[i]) (row p is
+        row p % page_size of page page_table[i, p // page_size]), at most
+        max_seqlen_k of them. Pages are gathered for now (see
+        flash_attention_with_kvcache).
 
     Returns:
       out (total_q, heads_q, head_dim_v) [, lse (heads_q, total_q)]. Rows that
@@ -56,9 +97,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens is non-decreasing (unspecified otherwise); nothing is read or
     written out of bounds.
     """
-    _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks)
+    _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, page_table)
     max_q = _checks.check_static_length("max_seqlen_q", max_seqlen_q)
     max_k = _checks.check_static_length("max_seqlen_k", max_seqlen_k)
+    if page_table is not None:
+        k, v, cu_seqlens_k, seqused_k = _unpage(k, v, page_table, seqused_k, max_k)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
                               sinks is not None, deterministic, packed=True,
                               max_seqlen_q=max_q, max_seqlen_k=max_k)
