@@ -126,3 +126,13 @@ def test_valid_edge_values_accepted():
     flashjax.flash_attention(q, k, v, window_size=(np.int64(3), 1), sinks=jnp.zeros((3,), jnp.float32))
     q, k, v = arrays(*shapes(d=1, dv=256, sq=1, sk=1))
     flashjax.flash_attention(q, k, v)
+
+
+def test_unsupported_autodiff_modes_raise_the_documented_errors():
+    """docs/api.md "Differentiation": reverse mode first order only."""
+    q = jax.random.normal(jax.random.key(0), (1, 16, 2, 32), jnp.float32)
+    f = lambda q: flashjax.flash_attention(q, q, q).sum()
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(f, (q,), (q,))
+    with pytest.raises(ValueError, match="cannot be differentiated"):
+        jax.grad(lambda q: jax.grad(f)(q).sum())(q)

@@ -28,19 +28,21 @@ struct Task {
       : b(task / (tiles * heads)), h((task / tiles) % heads), tile(task % tiles) {}
 };
 
-// Rows [row0, row0 + rows) of one head of a tensor, as a sequence sees them:
-// slot row i is tensor row start + i of batch entry `batch`.
+// One head of a query-side or key-side tensor as a sequence sees it: slot
+// row i is where SeqlenInfo puts it (q_at / k_at: the one place that knows).
 struct HeadRows {
   const TensorRef& ref;
-  int64_t batch, start, head;
+  const SeqlenInfo& seq;
+  int64_t head;
+  bool keys;
   template <class T>
-  T* row(int64_t i) const { return ref.at<T>(batch, start + i, head); }
+  T* row(int64_t i) const { return keys ? seq.k_at<T>(ref, i, head) : seq.q_at<T>(ref, i, head); }
 };
 HeadRows query_rows(const TensorRef& ref, const SeqlenInfo& seq, int64_t h) {
-  return {ref, seq.batch, seq.q_start, h};
+  return {ref, seq, h, false};
 }
 HeadRows key_rows(const TensorRef& ref, const SeqlenInfo& seq, int64_t h) {
-  return {ref, seq.batch, seq.k_start, h};
+  return {ref, seq, h, true};
 }
 
 // Copies `rows` rows of `dim` elements into a float tile of `ld` columns and
