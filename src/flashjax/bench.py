@@ -10,6 +10,7 @@ Usage::
     python -m flashjax.bench --fa3-shapes --json out.jsonl --plot out.png
     python -m flashjax.bench --fa3-shapes --loop 10     # jitted loops of 10 dependent calls
     python -m flashjax.bench --varlen both --head-dim 64 128   # packed documents (bench_varlen)
+    python -m flashjax.bench --decode --cache 8k 64k --decode-heads 32/8   # decoding (bench_decode)
 
 List options take several values, space- or comma-separated; sequence lengths accept a
 ``k`` suffix (``16k`` = 16384).
@@ -49,6 +50,7 @@ import jax.numpy as jnp
 
 IMPLS = ("flashjax", "xla", "cudnn")
 VARLEN_IMPLS = ("varlen", "segments", "padded", "cudnn-padded", "dense-mean")  # --varlen
+DECODE_IMPLS = ("flashjax", "xla", "cudnn", "pallas")  # --decode
 MODES = ("fwd", "fwdbwd", "bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -284,7 +286,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="flashjax with deterministic=True (bitwise-repeatable GPU backward)")
     p.add_argument("--impl", nargs="+", help=f"any of {','.join(IMPLS)} "
-                   f"(with --varlen: {','.join(VARLEN_IMPLS)})")
+                   f"(with --varlen: {','.join(VARLEN_IMPLS)}; with --decode: "
+                   f"{','.join(DECODE_IMPLS)})")
     p.add_argument("--iters", type=int, help="timed runs (default 20 on GPU, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs after compilation")
     p.add_argument("--loop", type=int, default=1,
@@ -293,12 +296,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--varlen", choices=("uniform", "longtail", "both"),
                    help="packed-document benchmark instead (see flashjax.bench_varlen)")
     p.add_argument("--tokens", type=_int, help="--varlen: tokens of the packed batch")
+    p.add_argument("--decode", action="store_true",
+                   help="decoding benchmark instead (see flashjax.bench_decode)")
+    p.add_argument("--decode-batch", nargs="+", type=_int, help="--decode: batch sizes")
+    p.add_argument("--cache", nargs="+", type=_int, help="--decode: cached tokens, e.g. 8k 64k")
+    p.add_argument("--decode-heads", nargs="+", help="--decode: q/kv heads, e.g. 32/8 64/8")
+    p.add_argument("--page-size", nargs="+", type=int,
+                   help="--decode: paged caches of these page sizes (0: contiguous)")
     p.add_argument("--fa3-shapes", action="store_true",
                    help="FlashAttention-3 paper shapes (the GPU default)")
     p.add_argument("--plot", metavar="PATH.png", help="TFLOP/s vs seqlen plot")
     p.add_argument("--json", metavar="PATH", help="JSON lines, one per measurement")
     args = p.parse_args(argv)
-    for name, allowed in (("mode", MODES), ("impl", VARLEN_IMPLS if args.varlen else IMPLS)):
+    impls = VARLEN_IMPLS if args.varlen else DECODE_IMPLS if args.decode else IMPLS
+    for name, allowed in (("mode", MODES), ("impl", impls)):
         values = _split(getattr(args, name))
         if values is not None and not set(values) <= set(allowed):
             p.error(f"--{name}: expected values among {','.join(allowed)}, got {values}")
@@ -511,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.varlen:
         from . import bench_varlen
         return bench_varlen.main(args)
+    if args.decode:
+        from . import bench_decode
+        return bench_decode.main(args)
     args = resolve_defaults(args, _on_gpu())
     results = run(args)
     print("\nResults (median time, TFLOP/s in the FlashAttention convention)")

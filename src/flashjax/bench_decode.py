@@ -1,0 +1,172 @@
+"""Decoding benchmark: ``python -m flashjax.bench --decode``.
+
+One query row per sequence attends to a KV cache of ``--cache`` tokens (batch
+``--decode-batch``, heads ``--decode-heads`` as q/kv pairs, e.g. 32/8, head dims
+``--head-dim``), the cache contiguous or paged (``--page-size``). Each step's query is
+the previous step's output, so a step is timed as a jitted loop of ``--loop``
+dependent steps (a single call's host dispatch, ~50 us through JAX, is longer than the
+kernel); the time is per step, the median of ``--iters`` runs after warm-up.
+
+Implementations, one process:
+
+- ``flashjax``: ``flashjax.flash_attention_with_kvcache`` (no new tokens);
+- ``xla``, ``cudnn``: ``jax.nn.dot_product_attention`` on the cache as a dense key
+  sequence (cuDNN on a GPU only);
+- ``pallas``: ``jax.experimental.pallas.ops.gpu.decode_attention.gqa`` (GPU, contiguous).
+
+Next to each time: the K/V bytes read per step and that rate in GB/s, against a copy
+bandwidth measured in the same run (a jitted copy of a large buffer: bytes read +
+written over its time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+
+from . import bench
+
+IMPLS = bench.DECODE_IMPLS
+GPU_BATCHES, CPU_BATCHES = (1, 16, 128), (1, 4)
+GPU_CACHES, CPU_CACHES = (1024, 8192, 65536), (1024, 4096)
+GPU_HEADS, CPU_HEADS = ("32/8",), ("8/2",)
+DEFAULT_LOOP = 20
+COPY_BYTES = {"gpu": 1 << 30, "cpu": 1 << 27}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    cache: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    page_size: int  # 0: contiguous
+    dtype: str
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.cache * self.heads_kv * self.head_dim * \
+            jnp.dtype(self.dtype).itemsize
+
+    def label(self) -> str:
+        layout = f"paged {self.page_size}" if self.page_size else "contiguous"
+        return (f"b={self.batch} cache={self.cache} h={self.heads_q}/{self.heads_kv} "
+                f"d={self.head_dim} {self.dtype} {layout}")
+
+
+def _cache(case: DecodeCase, key):
+    """(q, k_cache, v_cache, extra kwargs of flashjax's call)."""
+    dt = bench.DTYPES[case.dtype]
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (case.batch, 1, case.heads_q, case.head_dim), dt)
+    if not case.page_size:
+        shape = (case.batch, case.cache, case.heads_kv, case.head_dim)
+        return q, jax.random.normal(kk, shape, dt), jax.random.normal(kv, shape, dt), {}
+    pages = -(-case.cache // case.page_size)
+    shape = (case.batch * pages, case.page_size, case.heads_kv, case.head_dim)
+    table = jax.random.permutation(key, case.batch * pages).reshape(case.batch, pages)
+    return (q, jax.random.normal(kk, shape, dt), jax.random.normal(kv, shape, dt),
+            {"page_table": table.astype(jnp.int32)})
+
+
+def attend(impl: str, case: DecodeCase):
+    """(step(q, k_cache, v_cache) -> out like q, k_cache, v_cache, extra)."""
+    q, k_cache, v_cache, extra = _cache(case, jax.random.key(0))
+    if impl == "flashjax":
+        import flashjax
+
+        seqlens = jnp.full((case.batch,), case.cache, jnp.int32)
+        return (lambda q, k, v: flashjax.flash_attention_with_kvcache(
+            q, k, v, cache_seqlens=seqlens, **extra)), q, k_cache, v_cache
+    if case.page_size:
+        raise bench.Unsupported("contiguous caches only")
+    if impl in ("xla", "cudnn"):
+        if impl == "cudnn" and not bench._on_gpu():
+            raise bench.Unsupported("needs a CUDA GPU")
+        return (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl)), \
+            q, k_cache, v_cache
+    if impl == "pallas":
+        if not bench._on_gpu():
+            raise bench.Unsupported("needs a CUDA GPU")
+        from jax.experimental.pallas.ops.gpu import decode_attention
+
+        def step(q, k, v):  # its layout: q (batch, heads_q, d), k/v (batch, seq, heads_kv, d)
+            return decode_attention.gqa(q[:, 0], k, v)[:, None].astype(q.dtype)
+        return step, q, k_cache, v_cache
+    raise ValueError(impl)
+
+
+def measure(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int) -> dict:
+    record = {**dataclasses.asdict(case), "impl": impl, "us": None, "gbps": None, "error": None,
+              "kv_bytes": case.kv_bytes}
+    try:
+        step, q, k_cache, v_cache = attend(impl, case)
+
+        def steps(q, k, v):
+            return jax.lax.fori_loop(0, loop, lambda _, q: step(q, k, v).astype(q.dtype), q)
+        ms = bench.median_ms(jax.jit(steps), (q, k_cache, v_cache), warmup, iters) / loop
+        record.update(us=ms * 1e3, gbps=case.kv_bytes / (ms * 1e-3) / 1e9)
+    except Exception as e:  # noqa: BLE001 -- a failure becomes an "n/a" cell
+        record["error"] = bench.short_reason(e)
+    return record
+
+
+def copy_bandwidth(gpu: bool, warmup: int, iters: int) -> float:
+    """GB/s of a jitted copy of a large buffer (bytes read + bytes written)."""
+    n = COPY_BYTES["gpu" if gpu else "cpu"] // 4
+    x = jnp.arange(n, dtype=jnp.float32)
+    copy = jax.jit(lambda x: x + 1.0)
+    ms = bench.median_ms(copy, (x,), warmup, iters)
+    return 2 * 4 * n / (ms * 1e-3) / 1e9
+
+
+def _heads(text: str) -> tuple[int, int]:
+    q, _, kv = text.partition("/")
+    return int(q), int(kv or q)
+
+
+def main(args) -> int:
+    gpu = bench._on_gpu()
+    batches = args.decode_batch or (GPU_BATCHES if gpu else CPU_BATCHES)
+    caches = args.cache or (GPU_CACHES if gpu else CPU_CACHES)
+    heads = [_heads(h) for h in (args.decode_heads or (GPU_HEADS if gpu else CPU_HEADS))]
+    head_dims = args.head_dim or [128 if gpu else 64]
+    pages = args.page_size or [0]
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    impls = [i for i in (args.impl or IMPLS) if gpu or i not in ("cudnn", "pallas")]
+    iters = args.iters or (20 if gpu else 3)
+    loop = args.loop if args.loop > 1 else (DEFAULT_LOOP if gpu else 2)
+    info = bench.device_info()
+    bandwidth = copy_bandwidth(gpu, args.warmup, iters)
+    print(f"device: {info['device']} ({info['platform']}), jax {info['jax']}; per-step median "
+          f"of {iters} runs of {loop} dependent steps; copy bandwidth {bandwidth:.0f} GB/s",
+          flush=True)
+    json_file = open(args.json, "w") if args.json else None
+    for b in batches:
+        for n in caches:
+            for hq, hkv in heads:
+                for d in head_dims:
+                    for page in pages:
+                        case = DecodeCase(b, n, hq, hkv, d, page, dtype)
+                        floor_us = case.kv_bytes / (bandwidth * 1e9) * 1e6
+                        print(f"{case.label()}: K/V {case.kv_bytes / 1e6:.1f} MB, "
+                              f"{floor_us:.1f} us at copy bandwidth", flush=True)
+                        for impl in impls:
+                            r = measure(impl, case, args.warmup, iters, loop)
+                            r.update(info, copy_gbps=bandwidth, floor_us=floor_us)
+                            cell = (f"{r['us']:9.1f} us {r['gbps']:7.1f} GB/s "
+                                    f"({r['us'] / floor_us:.2f}x floor)" if r["us"]
+                                    else f"n/a ({r['error']})")
+                            print(f"  {impl:9s} {cell}", flush=True)
+                            if json_file:
+                                json_file.write(json.dumps(r) + "\n")
+                                json_file.flush()
+                        jax.clear_caches()
+    if json_file:
+        json_file.close()
+    return 0
+
