@@ -346,3 +346,36 @@ def test_paged_varlen_argument_errors():
         call(q, cache, cache, cu, None, 4, 8, seqused_k=used, page_table=jnp.zeros((2, 2), jnp.int32))
     with pytest.raises(ValueError, match="k must have rank 4"):
         call(q, cache[0], cache[0], cu, None, 4, 8, seqused_k=used, page_table=table)
+
+
+def test_example_decode_loop_matches_a_full_recompute():
+    """examples/decode_loop.py: greedy decoding through the cache (prefill, then one
+    token per step, caches donated) picks the tokens a full causal recompute of the
+    whole sequence picks."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "decode_loop.py"
+    spec = importlib.util.spec_from_file_location("decode_loop", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    batch, prompt, steps, capacity = 2, 5, 6, 16
+    params = example.init_params(jax.random.key(0))
+    cos, sin = example.rotary_tables(capacity)
+    shape = (batch, capacity, example.KV_HEADS, example.HEAD_DIM)
+    k_cache, v_cache = jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+    tokens = jax.random.randint(jax.random.key(1), (batch, prompt), 0, example.VOCAB)
+    token, k_cache, v_cache = example.prefill(params, tokens, k_cache, v_cache, cos, sin)
+    seqlens = jnp.full((batch,), prompt, jnp.int32)
+    generated = [token]
+    for _ in range(steps - 1):
+        token, k_cache, v_cache = example.decode_step(params, token, k_cache, v_cache, seqlens,
+                                                      cos, sin)
+        seqlens = seqlens + 1
+        generated.append(token)
+    sequence = jnp.concatenate([tokens, jnp.stack(generated[:-1], axis=1)], axis=1)
+    fresh = jnp.zeros(shape, jnp.float32)
+    logits, _, _ = example.layer(params, sequence, fresh, fresh, jnp.zeros((batch,), jnp.int32),
+                                 cos, sin)
+    recomputed = jnp.argmax(logits[:, prompt - 1:], axis=-1)
+    np.testing.assert_array_equal(np.asarray(recomputed), np.asarray(jnp.stack(generated, 1)))
