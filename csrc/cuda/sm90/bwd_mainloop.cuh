@@ -125,6 +125,16 @@ __device__ __forceinline__ void pipeline(int64_t tiles, Products&& products,
   release(tiles - 1);
 }
 
+// Zeros rows [first_row, kRows) of a pair of tiles (owned K and V, or Q and
+// dO; streamed Q and dO, or K and V) that reach past a sequence's used rows
+// (zero_tile_rows says why).
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void zero_rows_of_pair(unsigned char* a, unsigned char* b,
+                                                  int first_row, int barrier) {
+  zero_tile_rows<kRows, kHeadDim>(a, first_row, barrier);
+  zero_tile_rows<kRows, kHeadDim>(b, first_row, barrier);
+}
+
 // Writes rows row0 + [0, 64) of a consumer's 64 x kHeadDim accumulator.
 template <class T, int kHeadDim>
 __device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, int64_t rows,
@@ -160,19 +170,15 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   const FragmentSegments<kLayouts> segments(p, segment_tiles, kb.seq, kb.b, FragmentRows::kKeys,
                                             kb.k0 + consumer * 64, my_key);
   mbar_wait(sm.owned, 0);
-  if (kLayouts != Layouts::kUniform && kb.k0 + kOwnRows > kb.seq.seqlen_k) {
-    const int first = static_cast<int>(max(kb.seq.seqlen_k - kb.k0, int64_t(0)));
-    zero_tile_rows<kOwnRows, kHeadDim>(sm.own_a, first, zeroed);
-    zero_tile_rows<kOwnRows, kHeadDim>(sm.own_b, first, zeroed);
-  }
+  if (kb.owned_crosses_end())
+    zero_rows_of_pair<kOwnRows, kHeadDim>(sm.own_a, sm.own_b, kb.first_unused_owned_row(), zeroed);
   pipeline<false>(
       kb.tiles,
       [&](int64_t it) {  // S^T = K Q_j^T, dP^T = V dO_j^T
         mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
-        if (kb.tile_crosses_end(it)) {
-          zero_tile_rows<kStreamRows, kHeadDim>(q_tile(it), kb.first_unused_row(it), zeroed);
-          zero_tile_rows<kStreamRows, kHeadDim>(do_tile(it), kb.first_unused_row(it), zeroed);
-        }
+        if (kb.tile_crosses_end(it))
+          zero_rows_of_pair<kStreamRows, kHeadDim>(q_tile(it), do_tile(it),
+                                                   kb.first_unused_row(it), zeroed);
         wgmma_fence();
         issue_abt<T, kHeadDim>(st, k_rows, q_tile(it));
         wgmma_commit();
@@ -275,19 +281,15 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
   uint32_t dsa[4][4];
   const int zeroed = barrier_id(NamedBarrier::kTileZeroed, consumer);
   mbar_wait(sm.owned, 0);
-  if (kLayouts != Layouts::kUniform && qb.q0 + kOwnRows > qb.seq.seqlen_q) {
-    const int first = static_cast<int>(max(qb.seq.seqlen_q - qb.q0, int64_t(0)));
-    zero_tile_rows<kOwnRows, kHeadDim>(sm.own_a, first, zeroed);
-    zero_tile_rows<kOwnRows, kHeadDim>(sm.own_b, first, zeroed);
-  }
+  if (qb.owned_crosses_end())
+    zero_rows_of_pair<kOwnRows, kHeadDim>(sm.own_a, sm.own_b, qb.first_unused_owned_row(), zeroed);
   pipeline<true>(
       qb.tiles,
       [&](int64_t it) {  // S = Q K_j^T, dP = dO V_j^T
         mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
-        if (qb.tile_crosses_end(it)) {
-          zero_tile_rows<kStreamRows, kHeadDim>(k_tile(it), qb.first_unused_row(it), zeroed);
-          zero_tile_rows<kStreamRows, kHeadDim>(v_tile(it), qb.first_unused_row(it), zeroed);
-        }
+        if (qb.tile_crosses_end(it))
+          zero_rows_of_pair<kStreamRows, kHeadDim>(k_tile(it), v_tile(it),
+                                                   qb.first_unused_row(it), zeroed);
         wgmma_fence();
         issue_abt<T, kHeadDim>(s, q_rows, k_tile(it));
         issue_abt<T, kHeadDim>(dp, do_rows, v_tile(it));

@@ -121,8 +121,15 @@ struct KeyBlock {
     return {sequence(p).q_row(row_begin), padded_start(p, padded, h0) + row_begin,
             static_cast<int>(h0), q_tiles, 0, padded.rows - q_tiles * kStreamRows};
   }
-  // Does streamed tile it reach past the used queries (kVarlen: what follows
-  // them is loaded, see zero_tile_rows), and from which of its rows?
+  // Do the owned keys reach past the used ones (non-uniform layouts: what
+  // follows them is loaded, see zero_tile_rows), and from which owned row?
+  __device__ bool owned_crosses_end() const {
+    return kLayouts != Layouts::kUniform && k0 + kRows > seq.seqlen_k;
+  }
+  __device__ int first_unused_owned_row() const {
+    return static_cast<int>(max(seq.seqlen_k - k0, int64_t(0)));
+  }
+  // The same for streamed tile it and the used queries.
   __device__ bool tile_crosses_end(int64_t it) const {
     return kLayouts != Layouts::kUniform && row(it) + kStreamRows > seq.seqlen_q;
   }
@@ -170,6 +177,13 @@ struct QueryBlock {
     tiles = valid ? keys.tiles(kStreamRows) : 0;
   }
   __device__ int64_t key_tile(int64_t it) const { return keys.tile_begin + it * kStreamRows; }
+  // As KeyBlock's: the owned queries past the used ones, streamed keys past theirs.
+  __device__ bool owned_crosses_end() const {
+    return kLayouts != Layouts::kUniform && q0 + kOwnRows > seq.seqlen_q;
+  }
+  __device__ int first_unused_owned_row() const {
+    return static_cast<int>(max(seq.seqlen_q - q0, int64_t(0)));
+  }
   __device__ bool tile_crosses_end(int64_t it) const {
     return kLayouts != Layouts::kUniform && key_tile(it) + kStreamRows > seq.seqlen_k;
   }
