@@ -58,6 +58,11 @@ def apply_rotary(x, cos, sin, positions, interleaved: bool):
     return jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)
 
 
+def cache_capacity(cache, page_table=None) -> int:
+    """Logical rows a sequence can hold: seqlen_cache, or max_pages * page_size."""
+    return cache.shape[1] * (1 if page_table is None else page_table.shape[1])
+
+
 def cache_rows(logical, cache, page_table=None, batch_idx=None):
     """Where logical rows `logical` (batch, n) of each sequence lie in a cache:
     (slot, row, valid). Paged (page_table (batch, max_pages)): logical row p of
@@ -66,7 +71,7 @@ def cache_rows(logical, cache, page_table=None, batch_idx=None):
     batch entry / page of the cache; invalid rows get a clamped (row, slot)... but the
     slot is left as is, for the caller to drop or clamp."""
     slots, rows_per_slot = cache.shape[:2]
-    capacity = page_table.shape[1] * rows_per_slot if page_table is not None else rows_per_slot
+    capacity = cache_capacity(cache, page_table)
     inside = (logical >= 0) & (logical < capacity)
     row = jnp.clip(logical, 0, capacity - 1)
     if page_table is not None:
@@ -209,9 +214,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                                         for x in (q, k_cache, v_cache, k, v, sinks))
 
     batch, seqlen_q = q.shape[:2]
-    paged = page_table is not None
-    slots, rows_per_slot = k_cache.shape[:2]  # batch_cache / num_pages, seqlen_cache / page_size
-    capacity = page_table.shape[1] * rows_per_slot if paged else rows_per_slot
+    slots = k_cache.shape[0]  # batch_cache / num_pages
+    capacity = cache_capacity(k_cache, page_table)
     seqlens = (jnp.full((batch,), cache_seqlens, jnp.int32) if _checks.is_int(cache_seqlens)
                else cache_seqlens)
     seqlens = jnp.clip(seqlens, 0, capacity)

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 
 from . import _checks, _ffi
 from ._calls import Layout, attention_core
-from .kvcache import gather_rows
+from .kvcache import cache_capacity, gather_rows
 
 
 def _unpage(k_cache, v_cache, page_table, seqused_k, max_seqlen_k):
     """Paged caches as packed keys: each sequence's first max_seqlen_k logical rows
     (gathered), cu_seqlens_k of equal slots, seqused_k clamped to the slot."""
     sequences = page_table.shape[0]
-    slot = max(1, min(max_seqlen_k, page_table.shape[1] * k_cache.shape[1]))
+    slot = max(1, min(max_seqlen_k, cache_capacity(k_cache, page_table)))
     logical = jnp.broadcast_to(jnp.arange(slot, dtype=jnp.int32), (sequences, slot))
     k, v = (gather_rows(c, logical, page_table).reshape((sequences * slot,) + c.shape[2:])
             for c in (k_cache, v_cache))
