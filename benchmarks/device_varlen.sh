@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), run the GPU tests, the varlen benchmark and the dense A/B.
-# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base tests sanitize varlen dense)
+# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base tests kvtests sanitize
+#   kvsanitize varlen decode dense)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
 # and passed to the device call with carry: [".baseline"]. REV: the commit to compare with
@@ -24,8 +25,18 @@ for step in "$@"; do
       echo "baseline built" ;;
     tests)
       $PY -m pytest -q -n 8 -m gpu -x tests/test_gpu_varlen.py tests/test_gpu.py 2>&1 | tail -25 ;;
+    kvtests)
+      $PY -m pytest -q -n 8 -m gpu tests/test_gpu_kvcache.py > "$OUT/kvtests.log" 2>&1
+      tail -30 "$OUT/kvtests.log" ;;
     sanitize)
       compute-sanitizer --tool memcheck $PY tools/sanitize_varlen.py 2>&1 | tail -8 ;;
+    kvsanitize)
+      compute-sanitizer --tool memcheck $PY tools/sanitize_kvcache.py > "$OUT/kvsanitize.log" 2>&1
+      tail -8 "$OUT/kvsanitize.log" ;;
+    decode)
+      # The decode table: every implementation, one process (DECODE_ARGS narrows it).
+      $PY -m flashjax.bench --decode ${DECODE_ARGS:-} --json "$OUT/decode.jsonl" \
+        > "$OUT/decode.log" 2>&1; tail -60 "$OUT/decode.log" ;;
     varlen)
       $PY -m flashjax.bench --varlen both --iters 5 --loop 5 --json "$OUT/varlen.jsonl" \
         > "$OUT/varlen.log" 2>&1; tail -20 "$OUT/varlen.log" ;;

@@ -16,6 +16,7 @@ target_sources(flashjax_ffi PRIVATE
   csrc/cuda/simt_attention.cu
   csrc/cuda/tensor_core_forward.cu
   csrc/cuda/hopper_forward.cu
+  csrc/cuda/kvcache_attention.cu
   csrc/cuda/sm90/bwd_launch.cu
   csrc/cuda/tensor_core_backward.cu
   csrc/ffi/cuda_handlers.cc)

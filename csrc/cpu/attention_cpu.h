@@ -10,6 +10,11 @@ namespace flashjax::cpu {
 // Writes p.out and p.lse from p.q, p.k, p.v (and p.sinks when set).
 void attention_forward(const AttentionParams& p);
 
+// Writes p.cache.k_new / v_new into the caches p.k / p.v at each sequence's
+// rows cache.seqlens.. (rows past the capacity, or in an entry or page outside
+// the cache, are skipped). attention_forward then reads the keys from the cache.
+void append_to_cache(const AttentionParams& p);
+
 // Writes p.dq, p.dk, p.dv (and p.dsinks when p.sinks is set) from the forward
 // inputs, p.out, p.lse, p.dout and p.dlse. Always deterministic.
 void attention_backward(const AttentionParams& p);

@@ -9,6 +9,7 @@
 #include "backward_workspace.h"
 #include "hopper_backward.h"
 #include "hopper_forward.h"
+#include "kvcache_attention.h"
 #include "launch.h"
 #include "sequence_layout.h"
 #include "simt_attention.h"
@@ -25,6 +26,10 @@ ForwardCap forward_cap() {
   if (env && std::strcmp(env, "simt") == 0) return ForwardCap::kSimt;
   if (env && std::strcmp(env, "mma") == 0) return ForwardCap::kMma;
   return ForwardCap::kHopper;
+}
+
+bool use_split_kv(const AttentionParams& p) {
+  return forward_cap() != ForwardCap::kSimt && split_kv_supports(p);
 }
 
 bool use_hopper_forward(const AttentionParams& p) {
@@ -64,6 +69,18 @@ cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t str
   if (forward_cap() != ForwardCap::kSimt && tensor_core_backward_supports(p))
     return tensor_core_backward(p, workspace, stream);
   return simt_backward(p, workspace, stream);
+}
+
+size_t kvcache_workspace_bytes(const AttentionParams& p, int splits) {
+  return use_split_kv(p) ? split_kv_workspace_bytes(p, splits) : 0;
+}
+
+cudaError_t kvcache_forward(const AttentionParams& p, int splits, void* workspace,
+                            cudaStream_t stream) {
+  if (cudaError_t e = append_to_cache(p, stream); e != cudaSuccess) return e;
+  if (p.seqlen_q == 0) return cudaSuccess;  // an append only
+  if (use_split_kv(p)) return split_kv_forward(p, splits, workspace, stream);
+  return simt_forward(p, stream);
 }
 
 }  // namespace flashjax::cuda

@@ -19,4 +19,11 @@ cudaError_t forward(const AttentionParams& p, void* workspace, cudaStream_t stre
 size_t backward_workspace_bytes(const AttentionParams& p);
 cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 
+// A KV-cache call (p.cache active): appends the new rows to the cache, then
+// writes out and lse, the keys split `splits` ways on the split-KV kernel
+// (fp16/bf16), or on the SIMT path.
+size_t kvcache_workspace_bytes(const AttentionParams& p, int splits);
+cudaError_t kvcache_forward(const AttentionParams& p, int splits, void* workspace,
+                            cudaStream_t stream);
+
 }  // namespace flashjax::cuda

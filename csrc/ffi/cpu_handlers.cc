@@ -15,11 +15,18 @@ struct CpuPlatform {
     flashjax::cpu::attention_backward(p);
     return ffi::Error::Success();
   }
+  static ffi::Error kvcache(const flashjax::AttentionParams& p, int, void*, size_t) {
+    if (p.cache.new_rows > 0) flashjax::cpu::append_to_cache(p);
+    flashjax::cpu::attention_forward(p);
+    return ffi::Error::Success();
+  }
 };
 
 using CpuHandlers = flashjax::ffi_layer::Handlers<CpuPlatform>;
+using CpuKvcacheHandler = flashjax::ffi_layer::KvcacheHandler<CpuPlatform>;
 
 }  // namespace
 
 FLASHJAX_DEFINE_HANDLERS(CpuHandlers, ffi::Ffi::Bind(), FlashjaxForwardCpu, FlashjaxBackwardCpu,
                          FlashjaxVarlenForwardCpu, FlashjaxVarlenBackwardCpu);
+FLASHJAX_DEFINE_KVCACHE_HANDLER(CpuKvcacheHandler, ffi::Ffi::Bind(), FlashjaxKvcacheCpu);

@@ -39,10 +39,19 @@ struct CudaPlatform {
     if (!ws) return ffi::Error::Internal("flashjax: could not allocate backward workspace");
     return to_ffi_error(flashjax::cuda::backward(p, *ws, stream), "backward kernel launch");
   }
+  static ffi::Error kvcache(cudaStream_t stream, const AttentionParams& p, int splits,
+                            void* workspace, size_t workspace_bytes) {
+    if (workspace_bytes < flashjax::cuda::kvcache_workspace_bytes(p, splits))
+      return ffi::Error::InvalidArgument("flashjax: the KV-cache workspace is too small for " +
+                                         std::to_string(splits) + " splits");
+    return to_ffi_error(flashjax::cuda::kvcache_forward(p, splits, workspace, stream),
+                        "KV-cache kernel launch");
+  }
 };
 
 using CudaHandlers =
     flashjax::ffi_layer::Handlers<CudaPlatform, cudaStream_t, ffi::ScratchAllocator>;
+using CudaKvcacheHandler = flashjax::ffi_layer::KvcacheHandler<CudaPlatform, cudaStream_t>;
 
 }  // namespace
 
@@ -52,3 +61,6 @@ FLASHJAX_DEFINE_HANDLERS(CudaHandlers,
                              .Ctx<ffi::ScratchAllocator>(),
                          FlashjaxForwardCuda, FlashjaxBackwardCuda, FlashjaxVarlenForwardCuda,
                          FlashjaxVarlenBackwardCuda);
+FLASHJAX_DEFINE_KVCACHE_HANDLER(CudaKvcacheHandler,
+                                ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(),
+                                FlashjaxKvcacheCuda);

@@ -201,6 +201,89 @@ ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs
   return ffi::Error::Success();
 }
 
+ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
+                               const ffi::RemainingArgs& rest, const KvcacheOptions& options) {
+  auto qd = in.q.dimensions(), kd = in.k_cache.dimensions(), vd = in.v_cache.dimensions();
+  auto knd = in.k_new.dimensions(), vnd = in.v_new.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || knd.size() != 4 || vnd.size() != 4)
+    return invalid("q, k_cache, v_cache, k, v must have rank 4; got " + shape_string(qd) + ", " +
+                   shape_string(kd) + ", " + shape_string(vd) + ", " + shape_string(knd) + ", " +
+                   shape_string(vnd));
+  p.batch = qd[0];
+  p.seqlen_q = qd[1];
+  p.heads_q = qd[2];
+  p.head_dim = qd[3];
+  p.heads_kv = kd[2];
+  p.head_dim_v = vd[3];
+  KvCache& c = p.cache;
+  c.slots = kd[0];
+  c.slot_rows = kd[1];
+  c.new_rows = knd[1];
+  if (kd[3] != p.head_dim || vd[0] != c.slots || vd[1] != c.slot_rows || vd[2] != p.heads_kv)
+    return invalid("k_cache must be (slots, rows, heads_kv, head_dim) and v_cache (slots, rows, "
+                   "heads_kv, head_dim_v); got " + shape_string(kd) + ", " + shape_string(vd));
+  if (knd[0] != p.batch || knd[2] != p.heads_kv || knd[3] != p.head_dim || vnd[0] != p.batch ||
+      vnd[1] != c.new_rows || vnd[2] != p.heads_kv || vnd[3] != p.head_dim_v)
+    return invalid("k and v must be (batch, seqlen_new, heads_kv, head_dim[_v]); got " +
+                   shape_string(knd) + ", " + shape_string(vnd));
+  if (c.slots < 1 || c.slot_rows < 1)  // (seqlen_q 0: an append without attention)
+    return invalid("the cache's slots and rows must be >= 1");
+  if (in.k_new.element_type() != in.q.element_type() ||
+      in.v_new.element_type() != in.q.element_type())
+    return invalid("k and v must have q's dtype");
+  if (!is_int32_array(in.cache_seqlens, p.batch, {}) || in.cache_seqlens.dimensions().size() != 1)
+    return invalid("cache_seqlens must be int32 (batch,); got " +
+                   shape_string(in.cache_seqlens.dimensions()));
+  c.seqlens = static_cast<const int32_t*>(in.cache_seqlens.untyped_data());
+
+  // Optional inputs, present ones in order.
+  const bool present[] = {options.has_leftpad, options.has_batch_idx, options.has_page_table,
+                          options.has_sinks};
+  std::optional<ffi::AnyBuffer> optional[4];
+  size_t next = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    if (!present[i]) continue;
+    auto buffer = rest.get<ffi::AnyBuffer>(next++);
+    if (buffer.has_error()) return invalid("missing an optional input the attributes announce");
+    optional[i] = *buffer;
+  }
+  if (next != rest.size()) return invalid("more optional inputs than the attributes announce");
+  const auto& [leftpad, batch_idx, page_table, sinks] = optional;
+  for (auto [name, input, target] : {std::tuple{"cache_leftpad", &leftpad, &c.leftpad},
+                                      std::tuple{"cache_batch_idx", &batch_idx, &c.batch_idx}}) {
+    if (!*input) continue;
+    if (!is_int32_array(**input, p.batch, {}) || (*input)->dimensions().size() != 1)
+      return invalid(std::string(name) + " must be int32 (batch,); got " +
+                     shape_string((*input)->dimensions()));
+    *target = static_cast<const int32_t*>((*input)->untyped_data());
+  }
+  if (page_table) {
+    auto d = page_table->dimensions();
+    if (page_table->element_type() != ffi::DataType::S32 || d.size() != 2 || d[0] != p.batch ||
+        d[1] < 1)
+      return invalid("page_table must be int32 (batch, max_pages); got " + shape_string(d));
+    if (batch_idx) return invalid("cache_batch_idx is for contiguous caches, not paged ones");
+    c.page_table = static_cast<const int32_t*>(page_table->untyped_data());
+    c.max_pages = d[1];
+  }
+  p.seqlen_k = c.capacity();
+  const Options common{options.softmax_scale, options.window_left, options.window_right,
+                       options.softcap, 0, 0, false, false, false, false, false};
+  if (ffi::Error e = check_and_set_common(p, in.q, in.k_cache, in.v_cache, common); e.failure())
+    return e;
+  if (options.num_splits < 1) return invalid("num_splits must be >= 1");
+  p.k = TensorRef::rows_heads_dim(in.k_cache_data, c.slot_rows, p.heads_kv, p.head_dim);
+  p.v = TensorRef::rows_heads_dim(in.v_cache_data, c.slot_rows, p.heads_kv, p.head_dim_v);
+  c.k_new = TensorRef::rows_heads_dim(in.k_new.untyped_data(), c.new_rows, p.heads_kv, p.head_dim);
+  c.v_new = TensorRef::rows_heads_dim(in.v_new.untyped_data(), c.new_rows, p.heads_kv,
+                                      p.head_dim_v);
+  if (sinks) {
+    if (ffi::Error e = expect_per_head("sinks", *sinks, p); e.failure()) return e;
+    p.sinks = static_cast<const float*>(sinks->untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error expect_like(const char* name, const ffi::AnyBuffer& buffer,
                        const ffi::AnyBuffer& like) {
   auto bd = buffer.dimensions(), ld = like.dimensions();

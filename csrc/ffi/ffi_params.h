@@ -30,6 +30,34 @@ struct Options {
   bool deterministic;    // backward only
 };
 
+// Attributes of the KV-cache target (flash_attention_with_kvcache). has_* say
+// which optional inputs follow the required ones, in the order of
+// KvcacheOptionalInputs.
+struct KvcacheOptions {
+  float softmax_scale;
+  int64_t window_left;
+  int64_t window_right;
+  float softcap;
+  int64_t num_splits;  // >= 1 (Python resolves 0, automatic)
+  bool has_leftpad;
+  bool has_batch_idx;
+  bool has_page_table;
+  bool has_sinks;
+};
+
+// The KV-cache target's required inputs. k_cache / v_cache are the buffers the
+// kernels use: the (aliased) cache outputs when new rows are appended.
+struct KvcacheInputs {
+  ffi::AnyBuffer q, k_cache, v_cache, k_new, v_new, cache_seqlens;
+  void* k_cache_data;
+  void* v_cache_data;
+};
+// Fills p for a cache call: shapes, semantics, q, the caches and their
+// metadata, the new rows and the optional inputs (leftpad, batch_idx,
+// page_table, sinks, present ones in that order).
+ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
+                               const ffi::RemainingArgs& rest, const KvcacheOptions& options);
+
 // The optional inputs a call passes after its required ones, present ones
 // only, in this order (no placeholder arrays).
 struct OptionalInputs {
@@ -81,3 +109,12 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("has_seqused_k"),
     ::xla::ffi::StructMember<bool>("has_segment_ids"),
     ::xla::ffi::StructMember<bool>("deterministic"));
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    flashjax::ffi_layer::KvcacheOptions, ::xla::ffi::StructMember<float>("softmax_scale"),
+    ::xla::ffi::StructMember<int64_t>("window_left"),
+    ::xla::ffi::StructMember<int64_t>("window_right"),
+    ::xla::ffi::StructMember<float>("softcap"), ::xla::ffi::StructMember<int64_t>("num_splits"),
+    ::xla::ffi::StructMember<bool>("has_leftpad"), ::xla::ffi::StructMember<bool>("has_batch_idx"),
+    ::xla::ffi::StructMember<bool>("has_page_table"),
+    ::xla::ffi::StructMember<bool>("has_sinks"));

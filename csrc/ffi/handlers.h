@@ -8,6 +8,10 @@
 //   varlen_forward  (q, k, v, cu_seqlens_q, cu_seqlens_k, [optional..]) -> (out, lse)
 //   varlen_backward (q, k, v, cu_seqlens_q, cu_seqlens_k, out, dout, lse, dlse, [optional..])
 //                   -> (dq, dk, dv, dsinks)
+//   kvcache         (q, k_cache, v_cache, k_new, v_new, cache_seqlens, [leftpad,
+//                   batch_idx, page_table, sinks]) -> (out, lse, workspace
+//                   [, k_cache, v_cache]): the cache outputs, present when new
+//                   rows are appended, alias the cache inputs.
 // [optional..]: the present ones of sinks, seqused_q, seqused_k, q_segment_ids,
 // kv_segment_ids, in that order, as the Options flags announce.
 #pragma once
@@ -84,6 +88,43 @@ ffi::Error backward_handler(const Inputs& in, const BackwardInputs& b,
   return run(p);
 }
 
+// The KV-cache target: appends k_new / v_new to the caches (the aliased cache
+// outputs), then attends; `workspace` is a float32 output of at least the
+// bytes the platform asks (the split-KV partials: no allocation, so that the
+// call can be captured in a command buffer).
+template <class Run>
+ffi::Error kvcache_handler(KvcacheInputs in, const ffi::RemainingArgs& rest, ffi::AnyBuffer out,
+                           ffi::AnyBuffer lse, ffi::AnyBuffer workspace,
+                           const ffi::RemainingRets& caches, const KvcacheOptions& options,
+                           Run&& run) {
+  in.k_cache_data = in.k_cache.untyped_data();
+  in.v_cache_data = in.v_cache.untyped_data();
+  if (caches.size() == 2) {
+    auto k_out = caches.get<ffi::AnyBuffer>(0), v_out = caches.get<ffi::AnyBuffer>(1);
+    if (k_out.has_error() || v_out.has_error())
+      return ffi::Error::InvalidArgument("flashjax: unreadable cache outputs");
+    if (ffi::Error e = expect_like("k_cache output", **k_out, in.k_cache); e.failure()) return e;
+    if (ffi::Error e = expect_like("v_cache output", **v_out, in.v_cache); e.failure()) return e;
+    in.k_cache_data = (*k_out)->untyped_data();
+    in.v_cache_data = (*v_out)->untyped_data();
+  } else if (!caches.empty()) {
+    return ffi::Error::InvalidArgument("flashjax: the cache outputs come as a pair");
+  }
+  AttentionParams p;
+  if (ffi::Error e = fill_kvcache_inputs(p, in, rest, options); e.failure()) return e;
+  if (p.cache.new_rows > 0 && caches.empty())
+    return ffi::Error::InvalidArgument("flashjax: appending new rows needs the cache outputs");
+  if (ffi::Error e = expect_output("out", out, in.q, p); e.failure()) return e;
+  if (ffi::Error e = expect_row_stats("lse", lse, p); e.failure()) return e;
+  if (workspace.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("flashjax: the workspace must be float32");
+  p.out = row_tensor(p, out.untyped_data(), true, p.heads_q, p.head_dim_v);
+  p.lse = row_stats(p, lse.untyped_data());
+  if (p.batch == 0) return ffi::Error::Success();
+  return run(p, static_cast<int>(options.num_splits), workspace.untyped_data(),
+             workspace.size_bytes());
+}
+
 // XLA bindings of the four targets' buffers and attributes, after any context.
 template <class Binding>
 auto bind_forward(Binding binding) {
@@ -144,6 +185,23 @@ auto bind_varlen_backward(Binding binding) {
                                 .template Arg<ffi::AnyBuffer>());  // cu_seqlens_k
 }
 
+template <class Binding>
+auto bind_kvcache(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k_cache
+      .template Arg<ffi::AnyBuffer>()  // v_cache
+      .template Arg<ffi::AnyBuffer>()  // k_new
+      .template Arg<ffi::AnyBuffer>()  // v_new
+      .template Arg<ffi::AnyBuffer>()  // cache_seqlens
+      .RemainingArgs()                 // optional inputs
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // lse
+      .template Ret<ffi::AnyBuffer>()  // workspace
+      .RemainingRets()                 // k_cache, v_cache when appending
+      .template Attrs<KvcacheOptions>();
+}
+
 // The handler functions of one platform, from its `Platform::forward(ctx.., p)`
 // and `Platform::backward(ctx.., p)`; Ctx are the context parameters XLA
 // passes first (stream, scratch allocator).
@@ -186,6 +244,26 @@ struct Handlers {
   }
 };
 
+// The KV-cache handler of one platform, from its `Platform::kvcache(ctx.., p,
+// splits, workspace, workspace_bytes)`; Ctx: its contexts (the stream only:
+// no scratch allocator, so that command buffers can capture it).
+template <class Platform, class... Ctx>
+struct KvcacheHandler {
+  static ffi::Error kvcache(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                            ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                            ffi::AnyBuffer cache_seqlens, ffi::RemainingArgs rest,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets caches,
+                            KvcacheOptions options) {
+    return kvcache_handler(
+        KvcacheInputs{q, k_cache, v_cache, k_new, v_new, cache_seqlens, nullptr, nullptr}, rest,
+        *out, *lse, *workspace, caches, options,
+        [&](const AttentionParams& p, int splits, void* ws, size_t ws_bytes) {
+          return Platform::kvcache(ctx..., p, splits, ws, ws_bytes);
+        });
+  }
+};
+
 }  // namespace flashjax::ffi_layer
 
 // Defines the four exported handler symbols Prefix{Forward,Backward,VarlenForward,
@@ -202,3 +280,11 @@ struct Handlers {
                                 flashjax::ffi_layer::bind_varlen_forward(bind));             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(VarlenBackward, H::varlen_backward,                          \
                                 flashjax::ffi_layer::bind_varlen_backward(bind))
+
+// Defines the exported KV-cache handler symbol of a platform, command-buffer
+// compatible (a jitted decoding step can be captured in a CUDA graph: the
+// handler allocates nothing and never synchronises).
+#define FLASHJAX_DEFINE_KVCACHE_HANDLER(H, bind, Kvcache)                                    \
+  FLASHJAX_EXPORT_HANDLER(Kvcache);                                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Kvcache, H::kvcache, flashjax::ffi_layer::bind_kvcache(bind), \
+                                {::xla::ffi::Traits::kCmdBufferCompatible})

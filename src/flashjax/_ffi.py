@@ -12,6 +12,7 @@ FORWARD_TARGET = "flashjax_fwd"
 BACKWARD_TARGET = "flashjax_bwd"
 VARLEN_FORWARD_TARGET = "flashjax_varlen_fwd"
 VARLEN_BACKWARD_TARGET = "flashjax_varlen_bwd"
+KVCACHE_TARGET = "flashjax_kvcache"
 
 # Handler symbol stems per target; the library adds the platform's suffix.
 _SYMBOLS = {
@@ -19,6 +20,7 @@ _SYMBOLS = {
     BACKWARD_TARGET: "FlashjaxBackward",
     VARLEN_FORWARD_TARGET: "FlashjaxVarlenForward",
     VARLEN_BACKWARD_TARGET: "FlashjaxVarlenBackward",
+    KVCACHE_TARGET: "FlashjaxKvcache",
 }
 # XLA's platform names and the library's symbol suffixes.
 _PLATFORMS = {"cpu": "Cpu", "CUDA": "Cuda"}

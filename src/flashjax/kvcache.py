@@ -1,42 +1,41 @@
 """flashjax.flash_attention_with_kvcache: attention over a KV cache, the new tokens
 appended to it first (FlashAttention's ``flash_attn_with_kvcache``).
 
-Today the call is composed of JAX operations around the attention kernel: rotary
-embedding, the append (a scatter: in place when the caches are donated), a gather of
-each sequence's key rows and ``flash_attention`` with ``seqused_k``. That gives every
-option its exact semantics on every backend; the fused kernel that reads the cache
-where it lies (paged or not) and splits long caches over the GPU comes next
-(benchmarks/NOTES.md tracks its numbers).
+One FFI call (``flashjax_kvcache``) appends the new rows into the caches, whose
+outputs alias the inputs (in place under donation), and attends over the cache where
+it lies (contiguous, leftpad, cache_batch_idx or paged): on the GPU a split-KV kernel
+with a combine step for fp16/bf16, the SIMT path for float32; on the CPU the threaded
+C++ path. Rotary embedding of q and the new k is a JAX elementwise op before it. On
+the GPU, query blocks too large for decoding (prefill) attend with the dense kernels
+instead, after the same FFI call appends.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks
+from . import _calls, _checks, _ffi
 from .attention import flash_attention
 
 __all__ = ["flash_attention_with_kvcache", "apply_rotary"]
 
 
-@jax.custom_vjp
-def _inference_only(x):
-    return x
-
-
-def _inference_only_fwd(x):
-    return x, None
-
-
-def _inference_only_bwd(_, g):
+def _no_derivative(_primals, _tangents):
     raise TypeError(
         "flash_attention_with_kvcache is an inference interface and has no gradient; "
         "differentiate flash_attention or flash_attention_varlen instead")
 
 
-_inference_only.defvjp(_inference_only_fwd, _inference_only_bwd)
+def _inference_only(fn, *args):
+    """fn(*args), whose differentiation (grad, jvp) raises a TypeError."""
+    f = jax.custom_jvp(fn)
+    f.defjvp(_no_derivative)
+    return f(*args)
 
 
 def apply_rotary(x, cos, sin, positions, interleaved: bool):
@@ -209,47 +208,159 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
            page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
                               sinks is not None, False)
+    if _checks.is_int(cache_seqlens):
+        cache_seqlens = jnp.full((q.shape[0],), cache_seqlens, jnp.int32)
+    return _inference_only(
+        functools.partial(_kvcache, cfg, rotary_interleaved, softmax_scale, causal, window_size,
+                          softcap, num_splits, return_lse),
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+        rotary_cos, rotary_sin, sinks)
+
+
+def _kvcache(cfg, rotary_interleaved, softmax_scale, causal, window_size, softcap, num_splits,
+             return_lse, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+             page_table, rotary_cos, rotary_sin, sinks):
     per_row_positions = cfg.window_left >= 0 or cfg.window_right >= 0  # causal or windowed
-    q, k_cache, v_cache, k, v, sinks = (None if x is None else _inference_only(x)
-                                        for x in (q, k_cache, v_cache, k, v, sinks))
-
-    batch, seqlen_q = q.shape[:2]
-    slots = k_cache.shape[0]  # batch_cache / num_pages
+    batch, seqlen_q, heads_q, _ = q.shape
     capacity = cache_capacity(k_cache, page_table)
-    seqlens = (jnp.full((batch,), cache_seqlens, jnp.int32) if _checks.is_int(cache_seqlens)
-               else cache_seqlens)
-    seqlens = jnp.clip(seqlens, 0, capacity)
-    start = (jnp.zeros((batch,), jnp.int32) if cache_leftpad is None
-             else jnp.clip(cache_leftpad, 0, capacity))
-    seqlen_new = 0 if k is None else k.shape[1]
-    first_position = jnp.maximum(seqlens - start, 0)  # of the first new token
-
-    if rotary_cos is not None:
+    seqlens = cache_seqlens
+    if rotary_cos is not None:  # positions count from the first valid key
+        clipped = jnp.clip(seqlens, 0, capacity)
+        start = (jnp.zeros((batch,), jnp.int32) if cache_leftpad is None
+                 else jnp.clip(cache_leftpad, 0, capacity))
+        first_position = jnp.maximum(clipped - start, 0)[:, None]  # of the first new token
         rows_q = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :]
-        q_positions = first_position[:, None] + (rows_q if per_row_positions else 0 * rows_q)
-        q = apply_rotary(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
-
-    if k is not None:
-        new = seqlens[:, None] + jnp.arange(seqlen_new, dtype=jnp.int32)[None, :]
-        if rotary_cos is not None:
+        q = apply_rotary(q, rotary_cos, rotary_sin,
+                         first_position + (rows_q if per_row_positions else 0 * rows_q),
+                         rotary_interleaved)
+        if k is not None:
             k = apply_rotary(k, rotary_cos, rotary_sin,
-                             first_position[:, None] + (new - seqlens[:, None]),
+                             first_position + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :],
                              rotary_interleaved)
-        slot, row, valid = cache_rows(new, k_cache, page_table, cache_batch_idx)
-        slot = jnp.where(valid, slot, slots)  # out of range: the scatter drops it
-        k_cache = k_cache.at[slot, row].set(k, mode="drop")
-        v_cache = v_cache.at[slot, row].set(v, mode="drop")
 
-    # Each sequence's keys: logical rows [start, seqlens + seqlen_new), gathered.
-    end = jnp.minimum(seqlens + seqlen_new, capacity)
-    used_k = jnp.maximum(end - start, 0).astype(jnp.int32)
-    logical = start[:, None] + jnp.arange(capacity, dtype=jnp.int32)[None, :]
-    keys, values = (gather_rows(c, logical, page_table, cache_batch_idx)
-                    for c in (k_cache, v_cache))
-    result = flash_attention(q, keys, values, softmax_scale=softmax_scale, causal=causal,
-                             window_size=window_size, softcap=softcap, sinks=sinks,
-                             return_lse=return_lse, seqused_k=used_k)
-    outputs = result if return_lse else (result,)
+    call = _KvcacheCall(cfg, cache_leftpad, cache_batch_idx, page_table,
+                        None if sinks is None else jnp.broadcast_to(sinks, (batch, heads_q)))
+    kv_heads = k_cache.shape[2]
+    if q.dtype != jnp.float32 and seqlen_q * (heads_q // kv_heads) > SPLIT_KV_MAX_ROWS:
+        # Prefill: the dense kernels on the GPU (the split-KV kernel is for short blocks).
+        out, lse, k_cache, v_cache = jax.lax.platform_dependent(
+            q, k_cache, v_cache, k, v, seqlens,
+            cuda=functools.partial(_prefill_dense, call, softmax_scale, causal, window_size,
+                                   softcap, sinks),
+            default=functools.partial(_attend_in_kernel, call, num_splits))
+    else:
+        out, lse, k_cache, v_cache = _attend_in_kernel(call, num_splits, q, k_cache, v_cache,
+                                                       k, v, seqlens)
+    outputs = (out, lse) if return_lse else (out,)
     if k is not None:
         outputs = (*outputs, k_cache, v_cache)
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+# The split-KV kernel's shape (csrc/cuda/kvcache_attention.cu): 16 packed query rows
+# per CTA, 64-key tiles; packed rows past SPLIT_KV_MAX_ROWS attend on the dense kernels.
+SPLIT_KV_ROWS = 16
+SPLIT_KV_KEYS = 64
+SPLIT_KV_MAX_ROWS = 64
+MAX_SPLITS = 128
+CTAS_PER_SM = 3            # resident split-KV CTAs per SM (d128: 70 KB of shared memory)
+MIN_TILES_PER_SPLIT = 2    # each split streams at least this many key tiles
+DEFAULT_MULTIPROCESSORS = 132
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    try:
+        return int(getattr(jax.devices("gpu")[0], "core_count", DEFAULT_MULTIPROCESSORS))
+    except RuntimeError:  # no GPU: the CPU path ignores splits
+        return DEFAULT_MULTIPROCESSORS
+
+
+def split_count(batch: int, kv_heads: int, packed_rows: int, capacity: int,
+                num_splits: int = 0) -> int:
+    """Splits of each sequence's keys: num_splits when given, else enough CTAs to fill
+    the GPU (batch x kv heads x row tiles x splits ~ CTAS_PER_SM per SM), each split
+    keeping MIN_TILES_PER_SPLIT key tiles of the capacity."""
+    if num_splits:
+        return min(num_splits, MAX_SPLITS)
+    ctas = batch * kv_heads * -(-packed_rows // SPLIT_KV_ROWS)
+    wanted = -(-CTAS_PER_SM * _multiprocessors() // max(ctas, 1))
+    tiles = -(-capacity // SPLIT_KV_KEYS)
+    return max(1, min(wanted, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+class _KvcacheCall:
+    """The flashjax_kvcache FFI call of one flash_attention_with_kvcache: static
+    attributes and the optional metadata inputs."""
+
+    def __init__(self, cfg, leftpad, batch_idx, page_table, sinks):
+        self.cfg = cfg
+        self.leftpad, self.batch_idx, self.page_table = leftpad, batch_idx, page_table
+        self.optional = [x for x in (leftpad, batch_idx, page_table, sinks) if x is not None]
+        self.flags = dict(has_leftpad=np.bool_(leftpad is not None),
+                          has_batch_idx=np.bool_(batch_idx is not None),
+                          has_page_table=np.bool_(page_table is not None),
+                          has_sinks=np.bool_(sinks is not None))
+
+    def __call__(self, q, k_cache, v_cache, k, v, seqlens, splits):
+        """(out, lse, k_cache, v_cache): k, v (None: nothing) appended, the caches
+        aliased in place; q with no rows only appends."""
+        batch, seqlen_q, heads_q, _ = q.shape
+        heads_kv, dim_v = k_cache.shape[2], v_cache.shape[3]
+        appends = k is not None
+        if not appends:
+            k = jnp.zeros((batch, 0, heads_kv, k_cache.shape[3]), q.dtype)
+            v = jnp.zeros((batch, 0, heads_kv, dim_v), q.dtype)
+        partial_rows = batch * heads_q * seqlen_q * (dim_v + 1)
+        results = [(q.shape[:-1] + (dim_v,), q.dtype), ((batch, heads_q, seqlen_q), jnp.float32),
+                   ((max(1, splits * partial_rows if splits > 1 else 1),), jnp.float32)]
+        if appends:
+            results += [(k_cache.shape, k_cache.dtype), (v_cache.shape, v_cache.dtype)]
+        args = (q, k_cache, v_cache, k, v, seqlens.astype(jnp.int32), *self.optional)
+        _ffi.load()
+        call = jax.ffi.ffi_call(
+            _ffi.KVCACHE_TARGET, _calls._result_types(q, _calls._varying_axes(*args), *results),
+            input_output_aliases={1: 3, 2: 4} if appends else None, vmap_method="sequential")
+        outs = call(*args, softmax_scale=np.float32(self.cfg.softmax_scale),
+                    window_left=np.int64(self.cfg.window_left),
+                    window_right=np.int64(self.cfg.window_right),
+                    softcap=np.float32(self.cfg.softcap), num_splits=np.int64(splits),
+                    **self.flags)
+        return (outs[0], outs[1]) + ((outs[3], outs[4]) if appends else (k_cache, v_cache))
+
+
+def _attend_in_kernel(call, num_splits, q, k_cache, v_cache, k, v, seqlens):
+    batch, seqlen_q, heads_q, _ = q.shape
+    heads_kv = k_cache.shape[2]
+    splits = split_count(batch, heads_kv, seqlen_q * (heads_q // heads_kv),
+                         cache_capacity(k_cache, call.page_table), num_splits)
+    return call(q, k_cache, v_cache, k, v, seqlens, splits)
+
+
+def _prefill_dense(call, softmax_scale, causal, window_size, softcap, sinks,
+                   q, k_cache, v_cache, k, v, seqlens):
+    """The FFI call appends (q without rows), then flash_attention reads the cache in
+    place when it is contiguous with one entry per sequence and no leftpad, else each
+    sequence's rows gathered."""
+    if k is not None:
+        _, _, k_cache, v_cache = call(q[:, :0], k_cache, v_cache, k, v, seqlens, 1)
+    batch = q.shape[0]
+    capacity = cache_capacity(k_cache, call.page_table)
+    end = jnp.minimum(jnp.clip(seqlens, 0, capacity) + (0 if k is None else k.shape[1]),
+                      capacity)
+    if (call.page_table is None and call.batch_idx is None and call.leftpad is None
+            and k_cache.shape[0] == batch):
+        keys, values, used = k_cache, v_cache, end
+    else:
+        start = (jnp.zeros((batch,), jnp.int32) if call.leftpad is None
+                 else jnp.clip(call.leftpad, 0, capacity))
+        logical = start[:, None] + jnp.arange(capacity, dtype=jnp.int32)[None, :]
+        keys, values = (gather_rows(c, logical, call.page_table, call.batch_idx)
+                        for c in (k_cache, v_cache))
+        used = jnp.maximum(end - start, 0)
+        if call.page_table is None and call.batch_idx is not None:  # outside: no keys
+            used = jnp.where((call.batch_idx >= 0) & (call.batch_idx < k_cache.shape[0]), used, 0)
+    out, lse = flash_attention(q, keys, values, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, softcap=softcap, sinks=sinks,
+                               return_lse=True, seqused_k=used.astype(jnp.int32))
+    return out, lse, k_cache, v_cache

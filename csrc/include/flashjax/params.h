@@ -50,6 +50,59 @@ struct TensorRef {
   }
 };
 
+// One sequence's row of a page table: logical row r lies in row r % page_rows
+// of page pages[r / page_rows].
+struct PageRow {
+  const int32_t* pages = nullptr;  // null: not paged
+  int64_t page_rows = 0, num_pages = 0;
+  // false (page clamped to 0, in bounds) when the page is outside the pool.
+  FJ_HOST_DEVICE bool locate(int64_t r, int64_t& page, int64_t& row) const {
+    page = pages[r / page_rows];
+    row = r % page_rows;
+    const bool inside = page >= 0 && page < num_pages;
+    page = inside ? page : 0;
+    return inside;
+  }
+};
+
+// A KV cache the keys and values are read from (flash_attention_with_kvcache):
+// sequence b's keys are its logical cache rows [leftpad, seqlens + new_rows)
+// (clamped to the capacity), where logical row r lies in row r of cache entry
+// batch_idx[b] (contiguous), or in row r % slot_rows of page
+// page_table[b][r / slot_rows] (paged). k and v of AttentionParams are then the
+// caches: (slots, slot_rows, heads_kv, dim). The new rows (k_new, v_new) are
+// written at logical rows seqlens.. before the attention reads them.
+struct KvCache {
+  const int32_t* seqlens = nullptr;     // [batch] rows before the new ones; set = cache layout
+  const int32_t* leftpad = nullptr;     // [batch] first valid row (null: 0)
+  const int32_t* batch_idx = nullptr;   // [batch] cache entry (contiguous; null: b)
+  const int32_t* page_table = nullptr;  // [batch, max_pages] (null: contiguous)
+  int64_t max_pages = 0;
+  int64_t slots = 0;      // cache entries, or pages
+  int64_t slot_rows = 0;  // rows of an entry (seqlen_cache), or page_size
+  int64_t new_rows = 0;   // seqlen_new (0: nothing appended)
+  TensorRef k_new, v_new; // [batch, new_rows, heads_kv, dim]
+
+  FJ_HOST_DEVICE bool active() const { return seqlens != nullptr; }
+  FJ_HOST_DEVICE bool paged() const { return page_table != nullptr; }
+  // Logical rows a sequence can hold.
+  FJ_HOST_DEVICE int64_t capacity() const { return paged() ? max_pages * slot_rows : slot_rows; }
+  FJ_HOST_DEVICE PageRow page_row(int64_t b) const {
+    return paged() ? PageRow{page_table + b * max_pages, slot_rows, slots} : PageRow{};
+  }
+  // Where logical row r (in [0, capacity)) of sequence b lies: (slot, row of
+  // the slot); false (slot clamped to 0) when the page or entry is outside
+  // the cache.
+  FJ_HOST_DEVICE bool locate(int64_t b, int64_t r, int64_t& slot, int64_t& row) const {
+    if (paged()) return page_row(b).locate(r, slot, row);
+    slot = batch_idx ? batch_idx[b] : b;
+    row = r;
+    const bool inside = slot >= 0 && slot < slots;
+    slot = inside ? slot : 0;
+    return inside;
+  }
+};
+
 struct AttentionParams {
   // Shapes. `batch` is the number of sequences: the dense batch (every leading
   // dimension folded in: vmap adds them) or, packed, len(cu_seqlens) - 1.
@@ -78,6 +131,7 @@ struct AttentionParams {
   const int32_t* seqused_k = nullptr;      // [batch]
   const int32_t* q_segment_ids = nullptr;  // [batch, seqlen_q] (dense only)
   const int32_t* kv_segment_ids = nullptr; // [batch, seqlen_k]: q sees k iff ids equal
+  KvCache cache;                           // keys from a KV cache (seqlen_k = its capacity)
 
   // Forward tensors.
   TensorRef q;                   // [batch, seqlen_q, heads_q, head_dim]
@@ -101,7 +155,7 @@ struct AttentionParams {
   FJ_HOST_DEVICE bool has_segments() const { return q_segment_ids != nullptr; }
   // Every sequence fills its whole slot: the kernels' original, fastest case.
   FJ_HOST_DEVICE bool uniform() const {
-    return !packed() && !seqused_q && !seqused_k && !has_segments();
+    return !packed() && !seqused_q && !seqused_k && !has_segments() && !cache.active();
   }
 };
 

@@ -23,7 +23,9 @@ FJ_HOST_DEVICE int64_t clamp_to(int64_t x, int64_t lo, int64_t hi) {
 }
 
 struct SeqlenInfo {
-  int64_t batch = 0;             // index into the tensors' batch dimension
+  int64_t batch = 0;             // index into the query-side tensors' batch dimension
+  int64_t k_batch = 0;           // and the key side's (a KV cache's entry)
+  PageRow pages;                 // set when the keys are a paged cache's
   int64_t q_start = 0, k_start = 0;  // first row of the slot
   int64_t q_slot = 0, k_slot = 0;    // rows of the slot
   int64_t seqlen_q = 0, seqlen_k = 0;  // used rows
@@ -41,12 +43,13 @@ struct SeqlenInfo {
       k_slot = clamp_to(p.cu_seqlens_k[b + 1] - k_start, 0,
                         p.seqlen_k < p.total_k - k_start ? p.seqlen_k : p.total_k - k_start);
     } else {
-      batch = b;
+      batch = k_batch = b;
       q_slot = p.seqlen_q;
       k_slot = p.seqlen_k;
     }
     seqlen_q = p.seqused_q ? clamp_to(p.seqused_q[b], 0, q_slot) : q_slot;
     seqlen_k = p.seqused_k ? clamp_to(p.seqused_k[b], 0, k_slot) : k_slot;
+    if (p.cache.active()) set_cache_keys(p.cache, b);
   }
 
   // SeqlenInfo(p, b) of a p.uniform() call, from the shapes alone (no
@@ -54,7 +57,7 @@ struct SeqlenInfo {
   // constant-folded dense arithmetic.
   FJ_HOST_DEVICE static SeqlenInfo uniform(const AttentionParams& p, int64_t b) {
     SeqlenInfo s;
-    s.batch = b;
+    s.batch = s.k_batch = b;
     s.q_slot = s.seqlen_q = p.seqlen_q;
     s.k_slot = s.seqlen_k = p.seqlen_k;
     s.window_left = p.window_left;
@@ -87,7 +90,8 @@ struct SeqlenInfo {
     return hi > seqlen_q - 1 ? seqlen_q - 1 : hi;
   }
 
-  // Tensor rows of slot rows (for TensorRef::at with `batch`).
+  // Tensor rows of slot rows (for TensorRef::at with `batch`, `k_batch`; not
+  // for a paged cache's keys, which k_at finds).
   FJ_HOST_DEVICE int64_t q_row(int64_t i) const { return q_start + i; }
   FJ_HOST_DEVICE int64_t k_row(int64_t j) const { return k_start + j; }
   // Element 0 of slot row i, head h of a query-side tensor (q, out, dout, dq,
@@ -98,7 +102,26 @@ struct SeqlenInfo {
   }
   template <class T>
   FJ_HOST_DEVICE T* k_at(const TensorRef& t, int64_t j, int64_t h) const {
-    return t.at<T>(batch, k_row(j), h);
+    if (pages.pages) {  // a page outside the pool reads page 0 (in bounds, unspecified)
+      int64_t page, row;
+      pages.locate(k_row(j), page, row);
+      return t.at<T>(page, row, h);
+    }
+    return t.at<T>(k_batch, k_row(j), h);
+  }
+
+ private:
+  // Keys are cache rows [leftpad, seqlens + new_rows) of the sequence's entry
+  // or pages, clamped to the capacity; an entry outside the cache has none.
+  FJ_HOST_DEVICE void set_cache_keys(const KvCache& c, int64_t b) {
+    const int64_t capacity = c.capacity();
+    k_start = c.leftpad ? clamp_to(c.leftpad[b], 0, capacity) : 0;
+    const int64_t end = clamp_to(clamp_to(c.seqlens[b], 0, capacity) + c.new_rows, 0, capacity);
+    k_slot = capacity - k_start;
+    seqlen_k = end > k_start ? end - k_start : 0;
+    pages = c.page_row(b);
+    int64_t row;
+    if (!c.paged() && !c.locate(b, 0, k_batch, row)) seqlen_k = 0;
   }
 };
 

@@ -1,0 +1,354 @@
+// Split-KV attention over a KV cache (see kvcache_attention.h). Decoding reads
+// every cached key once per step and computes little with it, so what matters
+// is how many bytes are in flight: the keys of one sequence are split over
+// enough CTAs to fill the GPU, each streaming 64-key K and V tiles through a
+// two-stage cp.async pipeline. Cache rows are found through SeqlenInfo::k_at
+// (contiguous, leftpad, batch index or page table alike), one 16-byte chunk at
+// a time, so any page size works.
+#include "kvcache_attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <mutex>
+
+#include "common.cuh"
+#include "dispatch.h"
+#include "fragment_softmax.cuh"
+#include "mma_sm80.cuh"
+
+namespace flashjax::cuda {
+namespace {
+
+constexpr int kRows = 16;  // packed query rows per CTA: one mma row block
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kKeysPerWarp = 16;
+constexpr int kBlockN = kWarps * kKeysPerWarp;  // keys per pipeline stage
+constexpr int kStages = 2;
+constexpr int kAppendThreads = 256;
+constexpr int kCombineWarps = 4;
+
+// Shared memory: the query tile, then kStages (K, V) tiles; the warps' merge
+// of their softmax states reuses the stages.
+template <int kHeadDim>
+struct SplitSmem {
+  static constexpr int kQuery = kRows * kHeadDim;         // 16-bit elements
+  static constexpr int kStage = 2 * kBlockN * kHeadDim;   // K then V
+  static constexpr int kBytes = (kQuery + kStages * kStage) * 2;
+  static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;  // o, m, l
+  static_assert(kMergeBytes <= kStages * kStage * 2, "the merge must fit in the stages");
+};
+
+// The packed query rows of one kv head: row R is query R % seqlen_q of the
+// group's head R / seqlen_q (every head of the group shares the keys).
+struct PackedRows {
+  int64_t seqlen_q, count;
+  __device__ PackedRows(const AttentionParams& p)
+      : seqlen_q(p.seqlen_q), count(p.seqlen_q * p.group_size()) {}
+  __device__ int64_t query(int64_t r) const { return r % seqlen_q; }
+  __device__ int64_t head(int64_t r) const { return r / seqlen_q; }  // within the group
+};
+
+// float32 partial results of each split: out normalised by the split's own
+// softmax sum, and that split's lse (log2 units; -inf: it saw no key).
+struct Partials {
+  float* out = nullptr;   // [splits][rows][head_dim_v]
+  float* lse2 = nullptr;  // [splits][rows]
+  int64_t rows = 0;       // batch * heads_q * seqlen_q, ordered (b, h, i)
+  Partials(const AttentionParams& p, int splits, void* workspace) {
+    if (splits <= 1 || !workspace) return;
+    rows = p.batch * p.heads_q * p.seqlen_q;
+    out = static_cast<float*>(workspace);
+    lse2 = out + splits * rows * p.head_dim_v;
+  }
+  static size_t bytes(const AttentionParams& p, int splits) {
+    if (splits <= 1) return 0;
+    return sizeof(float) * static_cast<size_t>(splits) *
+           static_cast<size_t>(p.batch * p.heads_q * p.seqlen_q * (p.head_dim_v + 1));
+  }
+  __device__ int64_t row(const AttentionParams& p, int64_t b, int64_t h, int64_t i) const {
+    return (b * p.heads_q + h) * p.seqlen_q + i;
+  }
+};
+
+// Writes columns col, col + 1 of output row (b, i, h) from the keys' lse (log2
+// units) and normalised output, folding in the sink; lse too from column 0.
+// (A cache call's queries are dense: out and lse are indexed directly.)
+template <class T>
+__device__ void write_output(const AttentionParams& p, int64_t b, int64_t i, int64_t h, int col,
+                             float keys_lse2, float o0, float o1) {
+  const float sink2 = p.sinks ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
+  const float m = fmaxf(keys_lse2, sink2);
+  float weight = 0.0f, lse2 = kNegInf;  // no key and no sink: out 0, lse -inf
+  if (m != kNegInf) {
+    lse2 = m + __log2f(fast_exp2(keys_lse2 - m) + fast_exp2(sink2 - m));
+    weight = fast_exp2(keys_lse2 - lse2);
+  }
+  *reinterpret_cast<uint32_t*>(p.out.at<T>(b, i, h) + col) = pack2<T>(o0 * weight, o1 * weight);
+  if (col == 0) *p.lse.at<float>(b, i, h) = lse2 == kNegInf ? kNegInf : lse2 / kLog2e;
+}
+
+// Rows [k0, k0 + kBlockN) of one head of a cache (zero past the sequence's
+// keys and past `dim` columns) into a swizzled tile.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void load_keys(T* tile, const TensorRef& cache, const SeqlenInfo& seq,
+                                          int64_t hk, int64_t k0, int64_t dim) {
+  constexpr int kChunks = kHeadDim / 8;
+  for (int idx = threadIdx.x; idx < kBlockN * kChunks; idx += kThreads) {
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    const bool valid = k0 + row < seq.seqlen_k && chunk * 8 < dim;
+    const T* src = valid ? seq.k_at<const T>(cache, k0 + row, hk) + chunk * 8
+                         : static_cast<const T*>(cache.data);
+    cp_async_16(tile + swizzled<kHeadDim>(row, chunk), src, valid);
+  }
+}
+
+// CTA (b, kv head, 16-row tile, split): attention of the tile's packed query
+// rows over the split's share of the 64-key tiles the rows see.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads)
+    split_kv_kernel(const __grid_constant__ AttentionParams p, int splits,
+                    const __grid_constant__ Partials partials) {
+  using Smem = SplitSmem<kHeadDim>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* stages = sQ + Smem::kQuery;
+
+  const PackedRows rows(p);
+  const int64_t row_tiles = (rows.count + kRows - 1) / kRows;
+  int64_t block = blockIdx.x;
+  const int split = static_cast<int>(block % splits);
+  block /= splits;
+  const int64_t row0 = block % row_tiles * kRows;
+  block /= row_tiles;
+  const int64_t hk = block % p.heads_kv, b = block / p.heads_kv, h0 = hk * p.group_size();
+  const SeqlenInfo seq(p, b);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  // The queries of the tile's rows: a range, or all of them when it wraps.
+  const int64_t row_end = min(row0 + kRows, rows.count);
+  const bool wraps = rows.head(row0) != rows.head(row_end - 1);
+  const int64_t q_first = wraps ? 0 : rows.query(row0);
+  const int64_t q_last = wraps ? p.seqlen_q - 1 : rows.query(row_end - 1);
+  const KeyRange keys(seq, q_first, q_last, kBlockN);
+  const int64_t tiles = keys.tiles(kBlockN), per_split = (tiles + splits - 1) / splits;
+  const int64_t tile_first = min(tiles, split * per_split);
+  const int64_t tile_end = min(tiles, tile_first + per_split);
+
+  constexpr int kChunks = kHeadDim / 8;
+  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, chunk = idx % kChunks;
+    const int64_t row = row0 + r;
+    const bool valid = row < rows.count && chunk * 8 < p.head_dim;
+    const T* src = valid ? seq.q_at<const T>(p.q, rows.query(row), h0 + rows.head(row)) + chunk * 8
+                         : static_cast<const T*>(p.q.data);
+    cp_async_16(sQ + swizzled<kHeadDim>(r, chunk), src, valid);
+  }
+  const auto load_stage = [&](int64_t tile) {
+    T* sK = stages + tile % kStages * Smem::kStage;
+    const int64_t k0 = keys.tile_begin + tile * kBlockN;
+    load_keys<T, kHeadDim>(sK, p.k, seq, hk, k0, p.head_dim);
+    load_keys<T, kHeadDim>(sK + kBlockN * kHeadDim, p.v, seq, hk, k0, p.head_dim_v);
+  };
+  if (tile_first < tile_end) load_stage(tile_first);
+  cp_async_commit();  // (with the query tile)
+
+  constexpr int kDimTiles = kHeadDim / 8, kKeyTiles = kKeysPerWarp / 8;
+  RowSoftmax softmax{row0 + lane / 4, static_cast<int>(p.seqlen_q)};
+  float o[kDimTiles * 4] = {};
+  for (int64_t tile = tile_first; tile < tile_end; ++tile) {
+    if (tile + 1 < tile_end) {
+      load_stage(tile + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // tile landed for every thread
+    const T* sK = stages + tile % kStages * Smem::kStage + warp * kKeysPerWarp * kHeadDim;
+    const T* sV = sK + kBlockN * kHeadDim;
+    const int64_t k0 = keys.tile_begin + tile * kBlockN + warp * kKeysPerWarp;
+    if (k0 < keys.key_end && k0 + kKeysPerWarp > keys.key_begin) {
+      float s[kKeyTiles * 4];
+      gemm_abt<T, kHeadDim, kKeysPerWarp>(s, sQ, 0, sK);
+      softmax.scores<kKeyTiles>(
+          s, p, seq, k0,
+          RowSoftmax::tile_needs_mask(seq, q_first, q_last, k0, kKeysPerWarp, keys.key_begin,
+                                      keys.key_end));
+      softmax.update<kKeyTiles, kDimTiles>(s, o);
+      gemm_ab<T, kHeadDim, kKeysPerWarp>(o, s, sV);
+    }
+    __syncthreads();  // every warp is done with the stage before it is refilled
+  }
+  cp_async_wait<0>();
+
+  // Merge the warps' softmax states through shared memory (the stages).
+  float* merge_o = reinterpret_cast<float*>(stages);  // [warp][row][kHeadDim]
+  float* merge_m = merge_o + kWarps * kRows * kHeadDim;  // [warp][row], log2 units
+  float* merge_l = merge_m + kWarps * kRows;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r, slot = warp * kRows + row;
+    float l = softmax.l[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) {
+      merge_m[slot] = softmax.m[r];
+      merge_l[slot] = l;
+    }
+#pragma unroll
+    for (int n = 0; n < kDimTiles; ++n) {
+      merge_o[slot * kHeadDim + 8 * n + 2 * t] = o[4 * n + 2 * r];
+      merge_o[slot * kHeadDim + 8 * n + 2 * t + 1] = o[4 * n + 2 * r + 1];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * kHeadDim / 2; idx += kThreads) {
+    const int row = idx / (kHeadDim / 2), col = 2 * (idx % (kHeadDim / 2));
+    const int64_t packed_row = row0 + row;
+    if (packed_row >= rows.count || col >= p.head_dim_v) continue;
+    float m = kNegInf;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge_m[w * kRows + row]);
+    const float base = m == kNegInf ? 0.0f : m;
+    float l = 0.0f, o0 = 0.0f, o1 = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int slot = w * kRows + row;
+      const float a = fast_exp2(merge_m[slot] - base);
+      l += a * merge_l[slot];
+      o0 += a * merge_o[slot * kHeadDim + col];
+      o1 += a * merge_o[slot * kHeadDim + col + 1];
+    }
+    const float lse2 = l > 0.0f ? base + __log2f(l) : kNegInf;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t i = rows.query(packed_row), h = h0 + rows.head(packed_row);
+    if (splits == 1) {
+      write_output<T>(p, b, i, h, col, lse2, o0 * inv, o1 * inv);
+    } else {
+      const int64_t at = split * partials.rows + partials.row(p, b, h, i);
+      *reinterpret_cast<float2*>(partials.out + at * p.head_dim_v + col) =
+          make_float2(o0 * inv, o1 * inv);
+      if (col == 0) partials.lse2[at] = lse2;
+    }
+  }
+}
+
+// One warp per output row: merges the splits' partial results.
+template <class T>
+__global__ void combine_kernel(const __grid_constant__ AttentionParams p, int splits,
+                               const __grid_constant__ Partials partials) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= partials.rows) return;
+  const int64_t i = row % p.seqlen_q, h = row / p.seqlen_q % p.heads_q,
+                b = row / (p.seqlen_q * p.heads_q);
+  float m = kNegInf;
+  for (int s = lane; s < splits; s += 32) m = fmaxf(m, partials.lse2[s * partials.rows + row]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  const float base = m == kNegInf ? 0.0f : m;
+  float total = 0.0f;
+  for (int s = lane; s < splits; s += 32)
+    total += fast_exp2(partials.lse2[s * partials.rows + row] - base);
+  total = warp_sum(total);
+  const float keys_lse2 = total > 0.0f ? base + __log2f(total) : kNegInf;
+  for (int col = 2 * lane; col < p.head_dim_v; col += 64) {
+    float o0 = 0.0f, o1 = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float lse2 = partials.lse2[s * partials.rows + row];
+      if (lse2 == kNegInf) continue;  // saw no key (its partial out is not written)
+      const float w = fast_exp2(lse2 - keys_lse2);
+      const float2 x =
+          *reinterpret_cast<const float2*>(partials.out + (s * partials.rows + row) * p.head_dim_v + col);
+      o0 += w * x.x;
+      o1 += w * x.y;
+    }
+    write_output<T>(p, b, i, h, col, keys_lse2, o0, o1);
+  }
+}
+
+// One thread per element of a new row (k then v): (b, j, kv head, element).
+template <class T>
+__global__ void append_kernel(const __grid_constant__ AttentionParams p) {
+  const KvCache& c = p.cache;
+  const int64_t per_row = p.head_dim + p.head_dim_v;
+  const int64_t total = p.batch * c.new_rows * p.heads_kv * per_row;
+  const int64_t capacity = c.capacity();
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = idx % per_row, hk = idx / per_row % p.heads_kv,
+                  j = idx / (per_row * p.heads_kv) % c.new_rows,
+                  b = idx / (per_row * p.heads_kv * c.new_rows);
+    const int64_t r = clamp_to(c.seqlens[b], 0, capacity) + j;
+    int64_t slot, row;
+    if (r >= capacity || !c.locate(b, r, slot, row)) continue;
+    if (e < p.head_dim)
+      p.k.at<T>(slot, row, hk)[e] = c.k_new.at<const T>(b, j, hk)[e];
+    else
+      p.v.at<T>(slot, row, hk)[e - p.head_dim] = c.v_new.at<const T>(b, j, hk)[e - p.head_dim];
+  }
+}
+
+template <class T, int kHeadDim>
+cudaError_t launch_split_kv(const AttentionParams& p, int splits, void* workspace,
+                            cudaStream_t stream) {
+  static std::once_flag configured;
+  static cudaError_t config_status = cudaSuccess;
+  std::call_once(configured, [] {
+    config_status = cudaFuncSetAttribute(split_kv_kernel<T, kHeadDim>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         SplitSmem<kHeadDim>::kBytes);
+  });
+  if (config_status != cudaSuccess) return config_status;
+  const Partials partials(p, splits, workspace);
+  if (splits > 1 && !partials.out) return cudaErrorInvalidValue;  // no workspace
+  const int64_t row_tiles = (p.seqlen_q * p.group_size() + kRows - 1) / kRows;
+  const int64_t blocks = p.batch * p.heads_kv * row_tiles * splits;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  split_kv_kernel<T, kHeadDim><<<static_cast<unsigned>(blocks), kThreads,
+                                 SplitSmem<kHeadDim>::kBytes, stream>>>(p, splits, partials);
+  if (splits == 1) return cudaGetLastError();
+  const int64_t combine_blocks = (partials.rows + kCombineWarps - 1) / kCombineWarps;
+  if (combine_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  combine_kernel<T><<<static_cast<unsigned>(combine_blocks), kCombineWarps * 32, 0, stream>>>(
+      p, splits, partials);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t append_to_cache(const AttentionParams& p, cudaStream_t stream) {
+  const int64_t total = p.batch * p.cache.new_rows * p.heads_kv * (p.head_dim + p.head_dim_v);
+  if (total == 0) return cudaSuccess;
+  const int64_t blocks = (total + kAppendThreads - 1) / kAppendThreads;
+  const unsigned grid = static_cast<unsigned>(blocks < 65535 ? blocks : 65535);  // grid-stride
+  return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
+    append_kernel<decltype(tag)><<<grid, kAppendThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+bool split_kv_supports(const AttentionParams& p) {
+  return p.cache.active() && tensor_core_shapes(p) && compute_capability() >= 80;
+}
+
+size_t split_kv_workspace_bytes(const AttentionParams& p, int splits) {
+  return Partials::bytes(p, splits);
+}
+
+cudaError_t split_kv_forward(const AttentionParams& p, int splits, void* workspace,
+                             cudaStream_t stream) {
+  if (splits < 1 || !p.cache.active()) return cudaErrorInvalidValue;
+  if (p.batch == 0 || p.seqlen_q == 0) return cudaSuccess;  // (an append only)
+  return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
+    return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
+      return launch_split_kv<decltype(tag), decltype(dim)::value>(p, splits, workspace, stream);
+    });
+  });
+}
+
+}  // namespace flashjax::cuda

@@ -1,0 +1,206 @@
+"""KV-cache test cases and their float64 reference, assembled from the cache by hand
+(NumPy: rows located one by one, rotary in float64, the append done row by row, then
+flashjax.reference.attention per sequence). Shared by the CPU and GPU tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+import flashjax
+from flashjax import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCase:
+    batch: int = 3
+    seqlen_q: int = 1
+    heads_q: int = 4
+    heads_kv: int = 2
+    head_dim: int = 32
+    head_dim_v: int = 32
+    seqlens: tuple = (5, 0, 17)        # cache_seqlens
+    capacity: int = 24                 # seqlen_cache, or max_pages * page_size
+    seqlen_new: int = 0
+    page_size: int = 0                 # 0: contiguous
+    num_pages: int = 0                 # paged: pages in the pool
+    batch_cache: int = 0               # contiguous with cache_batch_idx (0: none)
+    leftpad: tuple = ()
+    rotary_dim: int = 0
+    interleaved: bool = True
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
+    dtype: str = "float32"
+    poison: bool = False               # NaN in every cache row no sequence reads
+
+    def __str__(self):
+        parts = [f"b{self.batch}", f"sq{self.seqlen_q}", f"h{self.heads_q}/{self.heads_kv}",
+                 f"d{self.head_dim}", f"cache{'-'.join(map(str, self.seqlens))}/{self.capacity}",
+                 f"new{self.seqlen_new}"]
+        if self.page_size:
+            parts.append(f"page{self.page_size}")
+        if self.batch_cache:
+            parts.append(f"bidx{self.batch_cache}")
+        if self.leftpad:
+            parts.append("leftpad")
+        if self.rotary_dim:
+            parts.append(f"rot{self.rotary_dim}{'i' if self.interleaved else 'n'}")
+        for flag in ("causal", "sinks"):
+            if getattr(self, flag):
+                parts.append(flag)
+        if self.window_size != (-1, -1):
+            parts.append(f"w{self.window_size[0]}_{self.window_size[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        return "-".join(parts + [self.dtype])
+
+
+def make_inputs(case: KVCase, seed=0):
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(case.dtype)
+    normal = lambda *s: jnp.asarray(rng.standard_normal(s), dt)
+    hkv, d, dv = case.heads_kv, case.head_dim, case.head_dim_v
+    if case.page_size:
+        pages_per_seq = case.capacity // case.page_size
+        k_cache = normal(case.num_pages, case.page_size, hkv, d)
+        v_cache = normal(case.num_pages, case.page_size, hkv, dv)
+        table = rng.permutation(case.num_pages)[:case.batch * pages_per_seq]
+        extra = dict(page_table=jnp.asarray(table.reshape(case.batch, pages_per_seq), jnp.int32))
+    else:
+        rows = case.batch_cache or case.batch
+        k_cache, v_cache = normal(rows, case.capacity, hkv, d), normal(rows, case.capacity, hkv, dv)
+        extra = {}
+        if case.batch_cache:
+            extra["cache_batch_idx"] = jnp.asarray(
+                rng.permutation(case.batch_cache)[:case.batch], jnp.int32)
+    if case.leftpad:
+        extra["cache_leftpad"] = jnp.asarray(case.leftpad, jnp.int32)
+    if case.rotary_dim:
+        angles = rng.uniform(0, 2 * np.pi, (case.capacity + case.seqlen_q, case.rotary_dim // 2))
+        extra["rotary_cos"] = jnp.asarray(np.cos(angles), jnp.float32)
+        extra["rotary_sin"] = jnp.asarray(np.sin(angles), jnp.float32)
+        extra["rotary_interleaved"] = case.interleaved
+    if case.sinks:
+        extra["sinks"] = jnp.asarray(rng.standard_normal(case.heads_q), jnp.float32)
+    new = {}
+    if case.seqlen_new:
+        new = dict(k=normal(case.batch, case.seqlen_new, hkv, d),
+                   v=normal(case.batch, case.seqlen_new, hkv, dv))
+    q = normal(case.batch, case.seqlen_q, case.heads_q, d)
+    if case.poison:
+        k_cache, v_cache = poison_unread_rows(case, k_cache, v_cache, extra)
+    return q, k_cache, v_cache, new, extra
+
+
+def cache_location(case: KVCase, extra, i, r):
+    """(slot, row) of logical row r of sequence i."""
+    if case.page_size:
+        return int(extra["page_table"][i, r // case.page_size]), r % case.page_size
+    return (int(extra["cache_batch_idx"][i]) if case.batch_cache else i), r
+
+
+def poison_unread_rows(case: KVCase, k_cache, v_cache, extra):
+    """NaN in every cache row outside each sequence's keys [leftpad, seqlen + new)."""
+    read = np.zeros(k_cache.shape[:2], bool)
+    for i in range(case.batch):
+        left = case.leftpad[i] if case.leftpad else 0
+        for r in range(left, min(case.seqlens[i] + case.seqlen_new, case.capacity)):
+            read[cache_location(case, extra, i, r)] = True
+    mask = jnp.asarray(read)[:, :, None, None]
+    return (jnp.where(mask, k_cache, jnp.nan).astype(k_cache.dtype),
+            jnp.where(mask, v_cache, jnp.nan).astype(v_cache.dtype))
+
+
+def rotary_np(x, cos, sin, positions, interleaved):
+    """x (rows, heads, dim) float64; positions (rows,)."""
+    half = cos.shape[1]
+    c = cos[np.clip(positions, 0, cos.shape[0] - 1)][:, None, :]
+    s = sin[np.clip(positions, 0, cos.shape[0] - 1)][:, None, :]
+    out = x.copy()
+    if interleaved:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = a * c - b * s, a * s + b * c
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half], out[..., half:2 * half] = a * c - b * s, a * s + b * c
+    return out
+
+
+def expected(case: KVCase, q, k_cache, v_cache, new, extra):
+    """(out, lse, k_cache, v_cache) in float64, by hand."""
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    q, kc, vc = f64(q), f64(k_cache), f64(v_cache)
+    kn = f64(new["k"]) if new else None
+    vn = f64(new["v"]) if new else None
+    rot = case.rotary_dim > 0
+    cos = np.asarray(extra["rotary_cos"], np.float64) if rot else None
+    sin = np.asarray(extra["rotary_sin"], np.float64) if rot else None
+    outs, lses = [], []
+    for i in range(case.batch):
+        def loc(r, i=i):
+            return cache_location(case, extra, i, r)
+        seqlen = case.seqlens[i]
+        left = case.leftpad[i] if case.leftpad else 0
+        position = seqlen - left
+        for j in range(case.seqlen_new):
+            r = seqlen + j
+            if r >= case.capacity:
+                continue
+            kj = kn[i, j:j + 1]
+            if rot:
+                kj = rotary_np(kj, cos, sin, np.array([position + j]), case.interleaved)
+            kc[loc(r)], vc[loc(r)] = kj[0], vn[i, j]
+        end = min(seqlen + case.seqlen_new, case.capacity)
+        keys = np.stack([kc[loc(r)] for r in range(left, end)]) if end > left else None
+        vals = np.stack([vc[loc(r)] for r in range(left, end)]) if end > left else None
+        qi = q[i]
+        if rot:
+            per_row = case.causal or case.window_size != (-1, -1)
+            rows = position + (np.arange(case.seqlen_q) if per_row else 0 * np.arange(case.seqlen_q))
+            qi = rotary_np(qi, cos, sin, rows, case.interleaved)
+        if keys is None:  # no key: out 0, lse = the sink or -inf
+            outs.append(np.zeros((case.seqlen_q, case.heads_q, case.head_dim_v)))
+            sink = np.asarray(extra["sinks"], np.float64) if case.sinks else np.full(case.heads_q, -np.inf)
+            lses.append(np.repeat(sink[:, None], case.seqlen_q, axis=1))
+            continue
+        o, l = reference.attention(
+            qi[None], keys[None], vals[None], causal=case.causal, window_size=case.window_size,
+            softcap=case.softcap, sinks=extra.get("sinks"), return_lse=True,
+            compute_dtype=jnp.float64)
+        outs.append(np.asarray(o[0]))
+        lses.append(np.asarray(l[0]))
+    return np.stack(outs), np.stack(lses), kc, vc
+
+
+def run(case: KVCase, **options):
+    q, k_cache, v_cache, new, extra = make_inputs(case)
+    seqlens = jnp.asarray(case.seqlens, jnp.int32)
+    result = flashjax.flash_attention_with_kvcache(
+        q, k_cache, v_cache, **new, cache_seqlens=seqlens, causal=case.causal,
+        window_size=case.window_size, softcap=case.softcap, return_lse=True, **extra, **options)
+    return result, expected(case, q, k_cache, v_cache, new, extra)
+
+
+def check(case: KVCase, **options):
+    result, (out, lse, kc, vc) = run(case, **options)
+    tol = 2e-4 if case.dtype == "float32" else 3e-2
+    if case.poison:  # rows no sequence reads are still NaN: compare the others
+        kc, vc = (np.where(np.isnan(x), 0.0, x) for x in (kc, vc))
+        result = result[:2] + tuple(jnp.nan_to_num(x, nan=0.0) for x in result[2:])
+    np.testing.assert_allclose(np.asarray(result[0], np.float64), out, rtol=tol, atol=tol,
+                               err_msg=f"{case}: out")
+    np.testing.assert_allclose(np.asarray(result[1], np.float64), lse, rtol=tol, atol=tol,
+                               err_msg=f"{case}: lse")
+    if case.seqlen_new:
+        assert len(result) == 4
+        for name, got, want in (("k_cache", result[2], kc), ("v_cache", result[3], vc)):
+            np.testing.assert_allclose(np.asarray(jnp.asarray(got, jnp.float32), np.float64),
+                                       want, rtol=tol, atol=tol, err_msg=f"{case}: {name}")
+    else:
+        assert len(result) == 2
+
+

@@ -1,0 +1,48 @@
+"""Adversarial KV-cache metadata through every GPU path of flash_attention_with_kvcache
+(split-KV with forced and automatic splits, SIMT, the prefill route), for
+`compute-sanitizer --tool memcheck python tools/sanitize_kvcache.py`: the sanitizer must
+report 0 errors (results are documented as clamped; no read or write leaves the cache)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+import flashjax
+
+BIG = 2 ** 31 - 1
+SEQLENS = ([-7, 15, BIG], [16, 0, 3], [-BIG - 1, BIG, 8])
+LEFTPADS = (None, [-3, 40, 1], [BIG, -BIG - 1, 15])
+
+
+def run(dtype, head_dim, seqlen_q, num_splits):
+    key = iter(jax.random.split(jax.random.key(0), 8))
+    normal = lambda *s: jax.random.normal(next(key), s, dtype)
+    q = normal(3, seqlen_q, 8, head_dim)
+    k_new, v_new = normal(3, 2, 2, head_dim), normal(3, 2, 2, head_dim)
+    pages, contiguous = normal(12, 4, 2, head_dim), normal(4, 16, 2, head_dim)
+    table = jnp.asarray([[0, 1, 99, -5], [2, 3, 4, 5], [6, 7, 8, BIG]], jnp.int32)
+    batch_idx = jnp.asarray([-1, 3, BIG], jnp.int32)
+    for seqlens in SEQLENS:
+        n = jnp.asarray(seqlens, jnp.int32)
+        for leftpad in LEFTPADS:
+            left = None if leftpad is None else jnp.asarray(leftpad, jnp.int32)
+            for causal in (False, True):
+                common = dict(cache_seqlens=n, cache_leftpad=left, causal=causal,
+                              num_splits=num_splits, sinks=jnp.zeros((8,), jnp.float32))
+                jax.block_until_ready(flashjax.flash_attention_with_kvcache(
+                    q, pages, pages, k_new, v_new, page_table=table, **common))
+                jax.block_until_ready(flashjax.flash_attention_with_kvcache(
+                    q, contiguous, contiguous, k_new, v_new, cache_batch_idx=batch_idx, **common))
+                jax.block_until_ready(flashjax.flash_attention_with_kvcache(
+                    q, contiguous[:3], contiguous[:3], **common))
+
+
+if __name__ == "__main__":
+    for path in ("default", "simt"):
+        os.environ["FLASHJAX_FORWARD_KERNEL"] = path
+        for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float16, 64), (jnp.float32, 40)):
+            for seqlen_q in (1, 3, 40):  # 40 x 4 packed rows: the prefill route
+                for num_splits in (1, 3, 0):
+                    run(dtype, head_dim, seqlen_q, num_splits)
+        print(f"path {path}: done", flush=True)
