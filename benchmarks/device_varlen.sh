@@ -15,8 +15,9 @@ for step in "$@"; do
   case $step in
     build)
       start=$(date +%s)
+      # FJ_HEAD_DIMS (e.g. "64;128;256") narrows the compiled buckets for a faster build.
       $PY -m pip install -q --no-build-isolation --no-deps -C build-dir=/tmp/fjb \
-        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
       echo "build: $(( $(date +%s) - start )) s" ;;
     base)
       $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/base -C build-dir=/tmp/fjb_base \

@@ -41,8 +41,8 @@ def run(dtype, head_dim, seqlen_q, num_splits):
 if __name__ == "__main__":
     for path in ("default", "simt"):
         os.environ["FLASHJAX_FORWARD_KERNEL"] = path
-        for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float16, 64), (jnp.float32, 40)):
-            for seqlen_q in (1, 3, 40):  # 40 x 4 packed rows: the prefill route
-                for num_splits in (1, 3, 0):
+        for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float32, 40)):
+            for seqlen_q in (1, 40):  # 40 x 4 packed rows: the prefill route
+                for num_splits in (1, 3):
                     run(dtype, head_dim, seqlen_q, num_splits)
         print(f"path {path}: done", flush=True)
