@@ -1,10 +1,12 @@
 // Split-KV attention over a KV cache (see kvcache_attention.h). Decoding reads
 // every cached key once per step and computes little with it, so what matters
 // is how many bytes are in flight: the keys of one sequence are split over
-// enough CTAs to fill the GPU, each streaming 64-key K and V tiles through a
-// two-stage cp.async pipeline. Cache rows are found through SeqlenInfo::k_at
-// (contiguous, leftpad, batch index or page table alike), one 16-byte chunk at
-// a time, so any page size works.
+// enough CTAs to fill the GPU, each keeping two 64-key K and V tiles in flight
+// (a three-stage cp.async pipeline) while it computes on a third. Cache rows
+// are found through SeqlenInfo::k_location (contiguous, leftpad, batch index or
+// page table alike), row by row, so any page size works; a tile's rows are
+// located one iteration before its loads are issued, so that the page-table
+// reads never stall the pipeline.
 #include "kvcache_attention.h"
 
 #include <cuda_bf16.h>
@@ -25,7 +27,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kKeysPerWarp = 16;
 constexpr int kBlockN = kWarps * kKeysPerWarp;  // keys per pipeline stage
-constexpr int kStages = 2;
+constexpr int kStages = 3;
 constexpr int kAppendThreads = 256;
 constexpr int kCombineWarps = 4;
 
@@ -89,20 +91,44 @@ __device__ void write_output(const AttentionParams& p, int64_t b, int64_t i, int
   if (col == 0) *p.lse.at<float>(b, i, h) = lse2 == kNegInf ? kNegInf : lse2 / kLog2e;
 }
 
-// Rows [k0, k0 + kBlockN) of one head of a cache (zero past the sequence's
-// keys and past `dim` columns) into a swizzled tile.
-template <class T, int kHeadDim>
-__device__ __forceinline__ void load_keys(T* tile, const TensorRef& cache, const SeqlenInfo& seq,
-                                          int64_t hk, int64_t k0, int64_t dim) {
-  constexpr int kChunks = kHeadDim / 8;
-  for (int idx = threadIdx.x; idx < kBlockN * kChunks; idx += kThreads) {
-    const int row = idx / kChunks, chunk = idx % kChunks;
-    const bool valid = k0 + row < seq.seqlen_k && chunk * 8 < dim;
-    const T* src = valid ? seq.k_at<const T>(cache, k0 + row, hk) + chunk * 8
-                         : static_cast<const T*>(cache.data);
-    cp_async_16(tile + swizzled<kHeadDim>(row, chunk), src, valid);
+// A thread's share of a key tile's loads: 16-byte chunk threadIdx.x % kChunks
+// of tile rows threadIdx.x / kChunks + kRowStep * i, for K and V alike.
+// locate() finds the rows' cache locations (page-table reads for a paged
+// cache); issue() starts their copies into a swizzled tile (zero past the
+// sequence's keys and past `dim` columns).
+template <int kHeadDim>
+struct KeyTileRows {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kRowsPerThread = kBlockN / kRowStep;
+  static_assert(kBlockN % kRowStep == 0, "whole rows per thread");
+  int32_t slot[kRowsPerThread];  // -1: past the sequence's keys
+  int32_t row[kRowsPerThread];
+
+  // (Cache slots and rows fit 32 bits: the FFI layer checks the shapes.)
+  __device__ void locate(const SeqlenInfo& seq, int64_t k0) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t j = k0 + threadIdx.x / kChunks + kRowStep * i;
+      int64_t s = -1, r = 0;
+      if (j < seq.seqlen_k) seq.k_location(j, s, r);
+      slot[i] = static_cast<int32_t>(s);
+      row[i] = static_cast<int32_t>(r);
+    }
   }
-}
+  template <class T>
+  __device__ void issue(T* tile, const TensorRef& cache, int64_t hk, int64_t dim) const {
+    const int chunk = threadIdx.x % kChunks;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const bool valid = slot[i] >= 0 && chunk * 8 < dim;
+      const T* src = valid ? cache.at<const T>(slot[i], row[i], hk) + chunk * 8
+                           : static_cast<const T*>(cache.data);
+      cp_async_16(tile + swizzled<kHeadDim>(threadIdx.x / kChunks + kRowStep * i, chunk), src,
+                  valid);
+    }
+  }
+};
 
 // CTA (b, kv head, 16-row tile, split): attention of the tile's packed query
 // rows over the split's share of the 64-key tiles the rows see.
@@ -145,26 +171,30 @@ __global__ void __launch_bounds__(kThreads)
                          : static_cast<const T*>(p.q.data);
     cp_async_16(sQ + swizzled<kHeadDim>(r, chunk), src, valid);
   }
-  const auto load_stage = [&](int64_t tile) {
-    T* sK = stages + tile % kStages * Smem::kStage;
-    const int64_t k0 = keys.tile_begin + tile * kBlockN;
-    load_keys<T, kHeadDim>(sK, p.k, seq, hk, k0, p.head_dim);
-    load_keys<T, kHeadDim>(sK + kBlockN * kHeadDim, p.v, seq, hk, k0, p.head_dim_v);
+  // Tiles t + 1 and t + 2 load while tile t is computed on; every iteration
+  // commits one group (empty past the end), so that wait<kStages - 1> leaves
+  // exactly the two later tiles in flight. Rows of tile t + 3 are located
+  // while tile t is computed on.
+  KeyTileRows<kHeadDim> next_rows;
+  const auto tile_k0 = [&](int64_t tile) { return keys.tile_begin + tile * kBlockN; };
+  const auto load_next = [&](int64_t tile) {  // tile's rows are in next_rows
+    if (tile < tile_end) {
+      T* sK = stages + tile % kStages * Smem::kStage;
+      next_rows.issue(sK, p.k, hk, p.head_dim);
+      next_rows.issue(sK + kBlockN * kHeadDim, p.v, hk, p.head_dim_v);
+      if (tile + 1 < tile_end) next_rows.locate(seq, tile_k0(tile + 1));
+    }
+    cp_async_commit();
   };
-  if (tile_first < tile_end) load_stage(tile_first);
-  cp_async_commit();  // (with the query tile)
+  if (tile_first < tile_end) next_rows.locate(seq, tile_k0(tile_first));
+  for (int s = 0; s < kStages - 1; ++s) load_next(tile_first + s);  // (the first with the query)
 
   constexpr int kDimTiles = kHeadDim / 8, kKeyTiles = kKeysPerWarp / 8;
   RowSoftmax softmax{row0 + lane / 4, static_cast<int>(p.seqlen_q)};
   float o[kDimTiles * 4] = {};
   for (int64_t tile = tile_first; tile < tile_end; ++tile) {
-    if (tile + 1 < tile_end) {
-      load_stage(tile + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    load_next(tile + kStages - 1);  // into the stage tile - 1 freed
+    cp_async_wait<kStages - 1>();
     __syncthreads();  // tile landed for every thread
     const T* sK = stages + tile % kStages * Smem::kStage + warp * kKeysPerWarp * kHeadDim;
     const T* sV = sK + kBlockN * kHeadDim;

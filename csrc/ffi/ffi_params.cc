@@ -1,6 +1,7 @@
 #include "ffi_params.h"
 
 #include <cmath>
+#include <cstdint>
 #include <sstream>
 #include <tuple>
 
@@ -226,8 +227,8 @@ ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
       vnd[1] != c.new_rows || vnd[2] != p.heads_kv || vnd[3] != p.head_dim_v)
     return invalid("k and v must be (batch, seqlen_new, heads_kv, head_dim[_v]); got " +
                    shape_string(knd) + ", " + shape_string(vnd));
-  if (c.slots < 1 || c.slot_rows < 1)  // (seqlen_q 0: an append without attention)
-    return invalid("the cache's slots and rows must be >= 1");
+  if (c.slots < 1 || c.slot_rows < 1 || c.slots > INT32_MAX || c.slot_rows > INT32_MAX)
+    return invalid("the cache's slots and rows must be in [1, 2^31)");  // (seqlen_q 0: append only)
   if (in.k_new.element_type() != in.q.element_type() ||
       in.v_new.element_type() != in.q.element_type())
     return invalid("k and v must have q's dtype");

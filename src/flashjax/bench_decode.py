@@ -12,7 +12,9 @@ Implementations, one process:
 - ``flashjax``: ``flashjax.flash_attention_with_kvcache`` (no new tokens);
 - ``xla``, ``cudnn``: ``jax.nn.dot_product_attention`` on the cache as a dense key
   sequence (cuDNN on a GPU only);
-- ``pallas``: ``jax.experimental.pallas.ops.gpu.decode_attention.gqa`` (GPU, contiguous).
+- ``pallas``: ``jax.experimental.pallas.ops.gpu.decode_attention.gqa`` (GPU, contiguous),
+  ``paged_attention.paged_attention`` for paged caches (its layout, heads first, is
+  made once outside the timed loop).
 
 Next to each time: the K/V bytes read per step and that rate in GB/s, against a copy
 bandwidth measured in the same run (a jitted copy of a large buffer: bytes read +
@@ -82,6 +84,21 @@ def attend(impl: str, case: DecodeCase):
         seqlens = jnp.full((case.batch,), case.cache, jnp.int32)
         return (lambda q, k, v: flashjax.flash_attention_with_kvcache(
             q, k, v, cache_seqlens=seqlens, **extra)), q, k_cache, v_cache
+    if case.page_size and impl == "pallas":
+        if not bench._on_gpu():
+            raise bench.Unsupported("needs a CUDA GPU")
+        from jax.experimental.pallas.ops.gpu import paged_attention
+
+        lengths = jnp.full((case.batch,), case.cache, jnp.int32)
+        table = extra["page_table"]
+        pages_per_block = max(1, min(8, table.shape[1]))
+        heads_first = lambda c: jnp.transpose(c, (2, 0, 1, 3))  # (heads_kv, pages, page, d)
+
+        def paged_step(q, k, v):
+            return paged_attention.paged_attention(
+                q[:, 0], k, v, table, lengths,
+                pages_per_compute_block=pages_per_block)[:, None].astype(q.dtype)
+        return paged_step, q, heads_first(k_cache), heads_first(v_cache)
     if case.page_size:
         raise bench.Unsupported("contiguous caches only")
     if impl in ("xla", "cudnn"):
@@ -115,12 +132,16 @@ def measure(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int) -> 
     return record
 
 
+COPY_LOOP = 10
+
+
 def copy_bandwidth(gpu: bool, warmup: int, iters: int) -> float:
-    """GB/s of a jitted copy of a large buffer (bytes read + bytes written)."""
+    """GB/s of a jitted copy of a large buffer (bytes read + bytes written), per copy of
+    a loop of COPY_LOOP dependent copies (one host-timed call would add its dispatch)."""
     n = COPY_BYTES["gpu" if gpu else "cpu"] // 4
     x = jnp.arange(n, dtype=jnp.float32)
-    copy = jax.jit(lambda x: x + 1.0)
-    ms = bench.median_ms(copy, (x,), warmup, iters)
+    copies = jax.jit(lambda x: jax.lax.fori_loop(0, COPY_LOOP, lambda _, x: x + 1.0, x))
+    ms = bench.median_ms(copies, (x,), warmup, iters) / COPY_LOOP
     return 2 * 4 * n / (ms * 1e-3) / 1e9
 
 

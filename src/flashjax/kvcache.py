@@ -258,13 +258,16 @@ def _kvcache(cfg, rotary_interleaved, softmax_scale, causal, window_size, softca
 
 
 # The split-KV kernel's shape (csrc/cuda/kvcache_attention.cu): 16 packed query rows
-# per CTA, 64-key tiles; packed rows past SPLIT_KV_MAX_ROWS attend on the dense kernels.
+# per CTA, 64-key tiles in a 3-stage pipeline; packed rows past SPLIT_KV_MAX_ROWS
+# attend on the dense kernels.
 SPLIT_KV_ROWS = 16
 SPLIT_KV_KEYS = 64
+SPLIT_KV_STAGES = 3
+SPLIT_KV_HEAD_DIMS = (64, 128, 256)  # the kernel's head-dim buckets
 SPLIT_KV_MAX_ROWS = 64
 MAX_SPLITS = 128
-CTAS_PER_SM = 3            # resident split-KV CTAs per SM (d128: 70 KB of shared memory)
 MIN_TILES_PER_SPLIT = 2    # each split streams at least this many key tiles
+SHARED_MEMORY_PER_SM = 227 * 1024  # Hopper (an A100's 163 KB gives fewer resident CTAs)
 DEFAULT_MULTIPROCESSORS = 132
 
 
@@ -276,17 +279,24 @@ def _multiprocessors() -> int:
         return DEFAULT_MULTIPROCESSORS
 
 
-def split_count(batch: int, kv_heads: int, packed_rows: int, capacity: int,
+def _resident_ctas_per_sm(head_dim: int) -> int:
+    bucket = next((b for b in SPLIT_KV_HEAD_DIMS if head_dim <= b), SPLIT_KV_HEAD_DIMS[-1])
+    smem = 2 * bucket * (SPLIT_KV_ROWS + SPLIT_KV_STAGES * 2 * SPLIT_KV_KEYS)  # 16-bit elements
+    return max(1, SHARED_MEMORY_PER_SM // smem)
+
+
+def split_count(batch: int, kv_heads: int, packed_rows: int, capacity: int, head_dim: int,
                 num_splits: int = 0) -> int:
-    """Splits of each sequence's keys: num_splits when given, else enough CTAs to fill
-    the GPU (batch x kv heads x row tiles x splits ~ CTAS_PER_SM per SM), each split
-    keeping MIN_TILES_PER_SPLIT key tiles of the capacity."""
+    """Splits of each sequence's keys: num_splits when given, else as many as one wave of
+    resident CTAs holds (batch x kv heads x row tiles x splits <= the GPU's resident
+    CTAs: a second, partial wave would leave most SMs idle), each split keeping
+    MIN_TILES_PER_SPLIT key tiles of the capacity."""
     if num_splits:
         return min(num_splits, MAX_SPLITS)
     ctas = batch * kv_heads * -(-packed_rows // SPLIT_KV_ROWS)
-    wanted = -(-CTAS_PER_SM * _multiprocessors() // max(ctas, 1))
+    resident = _resident_ctas_per_sm(head_dim) * _multiprocessors()
     tiles = -(-capacity // SPLIT_KV_KEYS)
-    return max(1, min(wanted, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(resident // max(ctas, 1), tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
 class _KvcacheCall:
@@ -333,7 +343,8 @@ def _attend_in_kernel(call, num_splits, q, k_cache, v_cache, k, v, seqlens):
     batch, seqlen_q, heads_q, _ = q.shape
     heads_kv = k_cache.shape[2]
     splits = split_count(batch, heads_kv, seqlen_q * (heads_q // heads_kv),
-                         cache_capacity(k_cache, call.page_table), num_splits)
+                         cache_capacity(k_cache, call.page_table),
+                         max(q.shape[3], v_cache.shape[3]), num_splits)
     return call(q, k_cache, v_cache, k, v, seqlens, splits)
 
 

@@ -102,12 +102,19 @@ struct SeqlenInfo {
   }
   template <class T>
   FJ_HOST_DEVICE T* k_at(const TensorRef& t, int64_t j, int64_t h) const {
-    if (pages.pages) {  // a page outside the pool reads page 0 (in bounds, unspecified)
-      int64_t page, row;
-      pages.locate(k_row(j), page, row);
-      return t.at<T>(page, row, h);
+    int64_t batch_index, row;
+    k_location(j, batch_index, row);
+    return t.at<T>(batch_index, row, h);
+  }
+  // The (batch index, row) of slot row j of a key-side tensor; a page outside
+  // the pool reads page 0 (in bounds, unspecified).
+  FJ_HOST_DEVICE void k_location(int64_t j, int64_t& batch_index, int64_t& row) const {
+    if (pages.pages) {
+      pages.locate(k_row(j), batch_index, row);
+    } else {
+      batch_index = k_batch;
+      row = k_row(j);
     }
-    return t.at<T>(k_batch, k_row(j), h);
   }
 
  private:
