@@ -20,7 +20,7 @@ for step in "$@"; do
         -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
       echo "build: $(( $(date +%s) - start )) s" ;;
     base)
-      $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/base -C build-dir=/tmp/fjb_base \
+      $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/base -C build-dir=/tmp/fjb_base ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} \
         -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ./.baseline > "$OUT/build_base.log" 2>&1 || { tail -30 "$OUT/build_base.log"; exit 1; }
       cp src/flashjax/bench.py src/flashjax/bench_varlen.py /tmp/base/flashjax/  # same timing code
       echo "baseline built" ;;

@@ -299,6 +299,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode", action="store_true",
                    help="decoding benchmark instead (see flashjax.bench_decode)")
     p.add_argument("--decode-batch", nargs="+", type=_int, help="--decode: batch sizes")
+    p.add_argument("--prefill", nargs="+", type=_int,
+                   help="--decode: prefill with a cache instead: new rows per sequence, e.g. 512 2k")
+    p.add_argument("--page-order", choices=("shuffled", "sequential"), default="shuffled",
+                   help="--decode: paged caches' pages in a random order (default) or in order")
     p.add_argument("--cache", nargs="+", type=_int, help="--decode: cached tokens, e.g. 8k 64k")
     p.add_argument("--decode-heads", nargs="+", help="--decode: q/kv heads, e.g. 32/8 64/8")
     p.add_argument("--page-size", nargs="+", type=int,

@@ -48,6 +48,7 @@ class DecodeCase:
     head_dim: int
     page_size: int  # 0: contiguous
     dtype: str
+    shuffled: bool = True  # paged: pages in a random order over the pool
 
     @property
     def kv_bytes(self) -> int:
@@ -55,7 +56,8 @@ class DecodeCase:
             jnp.dtype(self.dtype).itemsize
 
     def label(self) -> str:
-        layout = f"paged {self.page_size}" if self.page_size else "contiguous"
+        layout = (f"paged {self.page_size}{'' if self.shuffled else ' in order'}"
+                  if self.page_size else "contiguous")
         return (f"b={self.batch} cache={self.cache} h={self.heads_q}/{self.heads_kv} "
                 f"d={self.head_dim} {self.dtype} {layout}")
 
@@ -70,7 +72,10 @@ def _cache(case: DecodeCase, key):
         return q, jax.random.normal(kk, shape, dt), jax.random.normal(kv, shape, dt), {}
     pages = -(-case.cache // case.page_size)
     shape = (case.batch * pages, case.page_size, case.heads_kv, case.head_dim)
-    table = jax.random.permutation(key, case.batch * pages).reshape(case.batch, pages)
+    order = jnp.arange(case.batch * pages)  # pages in order, or shuffled over the pool
+    if case.shuffled:
+        order = jax.random.permutation(key, case.batch * pages)
+    table = order.reshape(case.batch, pages)
     return (q, jax.random.normal(kk, shape, dt), jax.random.normal(kv, shape, dt),
             {"page_table": table.astype(jnp.int32)})
 
@@ -145,6 +150,73 @@ def copy_bandwidth(gpu: bool, warmup: int, iters: int) -> float:
     return 2 * 4 * n / (ms * 1e-3) / 1e9
 
 
+PREFILL_LOOP = 5
+
+
+def _median_ms_donating(loop, q, k_cache, v_cache, warmup, iters):
+    """bench.median_ms of loop(q, caches) -> (q, caches), the caches donated and passed on."""
+    state = [k_cache.copy(), v_cache.copy()]
+
+    def run(q):
+        out, state[0], state[1] = loop(q, *state)
+        return out
+    return bench.median_ms(run, (q,), warmup, iters)
+
+
+def prefill(args, batches, caches, heads, head_dims, dtype, iters, info, json_file):
+    """Prefill with a cache (--prefill ROWS..): `rows` new tokens appended to a contiguous
+    cache of `cache - rows` tokens and attended causally (flash_attention_with_kvcache),
+    against flash_attention on the same (rows x cache) shapes; TFLOP/s by the FA
+    convention (4 * rows * cache * d per head; causal halves the square part only)."""
+    import flashjax
+
+    dt = bench.DTYPES[dtype]
+    for b in batches:
+        for n in caches:
+            for rows in args.prefill:
+                for hq, hkv in heads:
+                    for d in head_dims:
+                        key = iter(jax.random.split(jax.random.key(0), 6))
+                        normal = lambda *s: jax.random.normal(next(key), s, dt)
+                        q, k_new, v_new = (normal(b, rows, hq, d), normal(b, rows, hkv, d),
+                                           normal(b, rows, hkv, d))
+                        k_cache, v_cache = normal(b, n, hkv, d), normal(b, n, hkv, d)
+                        seqlens = jnp.full((b,), n - rows, jnp.int32)
+                        flops = 4 * b * hq * d * rows * (n - rows / 2)
+                        # (q, caches) -> (out, caches): the loop carries the caches, so that
+                        # the append updates them in place
+                        calls = {
+                            "kvcache": (lambda q, kc, vc: flashjax.flash_attention_with_kvcache(
+                                q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=True)),
+                            "dense": (lambda q, kc, vc: (flashjax.flash_attention(
+                                q, kc, vc, causal=True), kc, vc)),
+                        }
+                        label = f"prefill b={b} rows={rows} cache={n} h={hq}/{hkv} d={d} {dtype}"
+                        print(label, flush=True)
+                        for name, call in calls.items():
+                            def body(_, carry, call=call):
+                                out, kc, vc = call(*carry)
+                                return out.astype(carry[0].dtype), kc, vc
+                            loop = jax.jit(lambda q, kc, vc, body=body: jax.lax.fori_loop(
+                                0, PREFILL_LOOP, body, (q, kc, vc)), donate_argnums=(1, 2))
+                            record = dict(info, mode="prefill", impl=name, batch=b, rows=rows,
+                                          cache=n, heads_q=hq, heads_kv=hkv, head_dim=d,
+                                          dtype=dtype, us=None, tflops=None, error=None)
+                            try:
+                                ms = _median_ms_donating(loop, q, k_cache, v_cache, args.warmup,
+                                                         iters) / PREFILL_LOOP
+                                record.update(us=ms * 1e3, tflops=flops / (ms * 1e-3) / 1e12)
+                                print(f"  {name:8s} {ms * 1e3:9.1f} us {record['tflops']:6.1f} "
+                                      "TFLOP/s", flush=True)
+                            except Exception as e:  # noqa: BLE001
+                                record["error"] = bench.short_reason(e)
+                                print(f"  {name:8s} n/a ({record['error']})", flush=True)
+                            if json_file:
+                                json_file.write(json.dumps(record) + "\n")
+                                json_file.flush()
+                        jax.clear_caches()
+
+
 def _heads(text: str) -> tuple[int, int]:
     q, _, kv = text.partition("/")
     return int(q), int(kv or q)
@@ -167,12 +239,18 @@ def main(args) -> int:
           f"of {iters} runs of {loop} dependent steps; copy bandwidth {bandwidth:.0f} GB/s",
           flush=True)
     json_file = open(args.json, "w") if args.json else None
+    if args.prefill:
+        prefill(args, batches, caches, heads, head_dims, dtype, iters, info, json_file)
+        if json_file:
+            json_file.close()
+        return 0
     for b in batches:
         for n in caches:
             for hq, hkv in heads:
                 for d in head_dims:
                     for page in pages:
-                        case = DecodeCase(b, n, hq, hkv, d, page, dtype)
+                        case = DecodeCase(b, n, hq, hkv, d, page, dtype,
+                                          args.page_order != "sequential")
                         floor_us = case.kv_bytes / (bandwidth * 1e9) * 1e6
                         print(f"{case.label()}: K/V {case.kv_bytes / 1e6:.1f} MB, "
                               f"{floor_us:.1f} us at copy bandwidth", flush=True)
