@@ -30,7 +30,8 @@ constexpr int kBlockN = kWarps * kKeysPerWarp;  // keys per pipeline stage
 constexpr int kStages = 3;
 constexpr int kAppendThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
-constexpr int kCombineThreads = 64;  // a CTA per output row: head_dim_v / 2 column pairs
+constexpr int kCombineThreads = 256;  // a CTA per output row:
+constexpr int kSplitGroups = 4;       // 4 groups of 64 threads (head_dim_v / 2 column pairs)
 constexpr int kMaxSplits = 128;      // (kvcache.py's MAX_SPLITS)
 
 // Shared memory: the query tile, then kStages (K, V) tiles; the warps' merge
@@ -275,14 +276,17 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One CTA per output row: merges the splits' partial results. The splits'
-// lse go through shared memory once; each thread then sums its columns over
-// the splits with independent loads (a warp walking the splits one dependent
-// load at a time was latency-bound: 34 us for 32 rows of 33 splits).
+// lse go through shared memory once; kSplitGroups groups of threads each sum
+// every kSplitGroups-th split of their columns with independent loads, and
+// shared memory adds the groups up (partials just written are in L2: the
+// merge is latency-bound, so it spreads the loads over as many threads as it can).
 template <class T>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const __grid_constant__ AttentionParams p, int splits,
                    const __grid_constant__ Partials partials) {
+  constexpr int kGroupThreads = kCombineThreads / kSplitGroups;
   __shared__ float split_lse2[kMaxSplits];
+  __shared__ float2 group_sums[kSplitGroups][kGroupThreads];
   const int64_t row = blockIdx.x;
   const int64_t i = row % p.seqlen_q, h = row / p.seqlen_q % p.heads_q,
                 b = row / (p.seqlen_q * p.heads_q);
@@ -295,19 +299,33 @@ __global__ void __launch_bounds__(kCombineThreads)
   float total = 0.0f;
   for (int s = 0; s < splits; ++s) total += fast_exp2(split_lse2[s] - base);
   const float keys_lse2 = total > 0.0f ? base + __log2f(total) : kNegInf;
-  for (int col = 2 * threadIdx.x; col < p.head_dim_v; col += 2 * kCombineThreads) {
-    float o0 = 0.0f, o1 = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {  // (no branch: the loads issue back to back)
-      const float lse2 = split_lse2[s];
-      // A split that saw no key wrote out 0 and lse -inf: weight 0.
-      const float w = lse2 == kNegInf ? 0.0f : fast_exp2(lse2 - keys_lse2);
-      const float2 x = *reinterpret_cast<const float2*>(
-          partials.out + (s * partials.rows + row) * p.head_dim_v + col);
-      o0 += w * x.x;
-      o1 += w * x.y;
+  const int group = threadIdx.x / kGroupThreads, lane = threadIdx.x % kGroupThreads;
+  for (int col0 = 0; col0 < p.head_dim_v; col0 += 2 * kGroupThreads) {
+    const int col = col0 + 2 * lane;
+    float2 sum = make_float2(0.0f, 0.0f);
+    if (col < p.head_dim_v) {
+#pragma unroll 4
+      for (int s = group; s < splits; s += kSplitGroups) {  // (no branch: loads back to back)
+        const float lse2 = split_lse2[s];
+        // A split that saw no key wrote out 0 and lse -inf: weight 0.
+        const float w = lse2 == kNegInf ? 0.0f : fast_exp2(lse2 - keys_lse2);
+        const float2 x = *reinterpret_cast<const float2*>(
+            partials.out + (s * partials.rows + row) * p.head_dim_v + col);
+        sum.x += w * x.x;
+        sum.y += w * x.y;
+      }
     }
-    write_output<T>(p, b, i, h, col, keys_lse2, o0, o1);
+    group_sums[group][lane] = sum;
+    __syncthreads();
+    if (group == 0 && col < p.head_dim_v) {
+#pragma unroll
+      for (int g = 1; g < kSplitGroups; ++g) {
+        sum.x += group_sums[g][lane].x;
+        sum.y += group_sums[g][lane].y;
+      }
+      write_output<T>(p, b, i, h, col, keys_lse2, sum.x, sum.y);
+    }
+    __syncthreads();
   }
 }
 
