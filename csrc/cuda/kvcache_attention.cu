@@ -105,49 +105,33 @@ struct KeyTileRows {
   static constexpr int kRowStep = kThreads / kChunks;
   static constexpr int kRowsPerThread = kBlockN / kRowStep;
   static_assert(kBlockN % kRowStep == 0, "whole rows per thread");
-  // Per row, as its leader lane read it: the raw page-table entry (or the
-  // contiguous entry) and the row; checked only in issue(), an iteration
-  // later, so that no instruction waits on the page-table read meanwhile (a
-  // check right after the read exposed its latency every tile: paged decoding
-  // ran ~30% slower than contiguous).
-  int32_t raw_slot[kRowsPerThread];
+  int32_t slot[kRowsPerThread];  // -1: past the sequence's keys
   int32_t row[kRowsPerThread];
-  uint32_t used = 0;  // bit i: row i is one of the sequence's keys
 
-  // (Cache slots and rows fit 32 bits: the FFI layer checks the shapes.)
+  // The kChunks lanes that share a row locate it once (its leader), the others
+  // take the result by shuffle: 8-32x fewer page-table reads and divisions,
+  // which otherwise compete with the cp.async issue (paged decoding was ~25%
+  // slower than contiguous with them per thread). Cache slots and rows fit 32
+  // bits (the FFI layer checks the shapes).
   __device__ void locate(const SeqlenInfo& seq, int64_t k0) {
     static_assert(kChunks <= 32 && (kChunks & (kChunks - 1)) == 0, "a row's lanes in one warp");
-    static_assert(kRowsPerThread <= 32, "one bit per row");
     const int lane = threadIdx.x % 32, leader = lane & ~(kChunks - 1);
-    used = 0;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int64_t j = k0 + threadIdx.x / kChunks + kRowStep * i;
-      used |= (j < seq.seqlen_k ? 1u : 0u) << i;
-      int64_t slot = seq.k_batch, r = seq.k_row(j);
-      if (seq.pages.pages && lane == leader && j < seq.seqlen_k) {
-        int64_t index;
-        seq.pages.split(r, index, r);
-        slot = seq.pages.pages[index];
-      }
-      raw_slot[i] = static_cast<int32_t>(slot);
-      row[i] = static_cast<int32_t>(r);
+      int64_t s = -1, r = 0;
+      if (lane == leader && j < seq.seqlen_k) seq.k_location(j, s, r);
+      slot[i] = __shfl_sync(0xffffffffu, static_cast<int32_t>(s), leader);
+      row[i] = __shfl_sync(0xffffffffu, static_cast<int32_t>(r), leader);
     }
   }
   template <class T>
-  __device__ void issue(T* tile, const TensorRef& cache, const SeqlenInfo& seq, int64_t hk,
-                        int64_t dim) const {
-    const int lane = threadIdx.x % 32, leader = lane & ~(kChunks - 1);
+  __device__ void issue(T* tile, const TensorRef& cache, int64_t hk, int64_t dim) const {
     const int chunk = threadIdx.x % kChunks;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      int64_t slot = raw_slot[i], r = row[i];
-      if (seq.pages.pages) {  // the leader's entry, made safe (SeqlenInfo::k_location's rule)
-        slot = seq.pages.in_pool(__shfl_sync(0xffffffffu, raw_slot[i], leader));
-        r = __shfl_sync(0xffffffffu, row[i], leader);
-      }
-      const bool valid = (used >> i & 1u) && chunk * 8 < dim;
-      const T* src = valid ? cache.at<const T>(slot, r, hk) + chunk * 8
+      const bool valid = slot[i] >= 0 && chunk * 8 < dim;
+      const T* src = valid ? cache.at<const T>(slot[i], row[i], hk) + chunk * 8
                            : static_cast<const T*>(cache.data);
       cp_async_16(tile + swizzled<kHeadDim>(threadIdx.x / kChunks + kRowStep * i, chunk), src,
                   valid);
@@ -205,8 +189,8 @@ __global__ void __launch_bounds__(kThreads)
   const auto load_next = [&](int64_t tile) {  // tile's rows are in next_rows
     if (tile < tile_end) {
       T* sK = stages + tile % kStages * Smem::kStage;
-      next_rows.issue(sK, p.k, seq, hk, p.head_dim);
-      next_rows.issue(sK + kBlockN * kHeadDim, p.v, seq, hk, p.head_dim_v);
+      next_rows.issue(sK, p.k, hk, p.head_dim);
+      next_rows.issue(sK + kBlockN * kHeadDim, p.v, hk, p.head_dim_v);
       if (tile + 1 < tile_end) next_rows.locate(seq, tile_k0(tile + 1));
     }
     cp_async_commit();

@@ -55,24 +55,16 @@ struct TensorRef {
 struct PageRow {
   const int32_t* pages = nullptr;  // null: not paged
   int64_t page_rows = 0, num_pages = 0;
-  // Logical row r's entry of the page table and its row within the page
-  // (32-bit division where it fits: the hot loop of paged decoding).
-  FJ_HOST_DEVICE void split(int64_t r, int64_t& index, int64_t& row) const {
-    const bool narrow = r <= 0x7fffffff && page_rows <= 0x7fffffff;
-    index = narrow ? static_cast<uint32_t>(r) / static_cast<uint32_t>(page_rows) : r / page_rows;
-    row = r - index * page_rows;
-  }
-  // A page-table entry made safe: a page outside the pool becomes page 0.
-  FJ_HOST_DEVICE int64_t in_pool(int64_t page) const {
-    return page >= 0 && page < num_pages ? page : 0;
-  }
   // false (page clamped to 0, in bounds) when the page is outside the pool.
+  // (32-bit division where it fits: the hot loop of paged decoding.)
   FJ_HOST_DEVICE bool locate(int64_t r, int64_t& page, int64_t& row) const {
-    int64_t index;
-    split(r, index, row);
+    const bool narrow = r <= 0x7fffffff && page_rows <= 0x7fffffff;
+    const int64_t index = narrow ? static_cast<uint32_t>(r) / static_cast<uint32_t>(page_rows)
+                                 : r / page_rows;
     page = pages[index];
-    const bool inside = page == in_pool(page);
-    page = in_pool(page);
+    row = r - index * page_rows;
+    const bool inside = page >= 0 && page < num_pages;
+    page = inside ? page : 0;
     return inside;
   }
 };
