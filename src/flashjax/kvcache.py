@@ -187,8 +187,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
       softmax_scale, causal, window_size, softcap, sinks: as in flash_attention;
         causal and windows are aligned bottom-right on the sequence's keys
         (cache rows [cache_leftpad, cache_seqlens) then the new tokens).
-      num_splits: split-KV count of the GPU kernel (0: automatic). Accepted and
-        validated; the composed implementation of today does not split.
+      num_splits: how many ways the GPU's split-KV kernel splits each sequence's keys
+        (0: chosen from batch, kv heads, the capacity and the SM count; 1: no
+        split; at most 128). Other paths (CPU, float32, prefill blocks) ignore it.
       return_lse: also return the float32 lse (batch, heads_q, seqlen_q).
 
     Returns:
