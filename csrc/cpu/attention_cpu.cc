@@ -580,14 +580,12 @@ void backward_impl(const AttentionParams& p) {
 
 void append_to_cache(const AttentionParams& p) {
   const KvCache& c = p.cache;
-  const int64_t capacity = c.capacity();
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     for (int64_t b = 0; b < p.batch; ++b)
       for (int64_t j = 0; j < c.new_rows; ++j) {
-        const int64_t r = clamp_to(c.seqlens[b], 0, capacity) + j;
         int64_t slot, row;
-        if (r >= capacity || !c.locate(b, r, slot, row)) continue;
+        if (!c.append_location(b, j, slot, row)) continue;
         for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
           std::memcpy(p.k.at<T>(slot, row, hk), c.k_new.at<const T>(b, j, hk),
                       sizeof(T) * p.head_dim);

@@ -5,8 +5,9 @@
 // (a three-stage cp.async pipeline) while it computes on a third. Cache rows
 // are found through SeqlenInfo::k_location (contiguous, leftpad, batch index or
 // page table alike), row by row, so any page size works; a tile's rows are
-// located one iteration before its loads are issued, so that the page-table
-// reads never stall the pipeline.
+// located one iteration before its loads are issued. (Paged caches still
+// decode 1.2-1.4x slower than contiguous ones; benchmarks/NOTES.md has what
+// was measured and tried.)
 #include "kvcache_attention.h"
 
 #include <cuda_bf16.h>
@@ -109,10 +110,9 @@ struct KeyTileRows {
   int32_t row[kRowsPerThread];
 
   // The kChunks lanes that share a row locate it once (its leader), the others
-  // take the result by shuffle: 8-32x fewer page-table reads and divisions,
-  // which otherwise compete with the cp.async issue (paged decoding was ~25%
-  // slower than contiguous with them per thread). Cache slots and rows fit 32
-  // bits (the FFI layer checks the shapes).
+  // take the result by shuffle: 8-32x fewer page-table reads and divisions
+  // (measured: no change in the paged decoding time). Cache slots and rows fit
+  // 32 bits (the FFI layer checks the shapes).
   __device__ void locate(const SeqlenInfo& seq, int64_t k0) {
     static_assert(kChunks <= 32 && (kChunks & (kChunks - 1)) == 0, "a row's lanes in one warp");
     const int lane = threadIdx.x % 32, leader = lane & ~(kChunks - 1);
@@ -338,12 +338,10 @@ __global__ void append_kernel(const __grid_constant__ AttentionParams p) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= per_head * p.heads_kv) return;
   const int hk = e / per_head, element = e % per_head;
-  const int64_t capacity = c.capacity();
   for (int64_t new_row = blockIdx.y; new_row < p.batch * c.new_rows; new_row += gridDim.y) {
     const int64_t b = new_row / c.new_rows, j = new_row % c.new_rows;
-    const int64_t r = clamp_to(c.seqlens[b], 0, capacity) + j;
     int64_t slot, row;
-    if (r >= capacity || !c.locate(b, r, slot, row)) continue;
+    if (!c.append_location(b, j, slot, row)) continue;
     if (element < p.head_dim)
       p.k.at<T>(slot, row, hk)[element] = c.k_new.at<const T>(b, j, hk)[element];
     else

@@ -88,16 +88,13 @@ bool is_int32_array(const ffi::AnyBuffer& buffer, int64_t rows, std::initializer
   return leading_product(d, trailing.size()) == rows;
 }
 
-}  // namespace
-
-ffi::Error take_optional_inputs(const ffi::RemainingArgs& rest, const Options& options,
-                                OptionalInputs& inputs) {
-  std::optional<ffi::AnyBuffer>* slots[] = {&inputs.sinks, &inputs.seqused_q, &inputs.seqused_k,
-                                            &inputs.q_segment_ids, &inputs.kv_segment_ids};
-  const bool present[] = {options.has_sinks, options.has_seqused_q, options.has_seqused_k,
-                          options.has_segment_ids, options.has_segment_ids};
+// Fills the slots whose flag is set, in order, from the call's remaining
+// inputs (present ones only, no placeholders); every input must be claimed.
+template <size_t kCount>
+ffi::Error take_present_inputs(const ffi::RemainingArgs& rest, const bool (&present)[kCount],
+                               std::optional<ffi::AnyBuffer>* const (&slots)[kCount]) {
   size_t next = 0;
-  for (size_t i = 0; i < 5; ++i) {
+  for (size_t i = 0; i < kCount; ++i) {
     if (!present[i]) continue;
     auto buffer = rest.get<ffi::AnyBuffer>(next++);
     if (buffer.has_error()) return invalid("missing an optional input the attributes announce");
@@ -105,6 +102,18 @@ ffi::Error take_optional_inputs(const ffi::RemainingArgs& rest, const Options& o
   }
   if (next != rest.size()) return invalid("more optional inputs than the attributes announce");
   return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error take_optional_inputs(const ffi::RemainingArgs& rest, const Options& options,
+                                OptionalInputs& inputs) {
+  return take_present_inputs(
+      rest,
+      {options.has_sinks, options.has_seqused_q, options.has_seqused_k, options.has_segment_ids,
+       options.has_segment_ids},
+      {&inputs.sinks, &inputs.seqused_q, &inputs.seqused_k, &inputs.q_segment_ids,
+       &inputs.kv_segment_ids});
 }
 
 TensorRef row_tensor(const AttentionParams& p, void* data, bool query_side, int64_t heads,
@@ -237,19 +246,13 @@ ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
                    shape_string(in.cache_seqlens.dimensions()));
   c.seqlens = static_cast<const int32_t*>(in.cache_seqlens.untyped_data());
 
-  // Optional inputs, present ones in order.
-  const bool present[] = {options.has_leftpad, options.has_batch_idx, options.has_page_table,
-                          options.has_sinks};
-  std::optional<ffi::AnyBuffer> optional[4];
-  size_t next = 0;
-  for (size_t i = 0; i < 4; ++i) {
-    if (!present[i]) continue;
-    auto buffer = rest.get<ffi::AnyBuffer>(next++);
-    if (buffer.has_error()) return invalid("missing an optional input the attributes announce");
-    optional[i] = *buffer;
-  }
-  if (next != rest.size()) return invalid("more optional inputs than the attributes announce");
-  const auto& [leftpad, batch_idx, page_table, sinks] = optional;
+  std::optional<ffi::AnyBuffer> leftpad, batch_idx, page_table, sinks;
+  if (ffi::Error e = take_present_inputs(rest,
+                                         {options.has_leftpad, options.has_batch_idx,
+                                          options.has_page_table, options.has_sinks},
+                                         {&leftpad, &batch_idx, &page_table, &sinks});
+      e.failure())
+    return e;
   for (auto [name, input, target] : {std::tuple{"cache_leftpad", &leftpad, &c.leftpad},
                                       std::tuple{"cache_batch_idx", &batch_idx, &c.batch_idx}}) {
     if (!*input) continue;

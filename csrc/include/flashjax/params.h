@@ -20,6 +20,10 @@ enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 inline constexpr int64_t kMaxHeadDim = 256;
 
+FJ_HOST_DEVICE int64_t clamp_to(int64_t x, int64_t lo, int64_t hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
 // A tensor of (batch, rows, heads, [dim]) elements, the last dim contiguous.
 // Packed (varlen) tensors have one batch entry of total_rows rows and
 // batch_stride 0; per-row statistics (lse, D) are (batch, heads, rows) with
@@ -93,6 +97,16 @@ struct KvCache {
   FJ_HOST_DEVICE int64_t capacity() const { return paged() ? max_pages * slot_rows : slot_rows; }
   FJ_HOST_DEVICE PageRow page_row(int64_t b) const {
     return paged() ? PageRow{page_table + b * max_pages, slot_rows, slots} : PageRow{};
+  }
+  // Sequence b's rows before the new ones (cache_seqlens, clamped to the capacity).
+  FJ_HOST_DEVICE int64_t cached_rows(int64_t b) const {
+    return clamp_to(seqlens[b], 0, capacity());
+  }
+  // Where new row j of sequence b is written: false (nothing written) past the
+  // capacity or in an entry or page outside the cache.
+  FJ_HOST_DEVICE bool append_location(int64_t b, int64_t j, int64_t& slot, int64_t& row) const {
+    const int64_t r = cached_rows(b) + j;
+    return r < capacity() && locate(b, r, slot, row);
   }
   // Where logical row r (in [0, capacity)) of sequence b lies: (slot, row of
   // the slot); false (slot clamped to 0) when the page or entry is outside

@@ -18,10 +18,6 @@
 
 namespace flashjax {
 
-FJ_HOST_DEVICE int64_t clamp_to(int64_t x, int64_t lo, int64_t hi) {
-  return x < lo ? lo : (x > hi ? hi : x);
-}
-
 struct SeqlenInfo {
   int64_t batch = 0;             // index into the query-side tensors' batch dimension
   int64_t k_batch = 0;           // and the key side's (a KV cache's entry)
@@ -123,6 +119,8 @@ struct SeqlenInfo {
   FJ_HOST_DEVICE void set_cache_keys(const KvCache& c, int64_t b) {
     const int64_t capacity = c.capacity();
     k_start = c.leftpad ? clamp_to(c.leftpad[b], 0, capacity) : 0;
+    // (KvCache::cached_rows(b), spelled out: calling it here changed the code of
+    // every kernel that builds a SeqlenInfo, for no run-time difference.)
     const int64_t end = clamp_to(clamp_to(c.seqlens[b], 0, capacity) + c.new_rows, 0, capacity);
     k_slot = capacity - k_start;
     seqlen_k = end > k_start ? end - k_start : 0;
