@@ -24,6 +24,7 @@ written over its time).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import jax
@@ -171,50 +172,47 @@ def prefill(args, batches, caches, heads, head_dims, dtype, iters, info, json_fi
     import flashjax
 
     dt = bench.DTYPES[dtype]
-    for b in batches:
-        for n in caches:
-            for rows in args.prefill:
-                for hq, hkv in heads:
-                    for d in head_dims:
-                        key = iter(jax.random.split(jax.random.key(0), 6))
-                        normal = lambda *s: jax.random.normal(next(key), s, dt)
-                        q, k_new, v_new = (normal(b, rows, hq, d), normal(b, rows, hkv, d),
-                                           normal(b, rows, hkv, d))
-                        k_cache, v_cache = normal(b, n, hkv, d), normal(b, n, hkv, d)
-                        seqlens = jnp.full((b,), n - rows, jnp.int32)
-                        flops = 4 * b * hq * d * rows * (n - rows / 2)
-                        # (q, caches) -> (out, caches): the loop carries the caches, so that
-                        # the append updates them in place
-                        calls = {
-                            "kvcache": (lambda q, kc, vc: flashjax.flash_attention_with_kvcache(
-                                q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=True)),
-                            "dense": (lambda q, kc, vc: (flashjax.flash_attention(
-                                q, kc, vc, causal=True), kc, vc)),
-                        }
-                        label = f"prefill b={b} rows={rows} cache={n} h={hq}/{hkv} d={d} {dtype}"
-                        print(label, flush=True)
-                        for name, call in calls.items():
-                            def body(_, carry, call=call):
-                                out, kc, vc = call(*carry)
-                                return out.astype(carry[0].dtype), kc, vc
-                            loop = jax.jit(lambda q, kc, vc, body=body: jax.lax.fori_loop(
-                                0, PREFILL_LOOP, body, (q, kc, vc)), donate_argnums=(1, 2))
-                            record = dict(info, mode="prefill", impl=name, batch=b, rows=rows,
-                                          cache=n, heads_q=hq, heads_kv=hkv, head_dim=d,
-                                          dtype=dtype, us=None, tflops=None, error=None)
-                            try:
-                                ms = _median_ms_donating(loop, q, k_cache, v_cache, args.warmup,
-                                                         iters) / PREFILL_LOOP
-                                record.update(us=ms * 1e3, tflops=flops / (ms * 1e-3) / 1e12)
-                                print(f"  {name:8s} {ms * 1e3:9.1f} us {record['tflops']:6.1f} "
-                                      "TFLOP/s", flush=True)
-                            except Exception as e:  # noqa: BLE001
-                                record["error"] = bench.short_reason(e)
-                                print(f"  {name:8s} n/a ({record['error']})", flush=True)
-                            if json_file:
-                                json_file.write(json.dumps(record) + "\n")
-                                json_file.flush()
-                        jax.clear_caches()
+    for b, n, rows, (hq, hkv), d in itertools.product(batches, caches, args.prefill, heads,
+                                                     head_dims):
+        key = iter(jax.random.split(jax.random.key(0), 6))
+        normal = lambda *s: jax.random.normal(next(key), s, dt)
+        q, k_new, v_new = (normal(b, rows, hq, d), normal(b, rows, hkv, d),
+                           normal(b, rows, hkv, d))
+        k_cache, v_cache = normal(b, n, hkv, d), normal(b, n, hkv, d)
+        seqlens = jnp.full((b,), n - rows, jnp.int32)
+        flops = 4 * b * hq * d * rows * (n - rows / 2)
+        # (q, caches) -> (out, caches): the loop carries the caches, so that
+        # the append updates them in place
+        calls = {
+            "kvcache": (lambda q, kc, vc: flashjax.flash_attention_with_kvcache(
+                q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=True)),
+            "dense": (lambda q, kc, vc: (flashjax.flash_attention(
+                q, kc, vc, causal=True), kc, vc)),
+        }
+        label = f"prefill b={b} rows={rows} cache={n} h={hq}/{hkv} d={d} {dtype}"
+        print(label, flush=True)
+        for name, call in calls.items():
+            def body(_, carry, call=call):
+                out, kc, vc = call(*carry)
+                return out.astype(carry[0].dtype), kc, vc
+            loop = jax.jit(lambda q, kc, vc, body=body: jax.lax.fori_loop(
+                0, PREFILL_LOOP, body, (q, kc, vc)), donate_argnums=(1, 2))
+            record = dict(info, mode="prefill", impl=name, batch=b, rows=rows,
+                          cache=n, heads_q=hq, heads_kv=hkv, head_dim=d,
+                          dtype=dtype, us=None, tflops=None, error=None)
+            try:
+                ms = _median_ms_donating(loop, q, k_cache, v_cache, args.warmup,
+                                         iters) / PREFILL_LOOP
+                record.update(us=ms * 1e3, tflops=flops / (ms * 1e-3) / 1e12)
+                print(f"  {name:8s} {ms * 1e3:9.1f} us {record['tflops']:6.1f} "
+                      "TFLOP/s", flush=True)
+            except Exception as e:  # noqa: BLE001
+                record["error"] = bench.short_reason(e)
+                print(f"  {name:8s} n/a ({record['error']})", flush=True)
+            if json_file:
+                json_file.write(json.dumps(record) + "\n")
+                json_file.flush()
+        jax.clear_caches()
 
 
 def _heads(text: str) -> tuple[int, int]:

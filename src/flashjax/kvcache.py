@@ -13,7 +13,6 @@ instead, after the same FFI call appends.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +54,13 @@ def apply_rotary(x, cos, sin, positions, interleaved: bool):
         a, b = rot[..., :half], rot[..., half:]
         rotated = jnp.concatenate([a * c - b * s, a * s + b * c], axis=-1)
     return jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)
+
+
+def _first_key_rows(leftpad, batch: int, capacity: int):
+    """Each sequence's first valid cache row: cache_leftpad clamped to [0, capacity]."""
+    if leftpad is None:
+        return jnp.zeros((batch,), jnp.int32)
+    return jnp.clip(leftpad, 0, capacity)
 
 
 def cache_capacity(cache, page_table=None) -> int:
@@ -219,17 +225,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
 
 
 def _kvcache(cfg, rotary_interleaved, softmax_scale, causal, window_size, softcap, num_splits,
-             return_lse, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+             return_lse, q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad,
              page_table, rotary_cos, rotary_sin, sinks):
     per_row_positions = cfg.window_left >= 0 or cfg.window_right >= 0  # causal or windowed
     batch, seqlen_q, heads_q, _ = q.shape
     capacity = cache_capacity(k_cache, page_table)
-    seqlens = cache_seqlens
     if rotary_cos is not None:  # positions count from the first valid key
-        clipped = jnp.clip(seqlens, 0, capacity)
-        start = (jnp.zeros((batch,), jnp.int32) if cache_leftpad is None
-                 else jnp.clip(cache_leftpad, 0, capacity))
-        first_position = jnp.maximum(clipped - start, 0)[:, None]  # of the first new token
+        start = _first_key_rows(cache_leftpad, batch, capacity)
+        first_position = jnp.maximum(jnp.clip(seqlens, 0, capacity) - start, 0)[:, None]
         rows_q = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :]
         q = apply_rotary(q, rotary_cos, rotary_sin,
                          first_position + (rows_q if per_row_positions else 0 * rows_q),
@@ -322,9 +325,11 @@ class _KvcacheCall:
         if not appends:
             k = jnp.zeros((batch, 0, heads_kv, k_cache.shape[3]), q.dtype)
             v = jnp.zeros((batch, 0, heads_kv, dim_v), q.dtype)
-        partial_rows = batch * heads_q * seqlen_q * (dim_v + 1)
+        # The split partials (float32 out and lse per split and row; unused for one
+        # split), as Partials::bytes in csrc/cuda/kvcache_attention.cu.
+        partials = splits * batch * heads_q * seqlen_q * (dim_v + 1) if splits > 1 else 0
         results = [(q.shape[:-1] + (dim_v,), q.dtype), ((batch, heads_q, seqlen_q), jnp.float32),
-                   ((max(1, splits * partial_rows if splits > 1 else 1),), jnp.float32)]
+                   ((max(1, partials),), jnp.float32)]
         if appends:
             results += [(k_cache.shape, k_cache.dtype), (v_cache.shape, v_cache.dtype)]
         args = (q, k_cache, v_cache, k, v, seqlens.astype(jnp.int32), *self.optional)
@@ -364,8 +369,7 @@ def _prefill_dense(call, softmax_scale, causal, window_size, softcap, sinks,
             and k_cache.shape[0] == batch):
         keys, values, used = k_cache, v_cache, end
     else:
-        start = (jnp.zeros((batch,), jnp.int32) if call.leftpad is None
-                 else jnp.clip(call.leftpad, 0, capacity))
+        start = _first_key_rows(call.leftpad, batch, capacity)
         logical = start[:, None] + jnp.arange(capacity, dtype=jnp.int32)[None, :]
         keys, values = (gather_rows(c, logical, call.page_table, call.batch_idx)
                         for c in (k_cache, v_cache))
