@@ -2,7 +2,7 @@
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), run the GPU tests, the varlen benchmark and the dense A/B.
 # Usage: benchmarks/device_varlen.sh STEP...   (steps: build base tests kvtests sanitize
-#   kvsanitize varlen decode dense)
+#   kvsanitize varlen decode decodebase trace ncu dense)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
 # and passed to the device call with carry: [".baseline"]. REV: the commit to compare with
@@ -22,7 +22,8 @@ for step in "$@"; do
     base)
       $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/base -C build-dir=/tmp/fjb_base ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} \
         -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ./.baseline > "$OUT/build_base.log" 2>&1 || { tail -30 "$OUT/build_base.log"; exit 1; }
-      cp src/flashjax/bench.py src/flashjax/bench_varlen.py /tmp/base/flashjax/  # same timing code
+      cp src/flashjax/bench.py src/flashjax/bench_varlen.py src/flashjax/bench_decode.py \
+        /tmp/base/flashjax/  # same timing code
       echo "baseline built" ;;
     tests)
       $PY -m pytest -q -n 8 -m gpu -x tests/test_gpu_varlen.py tests/test_gpu.py 2>&1 | tail -25 ;;
@@ -36,8 +37,37 @@ for step in "$@"; do
       tail -8 "$OUT/kvsanitize.log" ;;
     decode)
       # The decode table: every implementation, one process (DECODE_ARGS narrows it).
-      $PY -m flashjax.bench --decode ${DECODE_ARGS:-} --json "$OUT/decode.jsonl" \
-        > "$OUT/decode.log" 2>&1; tail -60 "$OUT/decode.log" ;;
+      $PY -m flashjax.bench --decode ${DECODE_ARGS:-} --json "$OUT/decode${DECODE_TAG:-}.jsonl" \
+        > "$OUT/decode${DECODE_TAG:-}.log" 2>&1; tail -60 "$OUT/decode${DECODE_TAG:-}.log" ;;
+    decodebase)
+      # The same decode cases on the baseline build (flashjax only), for an A/B.
+      PYTHONPATH=/tmp/base $PY -m flashjax.bench --decode ${DECODE_ARGS:-} --impl flashjax \
+        --json "$OUT/decode_base${DECODE_TAG:-}.jsonl" > "$OUT/decode_base${DECODE_TAG:-}.log" 2>&1; tail -30 "$OUT/decode_base${DECODE_TAG:-}.log" ;;
+    trace)
+      # Where a decode step's time goes (TRACE_CASES: "BATCH CACHE PAGE IMPL..." cases, ";"-separated).
+      IFS=';' read -ra cases <<< "${TRACE_CASES:-1 1024 0 flashjax xla flashjax:1;1 8192 0 flashjax xla}"
+      for c in "${cases[@]}"; do $PY tools/profile_decode.py $c; done > "$OUT/trace${TRACE_TAG:-}.log" 2>&1
+      grep -v "profiler.py\|contextlib\|api.py:\|Pjit\|PjRt\|PJRT" "$OUT/trace${TRACE_TAG:-}.log" ;;
+    ncu)
+      # Nsight Compute on the split-KV kernel of one decode case (NCU_CASE: "BATCH CACHE
+      # PAGE SPLITS"): every section, and the SASS with its stall samples as csv.
+      read -r b n pg sp <<< "${NCU_CASE:-1 1024 0 1}"
+      ncu --clock-control none --set full --import-source no -k regex:split_kv --launch-skip 2 \
+        -c 1 -f -o /tmp/split $PY - "$b" "$n" "$pg" "$sp" > "$OUT/ncu_run.log" 2>&1 <<'PYEOF'
+import sys, jax
+from flashjax import bench_decode
+b, n, page, splits = map(int, sys.argv[1:])
+case = bench_decode.DecodeCase(b, n, 32, 8, 128, page, "bfloat16")
+step, q, k, v = bench_decode.attend("flashjax", case, num_splits=splits)
+f = jax.jit(step)
+for _ in range(4):
+    q = f(q, k, v).astype(q.dtype)
+jax.block_until_ready(q)
+PYEOF
+      tail -3 "$OUT/ncu_run.log"
+      ncu -i /tmp/split.ncu-rep --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
+      ncu -i /tmp/split.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_sass.csv" 2>&1
+      grep -E "Duration|Memory Throughput|Registers|Achieved Occupancy|Warp Cycles Per Issued" "$OUT/ncu_details.txt" | head -12 ;;
     varlen)
       $PY -m flashjax.bench --varlen both --iters 5 --loop 5 --json "$OUT/varlen.jsonl" \
         > "$OUT/varlen.log" 2>&1; tail -20 "$OUT/varlen.log" ;;

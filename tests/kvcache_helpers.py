@@ -176,9 +176,13 @@ def expected(case: KVCase, q, k_cache, v_cache, new, extra):
     return np.stack(outs), np.stack(lses), kc, vc
 
 
-def run(case: KVCase, **options):
+def run(case: KVCase, int_seqlens: bool = False, **options):
+    """int_seqlens: cache_seqlens passed as a Python int (every sequence's the same)."""
     q, k_cache, v_cache, new, extra = make_inputs(case)
     seqlens = jnp.asarray(case.seqlens, jnp.int32)
+    if int_seqlens:
+        assert len(set(case.seqlens)) == 1, case.seqlens
+        seqlens = case.seqlens[0]
     result = flashjax.flash_attention_with_kvcache(
         q, k_cache, v_cache, **new, cache_seqlens=seqlens, causal=case.causal,
         window_size=case.window_size, softcap=case.softcap, return_lse=True, **extra, **options)

@@ -64,6 +64,14 @@ def test_gpu_simt_path(case, monkeypatch):
     check(case)
 
 
+@pytest.mark.parametrize("cached", [0, 300, 472], ids=lambda n: f"cached{n}")
+def test_gpu_prefill_with_int_cache_seqlens(cached):
+    """A Python int cache_seqlens: the prefill route reads the cache's first rows through
+    the dense kernels' uniform path (472 + 40 new rows fill the cache)."""
+    check(KVCase(seqlen_q=40, heads_q=8, heads_kv=2, seqlens=(cached,) * 3, capacity=512,
+                 seqlen_new=40, causal=True, dtype="bfloat16", **D128), int_seqlens=True)
+
+
 def test_gpu_long_cache_many_splits():
     """64k cached keys of one sequence over the automatic split count."""
     check(KVCase(batch=1, heads_q=8, heads_kv=1, seqlens=(65000,), capacity=65536,

@@ -53,6 +53,18 @@ def test_num_splits_give_the_same_result(num_splits):
 def test_gpu_prefill_route_on_the_cpu(case):
     """The GPU's prefill route (append through the FFI call, then flash_attention on the
     cache in place or gathered) gives the reference's answer."""
+    check_prefill_route(case)
+
+
+@pytest.mark.parametrize("cached", [0, 30, 44, 70], ids=lambda n: f"cached{n}")
+def test_gpu_prefill_route_with_static_lengths_on_the_cpu(cached):
+    """cache_seqlens as a Python int: the route reads the cache's first rows with no
+    seqused_k (part of the cache, all of it, appends past it)."""
+    check_prefill_route(KVCase(seqlen_q=20, heads_q=8, heads_kv=2, seqlens=(cached,) * 3,
+                               capacity=64, seqlen_new=20, causal=True), static_seqlens=cached)
+
+
+def check_prefill_route(case, static_seqlens=None):
     from flashjax import _checks, kvcache
 
     q, k_cache, v_cache, new, extra = make_inputs(case)
@@ -65,7 +77,7 @@ def test_gpu_prefill_route_on_the_cpu(case):
                                 None if sinks is None else jnp.broadcast_to(
                                     sinks, (case.batch, case.heads_q)))
     out, lse, kc, _ = kvcache._prefill_dense(
-        call, None, case.causal, case.window_size, case.softcap, sinks, q, k_cache, v_cache,
+        call, static_seqlens, None, case.causal, case.window_size, case.softcap, sinks, q, k_cache, v_cache,
         new.get("k"), new.get("v"), jnp.asarray(case.seqlens, jnp.int32))
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=2e-4, atol=2e-4)

@@ -35,6 +35,20 @@ constexpr int kCombineThreads = 256;  // a CTA per output row:
 constexpr int kSplitGroups = 4;       // 4 groups of 64 threads (head_dim_v / 2 column pairs)
 constexpr int kMaxSplits = 128;      // (kvcache.py's MAX_SPLITS)
 
+// Programmatic dependent launch (Hopper): the combine kernel is launched
+// once every split CTA is past its key loop (its launch latency hidden behind
+// their epilogues) and waits until the split kernel's writes are visible.
+__device__ __forceinline__ void allow_dependent_grid_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Shared memory: the query tile, then kStages (K, V) tiles; the warps' merge
 // of their softmax states reuses the stages.
 template <int kHeadDim>
@@ -47,13 +61,16 @@ struct SplitSmem {
 };
 
 // The packed query rows of one kv head: row R is query R % seqlen_q of the
-// group's head R / seqlen_q (every head of the group shares the keys).
+// group's head R / seqlen_q (every head of the group shares the keys). 32-bit
+// (split_kv_supports checks the count): a 64-bit division is a long
+// subroutine, and the epilogue divides for every row it writes.
 struct PackedRows {
-  int64_t seqlen_q, count;
+  int seqlen_q, count;
   __device__ PackedRows(const AttentionParams& p)
-      : seqlen_q(p.seqlen_q), count(p.seqlen_q * p.group_size()) {}
-  __device__ int64_t query(int64_t r) const { return r % seqlen_q; }
-  __device__ int64_t head(int64_t r) const { return r / seqlen_q; }  // within the group
+      : seqlen_q(static_cast<int>(p.seqlen_q)),
+        count(static_cast<int>(p.seqlen_q * p.group_size())) {}
+  __device__ int query(int r) const { return r % seqlen_q; }
+  __device__ int head(int r) const { return r / seqlen_q; }  // within the group
 };
 
 // float32 partial results of each split: out normalised by the split's own
@@ -97,44 +114,55 @@ __device__ void write_output(const AttentionParams& p, int64_t b, int64_t i, int
 
 // A thread's share of a key tile's loads: 16-byte chunk threadIdx.x % kChunks
 // of tile rows threadIdx.x / kChunks + kRowStep * i, for K and V alike.
-// locate() finds the rows' cache locations (page-table reads for a paged
+// locate() finds the rows in the cache pool (page-table reads for a paged
 // cache); issue() starts their copies into a swizzled tile (zero past the
-// sequence's keys and past `dim` columns).
+// sequence's keys and past the cache's columns). A row is kept as its index
+// in the pool (slot * slot_rows + row: the caches are dense, and
+// split_kv_supports checks that the pool's rows fit 32 bits), so that its
+// address is one multiply-add from the thread's base pointer: the 64-bit
+// (slot, row, head) arithmetic per row and per cache made up most of the
+// instructions of a tile.
 template <int kHeadDim>
 struct KeyTileRows {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kRowStep = kThreads / kChunks;
   static constexpr int kRowsPerThread = kBlockN / kRowStep;
   static_assert(kBlockN % kRowStep == 0, "whole rows per thread");
-  int32_t slot[kRowsPerThread];  // -1: past the sequence's keys
-  int32_t row[kRowsPerThread];
+  int32_t pool_row[kRowsPerThread];  // -1: past the sequence's keys
 
-  // The kChunks lanes that share a row locate it once (its leader), the others
-  // take the result by shuffle: 8-32x fewer page-table reads and divisions
-  // (measured: no change in the paged decoding time). Cache slots and rows fit
-  // 32 bits (the FFI layer checks the shapes).
-  __device__ void locate(const SeqlenInfo& seq, int64_t k0) {
+  // The kChunks lanes that share a thread's rows locate them, one row each
+  // (lane `leader + i` locates row i), and the others take the results by
+  // shuffle: the page-table reads of a tile are independent loads in flight
+  // together, not a chain of one load per row (1.38x -> 1.08x of contiguous
+  // at batch 128, 8k keys, page 16).
+  __device__ void locate(const SeqlenInfo& seq, int64_t k0, int32_t slot_rows) {
     static_assert(kChunks <= 32 && (kChunks & (kChunks - 1)) == 0, "a row's lanes in one warp");
-    const int lane = threadIdx.x % 32, leader = lane & ~(kChunks - 1);
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t j = k0 + threadIdx.x / kChunks + kRowStep * i;
-      int64_t s = -1, r = 0;
-      if (lane == leader && j < seq.seqlen_k) seq.k_location(j, s, r);
-      slot[i] = __shfl_sync(0xffffffffu, static_cast<int32_t>(s), leader);
-      row[i] = __shfl_sync(0xffffffffu, static_cast<int32_t>(r), leader);
+    static_assert(kRowsPerThread <= kChunks, "a lane per row");
+    const int lane = threadIdx.x % 32, leader = lane & ~(kChunks - 1), mine = lane - leader;
+    int32_t located = -1;
+    const int64_t j = k0 + threadIdx.x / kChunks + kRowStep * mine;
+    if (mine < kRowsPerThread && j < seq.seqlen_k) {
+      int64_t slot, row;
+      seq.k_location(j, slot, row);
+      located = static_cast<int32_t>(slot) * slot_rows + static_cast<int32_t>(row);
     }
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i)
+      pool_row[i] = __shfl_sync(0xffffffffu, located, leader + i);
   }
+  // base: this thread's chunk of (slot 0, row 0, the kv head) of a cache;
+  // in_dim: whether that chunk is within the cache's head dim. (An unsigned
+  // 32 x 32 -> 64-bit product: one wide multiply-add per row.)
   template <class T>
-  __device__ void issue(T* tile, const TensorRef& cache, int64_t hk, int64_t dim) const {
-    const int chunk = threadIdx.x % kChunks;
+  __device__ void issue(T* tile, const T* base, uint32_t row_bytes, bool in_dim) const {
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const bool valid = slot[i] >= 0 && chunk * 8 < dim;
-      const T* src = valid ? cache.at<const T>(slot[i], row[i], hk) + chunk * 8
-                           : static_cast<const T*>(cache.data);
-      cp_async_16(tile + swizzled<kHeadDim>(threadIdx.x / kChunks + kRowStep * i, chunk), src,
-                  valid);
+      const bool valid = pool_row[i] >= 0 && in_dim;
+      const void* src = reinterpret_cast<const char*>(base) +
+                        static_cast<uint64_t>(static_cast<uint32_t>(pool_row[i])) * row_bytes;
+      cp_async_16(tile + swizzled<kHeadDim>(threadIdx.x / kChunks + kRowStep * i,
+                                            threadIdx.x % kChunks),
+                  valid ? src : base, valid);
     }
   }
 };
@@ -151,30 +179,32 @@ __global__ void __launch_bounds__(kThreads)
   T* stages = sQ + Smem::kQuery;
 
   const PackedRows rows(p);
-  const int64_t row_tiles = (rows.count + kRows - 1) / kRows;
-  int64_t block = blockIdx.x;
-  const int split = static_cast<int>(block % splits);
+  const int row_tiles = (rows.count + kRows - 1) / kRows;
+  int block = blockIdx.x;  // (32-bit divisions, as PackedRows')
+  const int split = block % splits;
   block /= splits;
-  const int64_t row0 = block % row_tiles * kRows;
+  const int row0 = block % row_tiles * kRows;
   block /= row_tiles;
-  const int64_t hk = block % p.heads_kv, b = block / p.heads_kv, h0 = hk * p.group_size();
+  const int heads_kv = static_cast<int>(p.heads_kv);
+  const int64_t hk = block % heads_kv, b = block / heads_kv, h0 = hk * p.group_size();
   const SeqlenInfo seq(p, b);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // The queries of the tile's rows: a range, or all of them when it wraps.
-  const int64_t row_end = min(row0 + kRows, rows.count);
+  const int row_end = min(row0 + kRows, rows.count);
   const bool wraps = rows.head(row0) != rows.head(row_end - 1);
   const int64_t q_first = wraps ? 0 : rows.query(row0);
   const int64_t q_last = wraps ? p.seqlen_q - 1 : rows.query(row_end - 1);
   const KeyRange keys(seq, q_first, q_last, kBlockN);
-  const int64_t tiles = keys.tiles(kBlockN), per_split = (tiles + splits - 1) / splits;
-  const int64_t tile_first = min(tiles, split * per_split);
-  const int64_t tile_end = min(tiles, tile_first + per_split);
+  // (32-bit tile indices: the keys are rows of a pool of < 2^31 rows)
+  const int tiles = static_cast<int>(keys.tiles(kBlockN)), per_split = (tiles + splits - 1) / splits;
+  const int tile_first = min(tiles, split * per_split);
+  const int tile_end = min(tiles, tile_first + per_split);
 
   constexpr int kChunks = kHeadDim / 8;
   for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
     const int r = idx / kChunks, chunk = idx % kChunks;
-    const int64_t row = row0 + r;
+    const int row = row0 + r;
     const bool valid = row < rows.count && chunk * 8 < p.head_dim;
     const T* src = valid ? seq.q_at<const T>(p.q, rows.query(row), h0 + rows.head(row)) + chunk * 8
                          : static_cast<const T*>(p.q.data);
@@ -185,23 +215,29 @@ __global__ void __launch_bounds__(kThreads)
   // exactly the two later tiles in flight. Rows of tile t + 3 are located
   // while tile t is computed on.
   KeyTileRows<kHeadDim> next_rows;
-  const auto tile_k0 = [&](int64_t tile) { return keys.tile_begin + tile * kBlockN; };
-  const auto load_next = [&](int64_t tile) {  // tile's rows are in next_rows
+  const int32_t slot_rows = static_cast<int32_t>(p.cache.slot_rows);
+  const int column = threadIdx.x % kChunks * 8;
+  const T* k_base = p.k.at<const T>(0, 0, hk) + column;
+  const T* v_base = p.v.at<const T>(0, 0, hk) + column;
+  const uint32_t k_row_bytes = static_cast<uint32_t>(p.k.row_stride * sizeof(T));
+  const uint32_t v_row_bytes = static_cast<uint32_t>(p.v.row_stride * sizeof(T));
+  const auto tile_k0 = [&](int tile) { return keys.tile_begin + tile * kBlockN; };
+  const auto load_next = [&](int tile) {  // tile's rows are in next_rows
     if (tile < tile_end) {
       T* sK = stages + tile % kStages * Smem::kStage;
-      next_rows.issue(sK, p.k, hk, p.head_dim);
-      next_rows.issue(sK + kBlockN * kHeadDim, p.v, hk, p.head_dim_v);
-      if (tile + 1 < tile_end) next_rows.locate(seq, tile_k0(tile + 1));
+      next_rows.issue(sK, k_base, k_row_bytes, column < p.head_dim);
+      next_rows.issue(sK + kBlockN * kHeadDim, v_base, v_row_bytes, column < p.head_dim_v);
+      if (tile + 1 < tile_end) next_rows.locate(seq, tile_k0(tile + 1), slot_rows);
     }
     cp_async_commit();
   };
-  if (tile_first < tile_end) next_rows.locate(seq, tile_k0(tile_first));
+  if (tile_first < tile_end) next_rows.locate(seq, tile_k0(tile_first), slot_rows);
   for (int s = 0; s < kStages - 1; ++s) load_next(tile_first + s);  // (the first with the query)
 
   constexpr int kDimTiles = kHeadDim / 8, kKeyTiles = kKeysPerWarp / 8;
   RowSoftmax softmax{row0 + lane / 4, static_cast<int>(p.seqlen_q)};
   float o[kDimTiles * 4] = {};
-  for (int64_t tile = tile_first; tile < tile_end; ++tile) {
+  for (int tile = tile_first; tile < tile_end; ++tile) {
     load_next(tile + kStages - 1);  // into the stage tile - 1 freed
     cp_async_wait<kStages - 1>();
     __syncthreads();  // tile landed for every thread
@@ -221,6 +257,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // every warp is done with the stage before it is refilled
   }
   cp_async_wait<0>();
+  allow_dependent_grid_launch();
 
   // Merge the warps' softmax states through shared memory (the stages).
   float* merge_o = reinterpret_cast<float*>(stages);  // [warp][row][kHeadDim]
@@ -246,7 +283,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   for (int idx = threadIdx.x; idx < kRows * kHeadDim / 2; idx += kThreads) {
     const int row = idx / (kHeadDim / 2), col = 2 * (idx % (kHeadDim / 2));
-    const int64_t packed_row = row0 + row;
+    const int packed_row = row0 + row;
     if (packed_row >= rows.count || col >= p.head_dim_v) continue;
     float m = kNegInf;
 #pragma unroll
@@ -275,30 +312,54 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One CTA per output row: merges the splits' partial results. The splits'
-// lse go through shared memory once; kSplitGroups groups of threads each sum
-// every kSplitGroups-th split of their columns with independent loads, and
-// shared memory adds the groups up (partials just written are in L2: the
-// merge is latency-bound, so it spreads the loads over as many threads as it can).
+
+// Reduces x over the CTA with op (a warp's shuffles, then the warps' results
+// through shared memory); every thread gets the result.
+template <int kThreadsPerCta, class Op>
+__device__ float cta_reduce(float x, Op op, float (&warp_results)[kThreadsPerCta / 32]) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    x = op(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  if (threadIdx.x % 32 == 0) warp_results[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = warp_results[0];
+#pragma unroll
+  for (int w = 1; w < kThreadsPerCta / 32; ++w) x = op(x, warp_results[w]);
+  __syncthreads();  // warp_results may be reused
+  return x;
+}
+
+// One CTA per output row: merges the splits' partial results. A thread per
+// split reads its lse and the CTA reduces them to the keys' lse and each
+// split's weight (no serial loop over the splits: the merge is
+// latency-bound); then kSplitGroups groups of threads each sum every
+// kSplitGroups-th split of their columns with independent loads, and shared
+// memory adds the groups up (partials just written are in L2).
 template <class T>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const __grid_constant__ AttentionParams p, int splits,
                    const __grid_constant__ Partials partials) {
+  static_assert(kMaxSplits <= kCombineThreads, "a thread per split");
+  wait_for_prerequisite_grid();
   constexpr int kGroupThreads = kCombineThreads / kSplitGroups;
-  __shared__ float split_lse2[kMaxSplits];
+  __shared__ float split_weight[kMaxSplits];
+  __shared__ float warp_results[kCombineThreads / 32];
   __shared__ float2 group_sums[kSplitGroups][kGroupThreads];
-  const int64_t row = blockIdx.x;
-  const int64_t i = row % p.seqlen_q, h = row / p.seqlen_q % p.heads_q,
-                b = row / (p.seqlen_q * p.heads_q);
-  for (int s = threadIdx.x; s < splits; s += kCombineThreads)
-    split_lse2[s] = partials.lse2[s * partials.rows + row];
+  // (rows < 2^31: launch_split_kv checks)
+  const int row = blockIdx.x, seqlen_q = static_cast<int>(p.seqlen_q);
+  const int i = row % seqlen_q, h = row / seqlen_q % static_cast<int>(p.heads_q),
+            b = row / (seqlen_q * static_cast<int>(p.heads_q));
+  const int split = threadIdx.x;
+  const float lse2 = split < splits ? partials.lse2[split * partials.rows + row] : kNegInf;
+  const float m = cta_reduce<kCombineThreads>(lse2, [](float x, float y) { return fmaxf(x, y); },
+                                              warp_results);
+  // A split that saw no key wrote out 0 and lse -inf: weight 0.
+  const float e = lse2 == kNegInf ? 0.0f : fast_exp2(lse2 - (m == kNegInf ? 0.0f : m));
+  const float total = cta_reduce<kCombineThreads>(e, [](float x, float y) { return x + y; },
+                                                  warp_results);
+  const float keys_lse2 = total > 0.0f ? m + __log2f(total) : kNegInf;
+  if (split < splits) split_weight[split] = total > 0.0f ? e / total : 0.0f;
   __syncthreads();
-  float m = kNegInf;
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, split_lse2[s]);
-  const float base = m == kNegInf ? 0.0f : m;
-  float total = 0.0f;
-  for (int s = 0; s < splits; ++s) total += fast_exp2(split_lse2[s] - base);
-  const float keys_lse2 = total > 0.0f ? base + __log2f(total) : kNegInf;
   const int group = threadIdx.x / kGroupThreads, lane = threadIdx.x % kGroupThreads;
   for (int col0 = 0; col0 < p.head_dim_v; col0 += 2 * kGroupThreads) {
     const int col = col0 + 2 * lane;
@@ -306,9 +367,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     if (col < p.head_dim_v) {
 #pragma unroll 4
       for (int s = group; s < splits; s += kSplitGroups) {  // (no branch: loads back to back)
-        const float lse2 = split_lse2[s];
-        // A split that saw no key wrote out 0 and lse -inf: weight 0.
-        const float w = lse2 == kNegInf ? 0.0f : fast_exp2(lse2 - keys_lse2);
+        const float w = split_weight[s];
         const float2 x = *reinterpret_cast<const float2*>(
             partials.out + (s * partials.rows + row) * p.head_dim_v + col);
         sum.x += w * x.x;
@@ -370,9 +429,18 @@ cudaError_t launch_split_kv(const AttentionParams& p, int splits, void* workspac
                                  SplitSmem<kHeadDim>::kBytes, stream>>>(p, splits, partials);
   if (splits == 1) return cudaGetLastError();
   if (partials.rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  combine_kernel<T><<<static_cast<unsigned>(partials.rows), kCombineThreads, 0, stream>>>(
-      p, splits, partials);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(partials.rows));
+  config.blockDim = dim3(kCombineThreads);
+  config.stream = stream;
+  cudaLaunchAttribute early_launch = {};
+  early_launch.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early_launch.val.programmaticStreamSerializationAllowed = 1;
+  if (compute_capability() >= 90) {  // (see wait_for_prerequisite_grid)
+    config.attrs = &early_launch;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, combine_kernel<T>, p, splits, partials);
 }
 
 }  // namespace
@@ -390,8 +458,19 @@ cudaError_t append_to_cache(const AttentionParams& p, cudaStream_t stream) {
   });
 }
 
+// KeyTileRows addresses a cache row by its 32-bit index in the pool of dense
+// (slots, slot_rows, heads_kv, dim) caches.
+bool pool_rows_fit_32_bits(const AttentionParams& p) {
+  const KvCache& c = p.cache;
+  const auto dense = [&](const TensorRef& t) {
+    return t.batch_stride == c.slot_rows * t.row_stride && t.row_stride <= INT32_MAX / 2;
+  };
+  return c.slots * c.slot_rows <= INT32_MAX && dense(p.k) && dense(p.v);
+}
+
 bool split_kv_supports(const AttentionParams& p) {
-  return p.cache.active() && tensor_core_shapes(p) && compute_capability() >= 80;
+  return p.cache.active() && tensor_core_shapes(p) && pool_rows_fit_32_bits(p) &&
+         p.seqlen_q * p.group_size() <= INT32_MAX && compute_capability() >= 80;
 }
 
 size_t split_kv_workspace_bytes(const AttentionParams& p, int splits) {

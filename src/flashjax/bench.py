@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 IMPLS = ("flashjax", "xla", "cudnn")
 VARLEN_IMPLS = ("varlen", "segments", "padded", "cudnn-padded", "dense-mean")  # --varlen
-DECODE_IMPLS = ("flashjax", "xla", "cudnn", "pallas")  # --decode
+DECODE_IMPLS = ("flashjax", "xla", "cudnn", "pallas", "torch-flash", "torch-cudnn")  # --decode
 MODES = ("fwd", "fwdbwd", "bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

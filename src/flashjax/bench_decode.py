@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -81,15 +82,17 @@ def _cache(case: DecodeCase, key):
             {"page_table": table.astype(jnp.int32)})
 
 
-def attend(impl: str, case: DecodeCase):
-    """(step(q, k_cache, v_cache) -> out like q, k_cache, v_cache, extra)."""
+def attend(impl: str, case: DecodeCase, num_splits: int | None = None):
+    """(step(q, k_cache, v_cache) -> out like q, k_cache, v_cache); num_splits: flashjax's
+    (None: its heuristic)."""
     q, k_cache, v_cache, extra = _cache(case, jax.random.key(0))
     if impl == "flashjax":
         import flashjax
 
         seqlens = jnp.full((case.batch,), case.cache, jnp.int32)
         return (lambda q, k, v: flashjax.flash_attention_with_kvcache(
-            q, k, v, cache_seqlens=seqlens, **extra)), q, k_cache, v_cache
+            q, k, v, cache_seqlens=seqlens, num_splits=num_splits or 0, **extra)), \
+            q, k_cache, v_cache
     if case.page_size and impl == "pallas":
         if not bench._on_gpu():
             raise bench.Unsupported("needs a CUDA GPU")
@@ -123,15 +126,66 @@ def attend(impl: str, case: DecodeCase):
     raise ValueError(impl)
 
 
+TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION"}
+
+
+def torch_median_ms(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int) -> float:
+    """PyTorch's scaled_dot_product_attention on one backend (`impl`), per loop of `loop`
+    dependent steps captured in a CUDA graph (so that PyTorch's own dispatch is not
+    timed) and timed with CUDA events: the median of `iters` replays after warm-up.
+    Its layout, heads before the sequence, is made once outside the timed loop."""
+    if case.page_size:
+        raise bench.Unsupported("contiguous caches only")
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        raise bench.Unsupported("needs PyTorch") from e
+    if not torch.cuda.is_available():
+        raise bench.Unsupported("needs a CUDA GPU")
+    dt = getattr(torch, case.dtype)
+    make = lambda heads, rows: torch.randn(case.batch, heads, rows, case.head_dim,
+                                           device="cuda", dtype=dt)
+    q, k, v = make(case.heads_q, 1), make(case.heads_kv, case.cache), make(case.heads_kv, case.cache)
+    gqa = case.heads_q != case.heads_kv
+
+    def steps(q):
+        for _ in range(loop):
+            q = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return q
+    with sdpa_kernel(getattr(SDPBackend, TORCH_BACKENDS[impl])):
+        side = torch.cuda.Stream()  # graph capture wants its warm-up off the default stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(warmup, 1)):
+                steps(q)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            steps(q)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(warmup + iters):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[warmup:])
+
+
 def measure(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int) -> dict:
     record = {**dataclasses.asdict(case), "impl": impl, "us": None, "gbps": None, "error": None,
               "kv_bytes": case.kv_bytes}
     try:
-        step, q, k_cache, v_cache = attend(impl, case)
+        if impl in TORCH_BACKENDS:
+            ms = torch_median_ms(impl, case, warmup, iters, loop) / loop
+        else:
+            step, q, k_cache, v_cache = attend(impl, case)
 
-        def steps(q, k, v):
-            return jax.lax.fori_loop(0, loop, lambda _, q: step(q, k, v).astype(q.dtype), q)
-        ms = bench.median_ms(jax.jit(steps), (q, k_cache, v_cache), warmup, iters) / loop
+            def steps(q, k, v):
+                return jax.lax.fori_loop(0, loop, lambda _, q: step(q, k, v).astype(q.dtype), q)
+            ms = bench.median_ms(jax.jit(steps), (q, k_cache, v_cache), warmup, iters) / loop
         record.update(us=ms * 1e3, gbps=case.kv_bytes / (ms * 1e-3) / 1e9)
     except Exception as e:  # noqa: BLE001 -- a failure becomes an "n/a" cell
         record["error"] = bench.short_reason(e)
@@ -183,9 +237,11 @@ def prefill(args, batches, caches, heads, head_dims, dtype, iters, info, json_fi
         flops = 4 * b * hq * d * rows * (n - rows / 2)
         # (q, caches) -> (out, caches): the loop carries the caches, so that
         # the append updates them in place
-        calls = {
+        calls = {  # cache_seqlens traced, or a Python int (the static route)
             "kvcache": (lambda q, kc, vc: flashjax.flash_attention_with_kvcache(
                 q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=True)),
+            "kvcache-int": (lambda q, kc, vc: flashjax.flash_attention_with_kvcache(
+                q, kc, vc, k_new, v_new, cache_seqlens=n - rows, causal=True)),
             "dense": (lambda q, kc, vc: (flashjax.flash_attention(
                 q, kc, vc, causal=True), kc, vc)),
         }
@@ -228,7 +284,7 @@ def main(args) -> int:
     head_dims = args.head_dim or [128 if gpu else 64]
     pages = args.page_size or [0]
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    impls = [i for i in (args.impl or IMPLS) if gpu or i not in ("cudnn", "pallas")]
+    impls = [i for i in (args.impl or IMPLS) if gpu or i in ("flashjax", "xla")]
     iters = args.iters or (20 if gpu else 3)
     loop = args.loop if args.loop > 1 else (DEFAULT_LOOP if gpu else 2)
     info = bench.device_info()

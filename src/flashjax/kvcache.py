@@ -215,17 +215,19 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
            page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
                               sinks is not None, False)
+    static_seqlens = None
     if _checks.is_int(cache_seqlens):
+        static_seqlens = int(cache_seqlens)
         cache_seqlens = jnp.full((q.shape[0],), cache_seqlens, jnp.int32)
     return _inference_only(
         functools.partial(_kvcache, cfg, rotary_interleaved, softmax_scale, causal, window_size,
-                          softcap, num_splits, return_lse),
+                          softcap, num_splits, return_lse, static_seqlens),
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
         rotary_cos, rotary_sin, sinks)
 
 
 def _kvcache(cfg, rotary_interleaved, softmax_scale, causal, window_size, softcap, num_splits,
-             return_lse, q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad,
+             return_lse, static_seqlens, q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad,
              page_table, rotary_cos, rotary_sin, sinks):
     per_row_positions = cfg.window_left >= 0 or cfg.window_right >= 0  # causal or windowed
     batch, seqlen_q, heads_q, _ = q.shape
@@ -249,8 +251,8 @@ def _kvcache(cfg, rotary_interleaved, softmax_scale, causal, window_size, softca
         # Prefill: the dense kernels on the GPU (the split-KV kernel is for short blocks).
         out, lse, k_cache, v_cache = jax.lax.platform_dependent(
             q, k_cache, v_cache, k, v, seqlens,
-            cuda=functools.partial(_prefill_dense, call, softmax_scale, causal, window_size,
-                                   softcap, sinks),
+            cuda=functools.partial(_prefill_dense, call, static_seqlens, softmax_scale, causal,
+                                   window_size, softcap, sinks),
             default=functools.partial(_attend_in_kernel, call, num_splits))
     else:
         out, lse, k_cache, v_cache = _attend_in_kernel(call, num_splits, q, k_cache, v_cache,
@@ -354,19 +356,25 @@ def _attend_in_kernel(call, num_splits, q, k_cache, v_cache, k, v, seqlens):
     return call(q, k_cache, v_cache, k, v, seqlens, splits)
 
 
-def _prefill_dense(call, softmax_scale, causal, window_size, softcap, sinks,
+def _prefill_dense(call, static_seqlens, softmax_scale, causal, window_size, softcap, sinks,
                    q, k_cache, v_cache, k, v, seqlens):
     """The FFI call appends (q without rows), then flash_attention reads the cache in
-    place when it is contiguous with one entry per sequence and no leftpad, else each
-    sequence's rows gathered."""
+    place when it is contiguous with one entry per sequence and no leftpad (its first
+    rows only, and no seqused_k, when cache_seqlens was a Python int: the dense
+    kernels' uniform path), else each sequence's rows gathered."""
+    new_rows = 0 if k is None else k.shape[1]
     if k is not None:
         _, _, k_cache, v_cache = call(q[:, :0], k_cache, v_cache, k, v, seqlens, 1)
     batch = q.shape[0]
     capacity = cache_capacity(k_cache, call.page_table)
-    end = jnp.minimum(jnp.clip(seqlens, 0, capacity) + (0 if k is None else k.shape[1]),
-                      capacity)
-    if (call.page_table is None and call.batch_idx is None and call.leftpad is None
-            and k_cache.shape[0] == batch):
+    end = jnp.minimum(jnp.clip(seqlens, 0, capacity) + new_rows, capacity)
+    in_place = (call.page_table is None and call.batch_idx is None and call.leftpad is None
+                and k_cache.shape[0] == batch)
+    used_rows = None if static_seqlens is None else \
+        min(min(max(static_seqlens, 0), capacity) + new_rows, capacity)
+    if in_place and used_rows:
+        keys, values, used = k_cache[:, :used_rows], v_cache[:, :used_rows], None
+    elif in_place:
         keys, values, used = k_cache, v_cache, end
     else:
         start = _first_key_rows(call.leftpad, batch, capacity)
@@ -378,5 +386,6 @@ def _prefill_dense(call, softmax_scale, causal, window_size, softcap, sinks,
             used = jnp.where((call.batch_idx >= 0) & (call.batch_idx < k_cache.shape[0]), used, 0)
     out, lse = flash_attention(q, keys, values, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap, sinks=sinks,
-                               return_lse=True, seqused_k=used.astype(jnp.int32))
+                               return_lse=True,
+                               seqused_k=None if used is None else used.astype(jnp.int32))
     return out, lse, k_cache, v_cache
