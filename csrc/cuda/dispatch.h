@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
 #include <type_traits>
 
 #include "flashjax/params.h"
@@ -116,6 +117,38 @@ inline int multiprocessor_count() {
     return 1;
   return count;
 }
+
+// Kernel attributes (the shared-memory opt-in) belong to the device that is
+// current when they are set, and one process may drive several GPUs: a
+// launcher's configuration runs once per device, not once per process.
+//   static DeviceOnce configured;
+//   if (cudaError_t e = configured([] { return cudaFuncSetAttribute(...); }); e != cudaSuccess)
+//     return e;
+class DeviceOnce {
+ public:
+  template <class Configure>
+  cudaError_t operator()(Configure&& configure) {
+    int device = 0;
+    if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+    if (device < 0 || device >= kMaxDevices) return configure();  // (untracked: every call)
+    std::lock_guard<std::mutex> lock(mutex_);
+    State& state = states_[device];
+    if (!state.done) {
+      state.status = configure();
+      state.done = true;
+    }
+    return state.status;
+  }
+
+ private:
+  static constexpr int kMaxDevices = 64;
+  struct State {
+    bool done = false;
+    cudaError_t status = cudaSuccess;
+  };
+  std::mutex mutex_;
+  State states_[kMaxDevices];
+};
 
 // 10 * major + minor of the current GPU, 0 if it cannot be read.
 inline int compute_capability() {

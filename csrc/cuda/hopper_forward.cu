@@ -17,7 +17,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <mutex>
 #include <type_traits>
 
 #include "common.cuh"
@@ -360,14 +359,13 @@ template <class T, int kHeadDim, Layouts kLayouts>
 cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int kBlockM = Cfg::kBlockM;
-  static std::once_flag configured;
-  static cudaError_t config_status = cudaSuccess;
-  std::call_once(configured, [] {
-    config_status = cudaFuncSetAttribute(hopper_forward_kernel<T, kHeadDim, kLayouts>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Cfg::kSmemBytes);
-  });
-  if (config_status != cudaSuccess) return config_status;
+  static DeviceOnce configured;
+  if (cudaError_t e = configured([] {
+        return cudaFuncSetAttribute(hopper_forward_kernel<T, kHeadDim, kLayouts>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      });
+      e != cudaSuccess)
+    return e;
   ScheduleOf<kLayouts> schedule;
   int64_t items;  // (an upper bound for kVarlen: the device knows the count)
   const bool gqa_packed = kLayouts == Layouts::kUniform && kPacksGroups<kHeadDim> &&

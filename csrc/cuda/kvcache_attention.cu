@@ -13,7 +13,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <mutex>
 
 #include "common.cuh"
 #include "dispatch.h"
@@ -412,14 +411,14 @@ __global__ void append_kernel(const __grid_constant__ AttentionParams p) {
 template <class T, int kHeadDim>
 cudaError_t launch_split_kv(const AttentionParams& p, int splits, void* workspace,
                             cudaStream_t stream) {
-  static std::once_flag configured;
-  static cudaError_t config_status = cudaSuccess;
-  std::call_once(configured, [] {
-    config_status = cudaFuncSetAttribute(split_kv_kernel<T, kHeadDim>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         SplitSmem<kHeadDim>::kBytes);
-  });
-  if (config_status != cudaSuccess) return config_status;
+  static DeviceOnce configured;
+  if (cudaError_t e = configured([] {
+        return cudaFuncSetAttribute(split_kv_kernel<T, kHeadDim>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    SplitSmem<kHeadDim>::kBytes);
+      });
+      e != cudaSuccess)
+    return e;
   const Partials partials(p, splits, workspace);
   if (splits > 1 && !partials.out) return cudaErrorInvalidValue;  // no workspace
   const int64_t row_tiles = (p.seqlen_q * p.group_size() + kRows - 1) / kRows;

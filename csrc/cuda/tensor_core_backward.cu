@@ -14,7 +14,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <mutex>
 
 #include "common.cuh"
 #include "dispatch.h"
@@ -227,16 +226,17 @@ template <class T, int kHeadDim, Layouts kLayouts>
 cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
   constexpr int kSmem = smem_bytes<kHeadDim>();
   constexpr bool kOnePass = kHeadDim <= 128;  // dK and dV fit in registers together
-  static std::once_flag configured;
-  static cudaError_t config_status = cudaSuccess;
-  std::call_once(configured, [] {
-    config_status = allow_smem(query_kernel<T, kHeadDim, kLayouts>, kSmem);
-    if (config_status == cudaSuccess)
-      config_status = allow_smem(key_kernel<T, kHeadDim, kLayouts, true, kOnePass>, kSmem);
-    if (config_status == cudaSuccess && !kOnePass)
-      config_status = allow_smem(key_kernel<T, kHeadDim, kLayouts, false, true>, kSmem);
-  });
-  if (config_status != cudaSuccess) return config_status;
+  static DeviceOnce configured;
+  if (cudaError_t e = configured([] {
+        cudaError_t status = allow_smem(query_kernel<T, kHeadDim, kLayouts>, kSmem);
+        if (status == cudaSuccess)
+          status = allow_smem(key_kernel<T, kHeadDim, kLayouts, true, kOnePass>, kSmem);
+        if (status == cudaSuccess && !kOnePass)
+          status = allow_smem(key_kernel<T, kHeadDim, kLayouts, false, true>, kSmem);
+        return status;
+      });
+      e != cudaSuccess)
+    return e;
   const int64_t key_blocks = (p.seqlen_k + kBlock - 1) / kBlock * p.batch * p.heads_kv;
   const int64_t query_blocks = (p.seqlen_q + kBlock - 1) / kBlock * p.batch * p.heads_q;
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;

@@ -6,7 +6,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <mutex>
 #include <type_traits>
 
 #include "common.cuh"
@@ -103,14 +102,14 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, int kHeadDim, Layouts kLayouts>
 cudaError_t launch(const AttentionParams& p, const SegmentTiles& segment_tiles,
                    cudaStream_t stream) {
-  static std::once_flag configured;
-  static cudaError_t config_status = cudaSuccess;
-  std::call_once(configured, [] {
-    config_status = cudaFuncSetAttribute(forward_kernel<T, kHeadDim, kLayouts>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         smem_bytes<kHeadDim>());
-  });
-  if (config_status != cudaSuccess) return config_status;
+  static DeviceOnce configured;
+  if (cudaError_t e = configured([] {
+        return cudaFuncSetAttribute(forward_kernel<T, kHeadDim, kLayouts>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    smem_bytes<kHeadDim>());
+      });
+      e != cudaSuccess)
+    return e;
   const int64_t q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t blocks = q_tiles * p.batch * p.heads_q;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;

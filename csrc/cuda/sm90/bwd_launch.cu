@@ -9,7 +9,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <mutex>
 
 #include "../backward_workspace.h"
 #include "../dispatch.h"
@@ -37,19 +36,19 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
 template <class T, int kHeadDim, Layouts kLayouts>
 cudaError_t configure_kernels() {
   constexpr int kSmem = smem_bytes<kHeadDim>();
-  static std::once_flag configured;
-  static cudaError_t config_status = cudaSuccess;
-  std::call_once(configured, [] {
+  static DeviceOnce configured;
+  return configured([] {
     if constexpr (kWide<kHeadDim>) {
-      config_status = allow_smem(hopper_wide_key_kernel<T>, kSmem);
+      return allow_smem(hopper_wide_key_kernel<T>, kSmem);
     } else {
+      cudaError_t status = cudaSuccess;
       for (cudaError_t e : {allow_smem(hopper_key_kernel<T, kHeadDim, true, kLayouts>, kSmem),
                             allow_smem(hopper_key_kernel<T, kHeadDim, false, kLayouts>, kSmem),
                             allow_smem(hopper_query_kernel<T, kHeadDim, kLayouts>, kSmem)})
-        if (e != cudaSuccess && config_status == cudaSuccess) config_status = e;
+        if (e != cudaSuccess && status == cudaSuccess) status = e;
+      return status;
     }
   });
-  return config_status;
 }
 
 // The grid of a kernel whose CTAs own `rows`-row blocks of each sequence's
