@@ -1,13 +1,16 @@
-"""Sharded inputs on 4 host devices (a subprocess, since the device count is fixed when
-jax starts): jit over sharded arrays is correct (XLA gathers the operands: the FFI call
-has no partitioning rule), and shard_map runs the kernels per shard, forward and
-gradients, including operands replicated across a sharded axis (their gradients are
-summed over the shards)."""
+"""Sharded inputs on 4 and 8 host devices (subprocesses, since the device count is fixed
+when jax starts): jax.jit over arrays sharded along batch and/or heads runs the kernels
+on each shard with no collective (custom_partitioning, src/flashjax/_partitioning.py),
+other shardings are correct (gathered), and shard_map runs the kernels per shard,
+forward and gradients, including operands replicated across a sharded axis (their
+gradients are summed over the shards)."""
 
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -55,9 +58,93 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sharded_inputs_and_shard_map():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               JAX_ENABLE_X64="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=300)
+# jax.jit over sharded arrays: every mesh below shards batch and/or heads (or nothing
+# the rule can use), forward and gradients match the float64 reference, the outputs
+# keep q's sharding, and the compiled programs have no collective -- except the
+# all-reduce that sums a replicated sinks' gradient over the batch shards.
+JIT_SCRIPT = textwrap.dedent("""
+    import re, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import flashjax
+    from flashjax import reference
+
+    COLLECTIVE = r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
+    n = len(jax.devices())
+    mesh = Mesh(np.array(jax.devices()).reshape(2, n // 2), ("data", "model"))
+    ks = iter(jax.random.split(jax.random.PRNGKey(0), 64))
+    normal = lambda *shape: jax.random.normal(next(ks), shape, jnp.float32)
+
+    def check(got, want, what):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5,
+                                   err_msg=what)
+
+    def collectives(f, *args):
+        return sorted(set(re.findall(COLLECTIVE, f.lower(*args).compile().as_text())))
+
+    def case(spec, heads_q, heads_kv, want_local, kv_spec=None, **options):
+        b, s = 4, 48
+        q, k, v = normal(b, s, heads_q, 16), normal(b, s, heads_kv, 16), normal(b, s, heads_kv, 8)
+        arrays = {}  # traced keyword arguments (the rest of `options` are static)
+        if options.pop("sinks", False):
+            arrays["sinks"] = jnp.linspace(-1.0, 1.0, heads_q, dtype=jnp.float32)
+        if options.pop("segments", False):
+            ids = jnp.repeat(jnp.arange(3, dtype=jnp.int32), s // 3)[None].repeat(b, 0)
+            arrays.update(q_segment_ids=ids, kv_segment_ids=ids,
+                          seqused_k=jnp.array([48, 40, 17, 33], jnp.int32))
+        attn = lambda q, k, v, kw: flashjax.flash_attention(q, k, v, **options, **kw)
+        ref = lambda q, k, v, kw: reference.attention(q, k, v, compute_dtype=jnp.float64,
+                                                      **options, **kw)
+        loss = lambda f: (lambda q, k, v, kw: jnp.sum(jnp.sin(f(q, k, v, kw))))
+        kv_sharding = NamedSharding(mesh, spec if kv_spec is None else kv_spec)
+        args = (jax.device_put(q, NamedSharding(mesh, spec)),
+                jax.device_put(k, kv_sharding), jax.device_put(v, kv_sharding), arrays)
+        what = f"{spec} {heads_q}/{heads_kv} {sorted(options)} {sorted(arrays)}"
+        forward = jax.jit(attn)
+        out = forward(*args)
+        check(out, ref(q, k, v, arrays), what)
+        if want_local:
+            padded = lambda p: tuple(p) + (None,) * (4 - len(p))
+            assert padded(out.sharding.spec) == padded(spec), (what, out.sharding.spec)
+        argnums = (0, 1, 2, 3) if "sinks" in arrays else (0, 1, 2)
+        grad = jax.jit(jax.grad(loss(attn), argnums=argnums, allow_int=True))
+        got = grad(*args)
+        want = jax.grad(loss(ref), argnums=argnums, allow_int=True)(q, k, v, arrays)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            if g.dtype != jax.dtypes.float0:
+                check(g, w, what + " grad")
+        if want_local:
+            assert collectives(forward, *args) == [], (what, collectives(forward, *args))
+            expected = ["all-reduce"] if "sinks" in arrays and spec[0] else []
+            assert collectives(grad, *args) == expected, (what, collectives(grad, *args))
+
+    heads = n // 2  # the "model" axis
+    case(P("data", None, "model", None), 2 * heads, heads, True, causal=True)
+    case(P("data", None, None, None), 4, 2, True, window_size=(5, 3), softcap=4.0)
+    case(P(None, None, "model", None), 2 * heads, heads, True, sinks=True, causal=True)
+    case(P("data", None, "model", None), 4 * heads, heads, True, sinks=True, segments=True)
+    case(P(("data", "model"), None, None, None) if n == 4 else P("data"), 4, 1, True,
+         causal=True)
+    # one kv head, q heads sharded (kept whole), and sequence sharding (gathered until
+    # ring attention): correct, not local
+    case(P(None, None, "model", None), 3 * n, 1, False, kv_spec=P(), causal=True)
+    case(P(None, "data", None, None), 4, 2, False, causal=True)
+    print("ok")
+""")
+
+
+def run_on_host_devices(script: str, devices: int):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_sharded_inputs_and_shard_map():
+    run_on_host_devices(SCRIPT, 4)
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_jit_partitions_batch_and_heads(devices):
+    run_on_host_devices(JIT_SCRIPT, devices)

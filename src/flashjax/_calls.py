@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi
+from . import _ffi, _partitioning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _optional(sinks_rows, layout: Layout, cfg: Config) -> list:
     return ([sinks_rows] if cfg.has_sinks else []) + layout.optional_inputs()
 
 
-def _forward_call(q, k, v, sinks_rows, layout: Layout, cfg: Config):
+def _forward_ffi(q, k, v, sinks_rows, layout: Layout, cfg: Config):
     target = _ffi.VARLEN_FORWARD_TARGET if cfg.packed else _ffi.FORWARD_TARGET
     args = _required(q, k, v, layout, cfg) + tuple(_optional(sinks_rows, layout, cfg))
     call = _ffi_call(target, q, args, ((q.shape[:-1] + (v.shape[-1],), q.dtype),
@@ -129,13 +129,54 @@ def _forward_call(q, k, v, sinks_rows, layout: Layout, cfg: Config):
     return call(*args, **cfg.attributes(layout))
 
 
-def _backward_call(q, k, v, out, dout, lse, dlse, sinks_rows, layout: Layout, cfg: Config):
+def _backward_ffi(q, k, v, out, dout, lse, dlse, sinks_rows, layout: Layout, cfg: Config):
     target = _ffi.VARLEN_BACKWARD_TARGET if cfg.packed else _ffi.BACKWARD_TARGET
     args = (_required(q, k, v, layout, cfg) + (out, dout, lse, dlse)
             + tuple(_optional(sinks_rows, layout, cfg)))
     call = _ffi_call(target, q, args, ((q.shape, q.dtype), (k.shape, k.dtype),
                                        (v.shape, v.dtype), (sinks_rows.shape, jnp.float32)), cfg)
     return call(*args, **cfg.attributes(layout))
+
+
+# Dense calls go through _partitioning (sharded along batch and heads under jax.jit),
+# as flat operand lists: the fixed ones, then the layout's present fields.
+FORWARD_OPERANDS = ("q", "k", "v", "sinks")
+BACKWARD_OPERANDS = ("q", "k", "v", "out", "out", "lse", "lse", "sinks")
+
+
+def _present(layout: Layout) -> tuple:
+    return tuple(name for name, x in layout._asdict().items() if x is not None)
+
+
+def _local_forward(cfg: Config, present: tuple, q, k, v, sinks_rows, *fields):
+    return _forward_ffi(q, k, v, sinks_rows, Layout(**dict(zip(present, fields))), cfg)
+
+
+def _local_backward(cfg: Config, present: tuple, q, k, v, out, dout, lse, dlse, sinks_rows,
+                    *fields):
+    return _backward_ffi(q, k, v, out, dout, lse, dlse, sinks_rows,
+                         Layout(**dict(zip(present, fields))), cfg)
+
+
+def _forward_call(q, k, v, sinks_rows, layout: Layout, cfg: Config):
+    if cfg.packed:
+        return _forward_ffi(q, k, v, sinks_rows, layout, cfg)
+    present = _present(layout)
+    spec = _partitioning.CallSpec(_ffi.FORWARD_TARGET, _local_forward, (cfg, present),
+                                  FORWARD_OPERANDS + present, ("out", "lse"),
+                                  q.shape[-2] // k.shape[-2], k.shape[-2])
+    return _partitioning.partitioned(spec)(q, k, v, sinks_rows, *(getattr(layout, n) for n in present))
+
+
+def _backward_call(q, k, v, out, dout, lse, dlse, sinks_rows, layout: Layout, cfg: Config):
+    if cfg.packed:
+        return _backward_ffi(q, k, v, out, dout, lse, dlse, sinks_rows, layout, cfg)
+    present = _present(layout)
+    spec = _partitioning.CallSpec(_ffi.BACKWARD_TARGET, _local_backward, (cfg, present),
+                                  BACKWARD_OPERANDS + present, ("dq", "dk", "dv", "sinks"),
+                                  q.shape[-2] // k.shape[-2], k.shape[-2])
+    return _partitioning.partitioned(spec)(q, k, v, out, dout, lse, dlse, sinks_rows,
+                                           *(getattr(layout, n) for n in present))
 
 
 def _sink_rows(q, sinks, layout: Layout, cfg: Config):

@@ -1,0 +1,135 @@
+"""How the dense FFI calls are sharded under jax.jit: batch and heads.
+
+An FFI call is opaque to XLA's partitioner, which would gather every operand onto
+every device. `partitioned(spec)` wraps a call in JAX's `custom_partitioning` with a
+Shardy sharding rule: batch and (kv-head-group-consistent) heads shard, each device
+runs the kernel on its own shard with no collective, and the outputs keep the
+inputs' sharding. Sequence and head dims are kept whole (an input sharded along them
+is gathered first; ring attention is what sequence-sharded inputs will get).
+
+custom_partitioning has no batching rule, so the wrapped call is also a
+`custom_vmap` whose rule folds the vmapped axis into batch (what the FFI call's
+vmap_method="broadcast_all" did); inside a fully manual `shard_map` the call lowers
+to the plain FFI call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+# The dims of each kind of operand or result, as factors of the sharding rule: b
+# batch, s query rows, t key rows, H query heads (h kv heads x g heads per group), h
+# kv heads, d q/k head dim, e v head dim.
+DIMS = {
+    "q": "b s H d", "k": "b t h d", "v": "b t h e",
+    "out": "b s H e", "dq": "b s H d", "dk": "b t h d", "dv": "b t h e",
+    "lse": "b H s", "sinks": "b H",
+    "seqused_q": "b", "seqused_k": "b", "q_segment_ids": "b s", "kv_segment_ids": "b t",
+}
+KEPT_WHOLE = ("s", "t", "d", "e", "g")  # never sharded by the rule
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """A call's static description: `impl(*static, *operands) -> results` runs it on
+    local arrays (impl a module-level function and static hashable values, so that
+    equal calls share one wrapper); `operands` / `results` name each one's kind (a
+    DIMS key); `group` is heads_q // heads_kv."""
+
+    name: str  # the FFI target, for errors
+    impl: Callable
+    static: tuple
+    operands: tuple
+    results: tuple
+    group: int
+    heads_kv: int
+
+    def dims(self, kind: str) -> list:
+        return DIMS[kind].split()
+
+
+def _rule(spec: CallSpec, _mesh, _operand_types, _result_types):
+    # q heads are (kv heads x group) when both exceed 1 (Shardy has no compound
+    # factor of size 1); one kv head: q heads are the group alone, kept whole.
+    heads = "(h g)" if spec.group > 1 and spec.heads_kv > 1 else "g" if spec.group > 1 else "h"
+    side = lambda kinds: ", ".join(DIMS[k].replace("H", heads) for k in kinds)
+    rule = f"{side(spec.operands)} -> {side(spec.results)}"
+    factors = {"g": spec.group} if "(h g)" in rule else {}
+    # (Shardy wants the special factors in the order they first appear.)
+    order = [c for c in rule if c.isalpha()]
+    kept = sorted((f for f in KEPT_WHOLE if f in order), key=order.index)
+    return rule, dict(factors, need_replication_factors=tuple(kept))
+
+
+def _axes_size(mesh, axes) -> int:
+    if axes is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+
+
+def _partition(spec: CallSpec, mesh, arg_shapes, _result_shapes):
+    """Shard batch and heads as q is (where they divide evenly), nothing else."""
+    q, k = arg_shapes[0], arg_shapes[1]
+    batch_axes = head_axes = None
+    if isinstance(q.sharding, NamedSharding):
+        dims = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
+        batch_axes, head_axes = dims[0], dims[2]
+    if q.shape[0] % _axes_size(mesh, batch_axes):
+        batch_axes = None
+    if k.shape[2] % _axes_size(mesh, head_axes):  # whole query-head groups per shard
+        head_axes = None
+    axes = {"b": batch_axes, "H": head_axes, "h": head_axes}
+
+    def sharding(kind):
+        return NamedSharding(mesh, PartitionSpec(*(axes.get(d) for d in spec.dims(kind))))
+    return (mesh, functools.partial(spec.impl, *spec.static),
+            tuple(sharding(k) for k in spec.results),
+            tuple(sharding(k) for k in spec.operands))
+
+
+def _fold_vmapped_axis(call):
+    """call(*operands) -> results, every array's first dim its batch: a vmapped
+    axis becomes part of that batch dim."""
+
+    @jax.custom_batching.custom_vmap
+    def folded(*operands):
+        return call(*operands)
+
+    @folded.def_vmap
+    def _rule(axis_size, in_batched, *operands):
+        operands = [x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                    for x, batched in zip(operands, in_batched)]
+        batch = operands[0].shape[1]  # every operand's and result's first dim
+        results = folded(*(x.reshape((axis_size * batch,) + x.shape[2:]) for x in operands))
+        return (tuple(r.reshape((axis_size, batch) + r.shape[1:]) for r in results),
+                (True,) * len(results))
+    return folded
+
+
+def _not_differentiable(name: str, call):
+    """call, whose derivative is an error naming the target (the kernels have none;
+    gradients come from the custom_vjp around the calls)."""
+    wrapped = jax.custom_jvp(call)
+
+    @wrapped.defjvp
+    def _jvp(primals, tangents):
+        raise ValueError(f"The FFI call to `{name}` cannot be differentiated (a gradient of "
+                         "a gradient, or forward mode): use flashjax.reference.attention")
+    return wrapped
+
+
+@functools.lru_cache(maxsize=None)
+def partitioned(spec: CallSpec):
+    """spec.impl as a call that jax.jit shards along batch and heads."""
+    call = custom_partitioning(functools.partial(spec.impl, *spec.static))
+    call.def_partition(partition=functools.partial(_partition, spec),
+                       sharding_rule=functools.partial(_rule, spec))
+    return _not_differentiable(spec.name, _fold_vmapped_axis(call))
