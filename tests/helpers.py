@@ -364,3 +364,17 @@ def empty_row_cases():
 
 def ids(cases):
     return [str(c) for c in cases]
+
+
+def run_on_host_devices(script: str, devices: int, timeout: int = 900) -> None:
+    """Runs a Python script on `devices` host CPU devices (a subprocess: the device
+    count is fixed when jax starts); it must exit 0 and print "ok" last."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -5,12 +5,11 @@ other shardings are correct (gathered), and shard_map runs the kernels per shard
 forward and gradients, including operands replicated across a sharded axis (their
 gradients are summed over the shards)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import run_on_host_devices
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -58,10 +57,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-# jax.jit over sharded arrays: every mesh below shards batch and/or heads (or nothing
-# the rule can use), forward and gradients match the float64 reference, the outputs
-# keep q's sharding, and the compiled programs have no collective -- except the
-# all-reduce that sums a replicated sinks' gradient over the batch shards.
+# jax.jit over sharded arrays: forward and gradients match the float64 reference for
+# every mesh below. Batch and/or heads sharded ("local"): the outputs keep q's
+# sharding and the compiled programs have no collective -- except the all-reduce that
+# sums a replicated sinks' gradient over the shards. Sequence sharded ("ring"): the
+# outputs keep it, collective-permutes and no all-gather.
 JIT_SCRIPT = textwrap.dedent("""
     import re, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -82,7 +82,7 @@ JIT_SCRIPT = textwrap.dedent("""
     def collectives(f, *args):
         return sorted(set(re.findall(COLLECTIVE, f.lower(*args).compile().as_text())))
 
-    def case(spec, heads_q, heads_kv, want_local, kv_spec=None, **options):
+    def case(spec, heads_q, heads_kv, want, kv_spec=None, **options):
         b, s = 4, 48
         q, k, v = normal(b, s, heads_q, 16), normal(b, s, heads_kv, 16), normal(b, s, heads_kv, 8)
         arrays = {}  # traced keyword arguments (the rest of `options` are static)
@@ -103,7 +103,7 @@ JIT_SCRIPT = textwrap.dedent("""
         forward = jax.jit(attn)
         out = forward(*args)
         check(out, ref(q, k, v, arrays), what)
-        if want_local:
+        if want in ("local", "ring"):
             padded = lambda p: tuple(p) + (None,) * (4 - len(p))
             assert padded(out.sharding.spec) == padded(spec), (what, out.sharding.spec)
         argnums = (0, 1, 2, 3) if "sinks" in arrays else (0, 1, 2)
@@ -113,32 +113,34 @@ JIT_SCRIPT = textwrap.dedent("""
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             if g.dtype != jax.dtypes.float0:
                 check(g, w, what + " grad")
-        if want_local:
+        sums_sinks = "sinks" in arrays and (spec[0] or want == "ring")
+        if want == "local":
             assert collectives(forward, *args) == [], (what, collectives(forward, *args))
-            expected = ["all-reduce"] if "sinks" in arrays and spec[0] else []
+            expected = ["all-reduce"] if sums_sinks else []
+            assert collectives(grad, *args) == expected, (what, collectives(grad, *args))
+        if want == "ring":
+            permute = ["collective-permute"]
+            assert collectives(forward, *args) == permute, (what, collectives(forward, *args))
+            expected = ["all-reduce"] + permute if sums_sinks else permute
             assert collectives(grad, *args) == expected, (what, collectives(grad, *args))
 
     heads = n // 2  # the "model" axis
-    case(P("data", None, "model", None), 2 * heads, heads, True, causal=True)
-    case(P("data", None, None, None), 4, 2, True, window_size=(5, 3), softcap=4.0)
-    case(P(None, None, "model", None), 2 * heads, heads, True, sinks=True, causal=True)
-    case(P("data", None, "model", None), 4 * heads, heads, True, sinks=True, segments=True)
-    case(P(("data", "model"), None, None, None) if n == 4 else P("data"), 4, 1, True,
+    case(P("data", None, "model", None), 2 * heads, heads, "local", causal=True)
+    case(P("data", None, None, None), 4, 2, "local", window_size=(5, 3), softcap=4.0)
+    case(P(None, None, "model", None), 2 * heads, heads, "local", sinks=True, causal=True)
+    case(P("data", None, "model", None), 4 * heads, heads, "local", sinks=True, segments=True)
+    case(P(("data", "model"), None, None, None) if n == 4 else P("data"), 4, 1, "local",
          causal=True)
-    # one kv head, q heads sharded (kept whole), and sequence sharding (gathered until
-    # ring attention): correct, not local
-    case(P(None, None, "model", None), 3 * n, 1, False, kv_spec=P(), causal=True)
-    case(P(None, "data", None, None), 4, 2, False, causal=True)
+    # the sequence over "model" (and batch over "data"): a ring, causal or not, sinks
+    case(P("data", "model", None, None), 4, 2, "ring", causal=True)
+    case(P(None, "model", None, None), 4, 4, "ring", sinks=True, softcap=2.0)
+    # gathered (correct): one kv head with q heads sharded; a sequence-sharded call the
+    # ring does not take (a window, segment ids)
+    case(P(None, None, "model", None), 3 * n, 1, "gathered", kv_spec=P(), causal=True)
+    case(P(None, "data", None, None), 4, 2, "gathered", window_size=(7, 0))
+    case(P(None, "data", None, None), 4, 2, "gathered", causal=True, segments=True)
     print("ok")
 """)
-
-
-def run_on_host_devices(script: str, devices: int):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1")
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
 def test_sharded_inputs_and_shard_map():

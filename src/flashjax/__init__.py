@@ -1,11 +1,12 @@
 """flashjax: exact, fast FlashAttention for JAX (C++/CUDA kernels via the XLA FFI)."""
 
-from . import reference
+from . import reference, ring
 from ._ffi import has_cuda_kernels
 from .attention import flash_attention
 from .kvcache import flash_attention_with_kvcache
+from .ring import ring_attention
 from .varlen import flash_attention_varlen
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
-           "has_cuda_kernels", "reference"]
+           "has_cuda_kernels", "reference", "ring", "ring_attention"]
 __version__ = "0.1.0"

@@ -161,20 +161,26 @@ def _local_backward(cfg: Config, present: tuple, q, k, v, out, dout, lse, dlse, 
 def _forward_call(q, k, v, sinks_rows, layout: Layout, cfg: Config):
     if cfg.packed:
         return _forward_ffi(q, k, v, sinks_rows, layout, cfg)
+    from . import ring  # (ring builds on this module)
+
     present = _present(layout)
     spec = _partitioning.CallSpec(_ffi.FORWARD_TARGET, _local_forward, (cfg, present),
                                   FORWARD_OPERANDS + present, ("out", "lse"),
-                                  q.shape[-2] // k.shape[-2], k.shape[-2])
+                                  q.shape[-2] // k.shape[-2], k.shape[-2],
+                                  ring.sharded_forward if ring.rings(cfg, present) else None)
     return _partitioning.partitioned(spec)(q, k, v, sinks_rows, *(getattr(layout, n) for n in present))
 
 
 def _backward_call(q, k, v, out, dout, lse, dlse, sinks_rows, layout: Layout, cfg: Config):
     if cfg.packed:
         return _backward_ffi(q, k, v, out, dout, lse, dlse, sinks_rows, layout, cfg)
+    from . import ring
+
     present = _present(layout)
     spec = _partitioning.CallSpec(_ffi.BACKWARD_TARGET, _local_backward, (cfg, present),
                                   BACKWARD_OPERANDS + present, ("dq", "dk", "dv", "sinks"),
-                                  q.shape[-2] // k.shape[-2], k.shape[-2])
+                                  q.shape[-2] // k.shape[-2], k.shape[-2],
+                                  ring.sharded_backward if ring.rings(cfg, present) else None)
     return _partitioning.partitioned(spec)(q, k, v, out, dout, lse, dlse, sinks_rows,
                                            *(getattr(layout, n) for n in present))
 

@@ -1,11 +1,12 @@
-"""How the dense FFI calls are sharded under jax.jit: batch and heads.
+"""How the dense FFI calls are sharded under jax.jit: batch, heads, sequence.
 
 An FFI call is opaque to XLA's partitioner, which would gather every operand onto
 every device. `partitioned(spec)` wraps a call in JAX's `custom_partitioning` with a
 Shardy sharding rule: batch and (kv-head-group-consistent) heads shard, each device
 runs the kernel on its own shard with no collective, and the outputs keep the
-inputs' sharding. Sequence and head dims are kept whole (an input sharded along them
-is gathered first; ring attention is what sequence-sharded inputs will get).
+inputs' sharding. A sequence sharded along one mesh axis runs the call's ring
+version (`spec.ring_impl`, flashjax.ring: K/V passed around with ppermute) when it
+has one; head dims, and sequences it cannot ring, are kept whole (gathered first).
 
 custom_partitioning has no batching rule, so the wrapped call is also a
 `custom_vmap` whose rule folds the vmapped axis into batch (what the FFI call's
@@ -34,7 +35,7 @@ DIMS = {
     "lse": "b H s", "sinks": "b H",
     "seqused_q": "b", "seqused_k": "b", "q_segment_ids": "b s", "kv_segment_ids": "b t",
 }
-KEPT_WHOLE = ("s", "t", "d", "e", "g")  # never sharded by the rule
+KEPT_WHOLE = ("s", "t", "d", "e", "g")  # never sharded by the rule (s, t: unless a ring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,8 @@ class CallSpec:
     """A call's static description: `impl(*static, *operands) -> results` runs it on
     local arrays (impl a module-level function and static hashable values, so that
     equal calls share one wrapper); `operands` / `results` name each one's kind (a
-    DIMS key); `group` is heads_q // heads_kv."""
+    DIMS key); `group` is heads_q // heads_kv; `ring_impl(*static, axis_name,
+    *operands)`, if any, runs it on sequence shards along axis_name."""
 
     name: str  # the FFI target, for errors
     impl: Callable
@@ -51,6 +53,7 @@ class CallSpec:
     results: tuple
     group: int
     heads_kv: int
+    ring_impl: Callable | None = None
 
     def dims(self, kind: str) -> list:
         return DIMS[kind].split()
@@ -65,7 +68,8 @@ def _rule(spec: CallSpec, _mesh, _operand_types, _result_types):
     factors = {"g": spec.group} if "(h g)" in rule else {}
     # (Shardy wants the special factors in the order they first appear.)
     order = [c for c in rule if c.isalpha()]
-    kept = sorted((f for f in KEPT_WHOLE if f in order), key=order.index)
+    shardable = ("s", "t") if spec.ring_impl is not None else ()
+    kept = sorted((f for f in KEPT_WHOLE if f in order and f not in shardable), key=order.index)
     return rule, dict(factors, need_replication_factors=tuple(kept))
 
 
@@ -75,23 +79,36 @@ def _axes_size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
+def _ring_axis(spec: CallSpec, mesh, q, k, seq_axes):
+    """The one mesh axis q's rows are sharded along, if the call can ring over it."""
+    if spec.ring_impl is None or seq_axes is None:
+        return None
+    axes = seq_axes if isinstance(seq_axes, tuple) else (seq_axes,)
+    if len(axes) != 1 or q.shape[1] != k.shape[1] or q.shape[1] % mesh.shape[axes[0]]:
+        return None
+    return axes[0]
+
+
 def _partition(spec: CallSpec, mesh, arg_shapes, _result_shapes):
-    """Shard batch and heads as q is (where they divide evenly), nothing else."""
+    """Shard batch and heads as q is (where they divide evenly), the sequence too when
+    the call can ring over q's sequence axis; nothing else."""
     q, k = arg_shapes[0], arg_shapes[1]
-    batch_axes = head_axes = None
+    batch_axes = head_axes = seq_axes = None
     if isinstance(q.sharding, NamedSharding):
         dims = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
-        batch_axes, head_axes = dims[0], dims[2]
+        batch_axes, seq_axes, head_axes = dims[0], dims[1], dims[2]
     if q.shape[0] % _axes_size(mesh, batch_axes):
         batch_axes = None
     if k.shape[2] % _axes_size(mesh, head_axes):  # whole query-head groups per shard
         head_axes = None
-    axes = {"b": batch_axes, "H": head_axes, "h": head_axes}
+    ring_axis = _ring_axis(spec, mesh, q, k, seq_axes)
+    axes = {"b": batch_axes, "H": head_axes, "h": head_axes, "s": ring_axis, "t": ring_axis}
+    impl = (functools.partial(spec.ring_impl, *spec.static, ring_axis) if ring_axis
+            else functools.partial(spec.impl, *spec.static))
 
     def sharding(kind):
         return NamedSharding(mesh, PartitionSpec(*(axes.get(d) for d in spec.dims(kind))))
-    return (mesh, functools.partial(spec.impl, *spec.static),
-            tuple(sharding(k) for k in spec.results),
+    return (mesh, impl, tuple(sharding(k) for k in spec.results),
             tuple(sharding(k) for k in spec.operands))
 
 
