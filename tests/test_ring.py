@@ -100,3 +100,23 @@ def test_zigzag_round_trip():
     x = jnp.arange(2 * 24).reshape(2, 24)
     np.testing.assert_array_equal(ring.unzigzag(ring.zigzag(x, 3), 3), x)
     np.testing.assert_array_equal(ring.zigzag(jnp.arange(8)[None], 2, 1)[0], [0, 1, 6, 7, 2, 3, 4, 5])
+
+
+def test_ring_bench_runs_on_host_devices():
+    """benchmarks/ring_bench.py (the multi-GPU run's script) as a smoke test on 4 host
+    devices: every implementation produces a time."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ring_bench.py"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, str(script), "--seqlen", "64", "--heads", "4", "2", "--dim", "16",
+         "--dtype", "float32", "--iters", "1"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("seqlen")]
+    assert len(lines) == 14 and not any("n/a" in line for line in lines), result.stdout
