@@ -139,6 +139,26 @@ JIT_SCRIPT = textwrap.dedent("""
     case(P(None, None, "model", None), 3 * n, 1, "gathered", kv_spec=P(), causal=True)
     case(P(None, "data", None, None), 4, 2, "gathered", window_size=(7, 0))
     case(P(None, "data", None, None), 4, 2, "gathered", causal=True, segments=True)
+
+    # flash_attention_varlen with heads sharded: local, no collective
+    cu = jnp.array([0, 5, 17, 40], jnp.int32)
+    q, k, v = normal(40, 2 * heads, 16), normal(40, heads, 16), normal(40, heads, 16)
+    packed = NamedSharding(mesh, P(None, "model", None))
+    args = [jax.device_put(x, packed) for x in (q, k, v)]
+    varlen = lambda q, k, v: flashjax.flash_attention_varlen(q, k, v, cu, cu, 23, 23,
+                                                             causal=True)
+    ref = lambda q, k, v: reference.attention_varlen(q, k, v, np.asarray(cu), np.asarray(cu),
+                                                     23, 23, causal=True,
+                                                     compute_dtype=jnp.float64)
+    out = jax.jit(varlen)(*args)
+    check(out, ref(q, k, v), "varlen")
+    assert tuple(out.sharding.spec)[:2] == (None, "model"), out.sharding.spec
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(varlen(*a))), argnums=(0, 1, 2)))
+    want = jax.grad(lambda *a: jnp.sum(jnp.sin(ref(*a))), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grad(*args), want):
+        check(g, w, "varlen grad")
+    assert collectives(jax.jit(varlen), *args) == [], collectives(jax.jit(varlen), *args)
+    assert collectives(grad, *args) == [], collectives(grad, *args)
     print("ok")
 """)
 

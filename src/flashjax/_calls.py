@@ -138,14 +138,25 @@ def _backward_ffi(q, k, v, out, dout, lse, dlse, sinks_rows, layout: Layout, cfg
     return call(*args, **cfg.attributes(layout))
 
 
-# Dense calls go through _partitioning (sharded along batch and heads under jax.jit),
-# as flat operand lists: the fixed ones, then the layout's present fields.
+# Every call goes through _partitioning (sharded along batch, heads, sequence under
+# jax.jit; packed calls along heads), as a flat operand list: the fixed ones, then the
+# layout's present fields; each operand and result named by its kind (_partitioning.DIMS).
 FORWARD_OPERANDS = ("q", "k", "v", "sinks")
 BACKWARD_OPERANDS = ("q", "k", "v", "out", "out", "lse", "lse", "sinks")
+FORWARD_RESULTS = ("out", "lse")
+BACKWARD_RESULTS = ("dq", "dk", "dv", "sinks")
+PACKED_FIELDS = {"cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
+                 "seqused_q": "packed_seqused", "seqused_k": "packed_seqused"}
 
 
 def _present(layout: Layout) -> tuple:
     return tuple(name for name, x in layout._asdict().items() if x is not None)
+
+
+def _kinds(names: tuple, present: tuple, cfg: Config) -> tuple:
+    if not cfg.packed:
+        return names + present
+    return tuple(f"packed_{n}" for n in names) + tuple(PACKED_FIELDS[n] for n in present)
 
 
 def _local_forward(cfg: Config, present: tuple, q, k, v, sinks_rows, *fields):
@@ -158,31 +169,31 @@ def _local_backward(cfg: Config, present: tuple, q, k, v, out, dout, lse, dlse, 
                          Layout(**dict(zip(present, fields))), cfg)
 
 
-def _forward_call(q, k, v, sinks_rows, layout: Layout, cfg: Config):
-    if cfg.packed:
-        return _forward_ffi(q, k, v, sinks_rows, layout, cfg)
+def _spec(target, impl, ring_impl, names, results, q, k, layout: Layout, cfg: Config):
     from . import ring  # (ring builds on this module)
 
     present = _present(layout)
-    spec = _partitioning.CallSpec(_ffi.FORWARD_TARGET, _local_forward, (cfg, present),
-                                  FORWARD_OPERANDS + present, ("out", "lse"),
-                                  q.shape[-2] // k.shape[-2], k.shape[-2],
-                                  ring.sharded_forward if ring.rings(cfg, present) else None)
-    return _partitioning.partitioned(spec)(q, k, v, sinks_rows, *(getattr(layout, n) for n in present))
+    rings = not cfg.packed and ring.rings(cfg, present)
+    return _partitioning.CallSpec(target, impl, (cfg, present), _kinds(names, present, cfg),
+                                  _kinds(results, (), cfg), q.shape[-2] // k.shape[-2],
+                                  k.shape[-2], getattr(ring, ring_impl) if rings else None,
+                                  cfg.packed)
+
+
+def _forward_call(q, k, v, sinks_rows, layout: Layout, cfg: Config):
+    target = _ffi.VARLEN_FORWARD_TARGET if cfg.packed else _ffi.FORWARD_TARGET
+    spec = _spec(target, _local_forward, "sharded_forward", FORWARD_OPERANDS, FORWARD_RESULTS,
+                 q, k, layout, cfg)
+    return _partitioning.partitioned(spec)(q, k, v, sinks_rows,
+                                           *(getattr(layout, n) for n in spec.static[1]))
 
 
 def _backward_call(q, k, v, out, dout, lse, dlse, sinks_rows, layout: Layout, cfg: Config):
-    if cfg.packed:
-        return _backward_ffi(q, k, v, out, dout, lse, dlse, sinks_rows, layout, cfg)
-    from . import ring
-
-    present = _present(layout)
-    spec = _partitioning.CallSpec(_ffi.BACKWARD_TARGET, _local_backward, (cfg, present),
-                                  BACKWARD_OPERANDS + present, ("dq", "dk", "dv", "sinks"),
-                                  q.shape[-2] // k.shape[-2], k.shape[-2],
-                                  ring.sharded_backward if ring.rings(cfg, present) else None)
+    target = _ffi.VARLEN_BACKWARD_TARGET if cfg.packed else _ffi.BACKWARD_TARGET
+    spec = _spec(target, _local_backward, "sharded_backward", BACKWARD_OPERANDS,
+                 BACKWARD_RESULTS, q, k, layout, cfg)
     return _partitioning.partitioned(spec)(q, k, v, out, dout, lse, dlse, sinks_rows,
-                                           *(getattr(layout, n) for n in present))
+                                           *(getattr(layout, n) for n in spec.static[1]))
 
 
 def _sink_rows(q, sinks, layout: Layout, cfg: Config):

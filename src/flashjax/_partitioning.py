@@ -1,4 +1,4 @@
-"""How the dense FFI calls are sharded under jax.jit: batch, heads, sequence.
+"""How the FFI calls are sharded under jax.jit: batch, heads, sequence.
 
 An FFI call is opaque to XLA's partitioner, which would gather every operand onto
 every device. `partitioned(spec)` wraps a call in JAX's `custom_partitioning` with a
@@ -7,11 +7,13 @@ runs the kernel on its own shard with no collective, and the outputs keep the
 inputs' sharding. A sequence sharded along one mesh axis runs the call's ring
 version (`spec.ring_impl`, flashjax.ring: K/V passed around with ppermute) when it
 has one; head dims, and sequences it cannot ring, are kept whole (gathered first).
+Packed (varlen) calls shard along heads only.
 
 custom_partitioning has no batching rule, so the wrapped call is also a
-`custom_vmap` whose rule folds the vmapped axis into batch (what the FFI call's
-vmap_method="broadcast_all" did); inside a fully manual `shard_map` the call lowers
-to the plain FFI call.
+`custom_vmap` whose rule folds the vmapped axis into batch (what the dense FFI call's
+vmap_method="broadcast_all" did) or, for packed calls, maps over it one entry after
+the other (their vmap_method="sequential"); inside a fully manual `shard_map` the
+call lowers to the plain FFI call.
 """
 
 from __future__ import annotations
@@ -28,14 +30,19 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 # The dims of each kind of operand or result, as factors of the sharding rule: b
 # batch, s query rows, t key rows, H query heads (h kv heads x g heads per group), h
-# kv heads, d q/k head dim, e v head dim.
+# kv heads, d q/k head dim, e v head dim; packed calls: T query tokens, U key tokens,
+# m sequences, n = m + 1 (cu_seqlens).
 DIMS = {
     "q": "b s H d", "k": "b t h d", "v": "b t h e",
     "out": "b s H e", "dq": "b s H d", "dk": "b t h d", "dv": "b t h e",
     "lse": "b H s", "sinks": "b H",
     "seqused_q": "b", "seqused_k": "b", "q_segment_ids": "b s", "kv_segment_ids": "b t",
+    "packed_q": "T H d", "packed_k": "U h d", "packed_v": "U h e",
+    "packed_out": "T H e", "packed_dq": "T H d", "packed_dk": "U h d", "packed_dv": "U h e",
+    "packed_lse": "H T", "packed_sinks": "m H", "cu_seqlens": "n", "packed_seqused": "m",
 }
-KEPT_WHOLE = ("s", "t", "d", "e", "g")  # never sharded by the rule (s, t: unless a ring)
+# Never sharded by the rule (s, t: unless a ring).
+KEPT_WHOLE = ("s", "t", "d", "e", "g", "T", "U", "m", "n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +50,9 @@ class CallSpec:
     """A call's static description: `impl(*static, *operands) -> results` runs it on
     local arrays (impl a module-level function and static hashable values, so that
     equal calls share one wrapper); `operands` / `results` name each one's kind (a
-    DIMS key); `group` is heads_q // heads_kv; `ring_impl(*static, axis_name,
-    *operands)`, if any, runs it on sequence shards along axis_name."""
+    DIMS key; the first two are q and k); `group` is heads_q // heads_kv;
+    `ring_impl(*static, axis_name, *operands)`, if any, runs it on sequence shards
+    along axis_name; `packed`: operands lead with tokens, not batch."""
 
     name: str  # the FFI target, for errors
     impl: Callable
@@ -54,6 +62,7 @@ class CallSpec:
     group: int
     heads_kv: int
     ring_impl: Callable | None = None
+    packed: bool = False
 
     def dims(self, kind: str) -> list:
         return DIMS[kind].split()
@@ -93,13 +102,14 @@ def _partition(spec: CallSpec, mesh, arg_shapes, _result_shapes):
     """Shard batch and heads as q is (where they divide evenly), the sequence too when
     the call can ring over q's sequence axis; nothing else."""
     q, k = arg_shapes[0], arg_shapes[1]
-    batch_axes = head_axes = seq_axes = None
+    q_dims, k_dims = spec.dims(spec.operands[0]), spec.dims(spec.operands[1])
+    mesh_axes = dict.fromkeys(q_dims)
     if isinstance(q.sharding, NamedSharding):
-        dims = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
-        batch_axes, seq_axes, head_axes = dims[0], dims[1], dims[2]
-    if q.shape[0] % _axes_size(mesh, batch_axes):
+        mesh_axes.update(zip(q_dims, q.sharding.spec))
+    batch_axes, seq_axes, head_axes = (mesh_axes.get(d) for d in ("b", "s", "H"))
+    if batch_axes is not None and q.shape[q_dims.index("b")] % _axes_size(mesh, batch_axes):
         batch_axes = None
-    if k.shape[2] % _axes_size(mesh, head_axes):  # whole query-head groups per shard
+    if k.shape[k_dims.index("h")] % _axes_size(mesh, head_axes):  # whole q-head groups
         head_axes = None
     ring_axis = _ring_axis(spec, mesh, q, k, seq_axes)
     axes = {"b": batch_axes, "H": head_axes, "h": head_axes, "s": ring_axis, "t": ring_axis}
@@ -112,23 +122,27 @@ def _partition(spec: CallSpec, mesh, arg_shapes, _result_shapes):
             tuple(sharding(k) for k in spec.operands))
 
 
-def _fold_vmapped_axis(call):
-    """call(*operands) -> results, every array's first dim its batch: a vmapped
-    axis becomes part of that batch dim."""
+def _batchable(call, fold: bool):
+    """call(*operands) -> results under vmap: with `fold` (every array's first dim is
+    its batch) a vmapped axis becomes part of that batch dim, else the call maps
+    over it one entry after the other."""
 
     @jax.custom_batching.custom_vmap
-    def folded(*operands):
+    def batchable(*operands):
         return call(*operands)
 
-    @folded.def_vmap
+    @batchable.def_vmap
     def _rule(axis_size, in_batched, *operands):
         operands = [x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
                     for x, batched in zip(operands, in_batched)]
+        if not fold:
+            results = jax.lax.map(lambda entry: batchable(*entry), operands)
+            return tuple(results), (True,) * len(results)
         batch = operands[0].shape[1]  # every operand's and result's first dim
-        results = folded(*(x.reshape((axis_size * batch,) + x.shape[2:]) for x in operands))
+        results = batchable(*(x.reshape((axis_size * batch,) + x.shape[2:]) for x in operands))
         return (tuple(r.reshape((axis_size, batch) + r.shape[1:]) for r in results),
                 (True,) * len(results))
-    return folded
+    return batchable
 
 
 def _not_differentiable(name: str, call):
@@ -149,4 +163,4 @@ def partitioned(spec: CallSpec):
     call = custom_partitioning(functools.partial(spec.impl, *spec.static))
     call.def_partition(partition=functools.partial(_partition, spec),
                        sharding_rule=functools.partial(_rule, spec))
-    return _not_differentiable(spec.name, _fold_vmapped_axis(call))
+    return _not_differentiable(spec.name, _batchable(call, fold=not spec.packed))
