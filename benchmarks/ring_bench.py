@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,26 +30,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flashjax
-from flashjax import ring
+from flashjax import bench, ring
 
 LOOP = 5
 BWD_FLOP_FACTOR = 2.5  # fwd + bwd = 1 + 1.5 forwards (FlashAttention's convention)
-
-
-def _int(text: str) -> int:
-    text = text.strip().lower()
-    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
-
-
-def median_ms(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3 / LOOP
 
 
 def looped(attend, mode: str):
@@ -96,7 +78,7 @@ def implementations(mesh, causal: bool, n: int):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqlen", nargs="+", type=_int, default=[32768, 131072, 524288])
+    p.add_argument("--seqlen", nargs="+", type=bench._int, default=[32768, 131072, 524288])
     p.add_argument("--heads", nargs=2, type=int, default=[32, 8], help="q heads, kv heads")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
@@ -139,7 +121,7 @@ def main() -> int:
                 else:
                     inputs = tuple(jax.device_put(order(x), sharding) for x in (q, k, v))
                     per_device = n
-                ms = median_ms(looped(attend, mode), inputs, args.iters)
+                ms = bench.median_ms(looped(attend, mode), inputs, 1, args.iters) / LOOP
                 tflops = flops / per_device / (ms * 1e-3) / 1e12
                 print(f"{label:32s} {name:12s} {ms:10.2f} ms {tflops:7.1f} TFLOP/s per device",
                       flush=True)

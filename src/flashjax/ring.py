@@ -18,6 +18,7 @@ windows need the kernels' position offset (not yet): ring_attention raises for t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -67,8 +68,12 @@ def _block_kind(q_chunk, k_chunk, causal: bool):
     return jnp.where(k_chunk > q_chunk, SKIP, jnp.where(k_chunk == q_chunk, DIAGONAL, VISIBLE))
 
 
-def _split(x, parts: int):
-    return jnp.split(x, parts, axis=1) if parts > 1 else [x]
+def _split(x, parts: int, axis: int = 1):
+    return jnp.split(x, parts, axis=axis)
+
+
+def _join(parts: list, axis: int = 1):
+    return jnp.concatenate(parts, axis=axis)
 
 
 def _ring_permute(x, axis_name, n: int):
@@ -77,11 +82,9 @@ def _ring_permute(x, axis_name, n: int):
 
 def _configs(cfg: _calls.Config):
     """(visible, diagonal) configs of the blocks, each with and without sinks."""
-    visible = _calls.Config(cfg.softmax_scale, -1, -1, cfg.softcap, False, cfg.deterministic)
-    diagonal = _calls.Config(cfg.softmax_scale, -1, 0, cfg.softcap, False, cfg.deterministic)
-    with_sinks = lambda c: _calls.Config(c.softmax_scale, c.window_left, c.window_right,
-                                         c.softcap, True, c.deterministic)
-    return {False: (visible, diagonal), True: (with_sinks(visible), with_sinks(diagonal))}
+    block = lambda right, sinks: dataclasses.replace(cfg, window_left=-1, window_right=right,
+                                                     has_sinks=sinks)
+    return {sinks: (block(-1, sinks), block(0, sinks)) for sinks in (False, True)}
 
 
 def _block_forward(q, k, v, sinks_rows, kind, cfgs):
@@ -122,19 +125,17 @@ def ring_forward(q, k, v, sinks_rows, axis_name, causal, layout, cfg):
     cfgs = _configs(cfg)
     acc = [None] * parts
     for step in range(n):
-        source = (me - step) % n
-        k_ids = _chunk_ids(source, n, layout)
+        k_blocks = list(zip(_split(k, parts), _split(v, parts), _chunk_ids((me - step) % n, n,
+                                                                           layout)))
         for i, (qi, q_id) in enumerate(zip(q_parts, q_ids)):
-            for j, (kj, vj, k_id) in enumerate(zip(_split(k, parts), _split(v, parts), k_ids)):
+            for j, (kj, vj, k_id) in enumerate(k_blocks):
                 sinks_here = cfg.has_sinks and step == 0 and i == j
                 part = _block_forward(qi, kj, vj, sinks_rows, _block_kind(q_id, k_id, causal),
                                       cfgs[sinks_here])
                 acc[i] = part if acc[i] is None else _merge(acc[i], part)
         if step + 1 < n:
             k, v = _ring_permute(k, axis_name, n), _ring_permute(v, axis_name, n)
-    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
-    lse = jnp.concatenate([l for _, l in acc], axis=2)
-    return out, lse
+    return _join([o for o, _ in acc]).astype(q.dtype), _join([l for _, l in acc], axis=2)
 
 
 def _block_backward(q, k, v, out, dout, lse, dlse, sinks_rows, kind, cfgs):
@@ -158,20 +159,18 @@ def ring_backward(q, k, v, out, dout, lse, dlse, sinks_rows, axis_name, causal, 
     me = jax.lax.axis_index(axis_name)
     parts = 1 if layout == "contiguous" else 2
     q_ids = _chunk_ids(me, n, layout)
-    split_rows = lambda x: _split(x, parts)
-    split_lse = lambda x: jnp.split(x, parts, axis=2) if parts > 1 else [x]
-    q_parts, out_parts, dout_parts = split_rows(q), split_rows(out), split_rows(dout)
-    lse_parts, dlse_parts = split_lse(lse), split_lse(dlse)
+    q_parts, out_parts, dout_parts = (_split(x, parts) for x in (q, out, dout))
+    lse_parts, dlse_parts = (_split(x, parts, axis=2) for x in (lse, dlse))
     cfgs = _configs(cfg)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in q_parts]
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     dsinks = jnp.zeros(sinks_rows.shape, jnp.float32)
     for step in range(n):
-        source = (me - step) % n
-        k_ids = _chunk_ids(source, n, layout)
-        dk_parts, dv_parts = split_rows(dk), split_rows(dv)
+        k_blocks = list(zip(_split(k, parts), _split(v, parts), _chunk_ids((me - step) % n, n,
+                                                                           layout)))
+        dk_parts, dv_parts = _split(dk, parts), _split(dv, parts)
         for i in range(parts):
-            for j, (kj, vj, k_id) in enumerate(zip(split_rows(k), split_rows(v), k_ids)):
+            for j, (kj, vj, k_id) in enumerate(k_blocks):
                 sinks_here = cfg.has_sinks and step == 0 and i == j
                 g_q, g_k, g_v, g_s = _block_backward(
                     q_parts[i], kj, vj, out_parts[i], dout_parts[i], lse_parts[i],
@@ -182,15 +181,13 @@ def ring_backward(q, k, v, out, dout, lse, dlse, sinks_rows, axis_name, causal, 
                 dv_parts[j] = dv_parts[j] + g_v
                 if sinks_here:
                     dsinks = dsinks + g_s
-        dk = jnp.concatenate(dk_parts, axis=1) if parts > 1 else dk_parts[0]
-        dv = jnp.concatenate(dv_parts, axis=1) if parts > 1 else dv_parts[0]
+        dk, dv = _join(dk_parts), _join(dv_parts)
         # The chunk and its gradients move on together; after the last step the
         # gradients take one more hop, home.
         dk, dv = _ring_permute(dk, axis_name, n), _ring_permute(dv, axis_name, n)
         if step + 1 < n:
             k, v = _ring_permute(k, axis_name, n), _ring_permute(v, axis_name, n)
-    dq = jnp.concatenate(dq, axis=1) if parts > 1 else dq[0]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks
+    return _join(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks
 
 
 # flash_attention's calls on sequence shards under jax.jit (_partitioning's ring_impl):
