@@ -2,7 +2,7 @@
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), run the GPU tests, the varlen benchmark and the dense A/B.
 # Usage: benchmarks/device_varlen.sh STEP...   (steps: build base tests kvtests sanitize
-#   kvsanitize varlen decode decodebase trace ncu dense)
+#   kvsanitize varlen decode decodebase trace ncu dense ring)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
 # and passed to the device call with carry: [".baseline"]. REV: the commit to compare with
@@ -68,6 +68,10 @@ PYEOF
       ncu -i /tmp/split.ncu-rep --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
       ncu -i /tmp/split.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_sass.csv" 2>&1
       grep -E "Duration|Memory Throughput|Registers|Achieved Occupancy|Warp Cycles Per Issued" "$OUT/ncu_details.txt" | head -12 ;;
+    ring)
+      # benchmarks/ring_bench.py on the GPUs there are (one GPU: a smoke test; RING_ARGS).
+      timeout 300 $PY benchmarks/ring_bench.py ${RING_ARGS:---seqlen 32k} > "$OUT/ring.log" 2>&1
+      tail -30 "$OUT/ring.log" ;;
     varlen)
       $PY -m flashjax.bench --varlen both --iters 5 --loop 5 --json "$OUT/varlen.jsonl" \
         > "$OUT/varlen.log" 2>&1; tail -20 "$OUT/varlen.log" ;;

@@ -6,12 +6,12 @@ it as a smoke test).
                                     [--batch 1] [--dtype bfloat16] [--mode fwd fwdbwd]
 
 Implementations, one process, the sequence sharded over a 1-D mesh of all devices:
-- ring: jax.jit of flash_attention on inputs sharded along the sequence (the
-  partitioned call runs the ring, plain chunk order);
-- ring-zigzag: jax.shard_map of flashjax.ring_attention, layout="zigzag" (inputs
-  reordered once, outside the timed loop);
-- all-gather: jax.shard_map, K/V all-gathered, local queries against every key
-  (non-causal only: a causal one needs the kernels' position offset, not yet);
+- jit: jax.jit of flash_attention on inputs sharded along the sequence (plain chunk
+  order; the partitioned call picks ring or all-gather by flashjax.ring.choose_strategy);
+- ring, ring-zigzag: jax.shard_map of flashjax.ring_attention, strategy="ring",
+  layout "contiguous" / "zigzag" (inputs reordered once, outside the timed loop);
+- gather, gather-zigzag: the same with strategy="all_gather" (K/V all-gathered, the
+  local queries against every key; dK/dV reduce-scattered);
 - unsharded: flash_attention on one device with the whole sequence (the per-device
   baseline; skipped where it does not fit).
 Times are medians of jitted loops of dependent calls (the next q is the output); FA
@@ -53,27 +53,26 @@ def looped(attend, mode: str):
 
 
 def implementations(mesh, causal: bool, n: int):
+    """name -> (attend(q, k, v) on sequence-sharded inputs, the reorder of the inputs)."""
     rows = P(None, "seq", None, None)
 
-    def ring_plain(q, k, v):
+    def jit_default(q, k, v):
         return flashjax.flash_attention(q, k, v, causal=causal)
 
-    def ring_zigzag(q, k, v):
-        return jax.shard_map(functools.partial(flashjax.ring_attention, axis_name="seq",
-                                               causal=causal, layout="zigzag"),
-                             mesh=mesh, in_specs=(rows,) * 3, out_specs=rows)(q, k, v)
+    def shard_mapped(layout, strategy):
+        def attend(q, k, v):
+            return jax.shard_map(functools.partial(flashjax.ring_attention, axis_name="seq",
+                                                   causal=causal, layout=layout,
+                                                   strategy=strategy),
+                                 mesh=mesh, in_specs=(rows,) * 3, out_specs=rows)(q, k, v)
+        return attend
 
-    def all_gather(q, k, v):
-        def local(q, k, v):
-            k, v = (jax.lax.all_gather(x, "seq", axis=1, tiled=True) for x in (k, v))
-            return flashjax.flash_attention(q, k, v)
-        return jax.shard_map(local, mesh=mesh, in_specs=(rows,) * 3, out_specs=rows)(q, k, v)
-
-    impls = {"ring": (ring_plain, lambda x: x), "ring-zigzag": (ring_zigzag,
-                                                                lambda x: ring.zigzag(x, n))}
-    if not causal:
-        impls["all-gather"] = (all_gather, lambda x: x)
-    return impls
+    plain, zigzagged = (lambda x: x), (lambda x: ring.zigzag(x, n))
+    return {"jit": (jit_default, plain),
+            "ring": (shard_mapped("contiguous", "ring"), plain),
+            "ring-zigzag": (shard_mapped("zigzag", "ring"), zigzagged),
+            "gather": (shard_mapped("contiguous", "all_gather"), plain),
+            "gather-zigzag": (shard_mapped("zigzag", "all_gather"), zigzagged)}
 
 
 def main() -> int:
@@ -123,10 +122,10 @@ def main() -> int:
                     per_device = n
                 ms = bench.median_ms(looped(attend, mode), inputs, 1, args.iters) / LOOP
                 tflops = flops / per_device / (ms * 1e-3) / 1e12
-                print(f"{label:32s} {name:12s} {ms:10.2f} ms {tflops:7.1f} TFLOP/s per device",
+                print(f"{label:32s} {name:14s} {ms:10.2f} ms {tflops:7.1f} TFLOP/s per device",
                       flush=True)
             except Exception as e:  # noqa: BLE001 -- one failing implementation is a result
-                print(f"{label:32s} {name:12s} n/a ({type(e).__name__}: {str(e)[:100]})",
+                print(f"{label:32s} {name:14s} n/a ({type(e).__name__}: {str(e)[:100]})",
                       flush=True)
     return 0
 

@@ -64,21 +64,30 @@ class Case:
     softcap: float = 0.0
     sinks: bool = False
     softmax_scale: float | None = None
+    q_offset: int | None = None   # positions (None: bottom-right alignment)
+    kv_offset: int | None = None
 
     @property
     def dv(self) -> int:
         return self.head_dim_v or self.head_dim
 
     @property
+    def positional(self) -> bool:
+        return self.q_offset is not None or self.kv_offset is not None
+
+    @property
     def lowp(self) -> bool:
         return jnp.dtype(self.dtype) != jnp.float32
 
     def options(self) -> dict:
+        positions = dict(q_offset=self.q_offset, kv_offset=self.kv_offset) if self.positional else {}
         return dict(softmax_scale=self.softmax_scale, causal=self.causal,
-                    window_size=self.window_size, softcap=self.softcap)
+                    window_size=self.window_size, softcap=self.softcap, **positions)
 
     def mask(self) -> np.ndarray:
-        return reference.visible_mask(self.seqlen_q, self.seqlen_k, self.causal, self.window_size)
+        offset = (self.q_offset or 0) - (self.kv_offset or 0) if self.positional else None
+        return reference.visible_mask(self.seqlen_q, self.seqlen_k, self.causal, self.window_size,
+                                      offset)
 
     def __str__(self) -> str:
         s = (f"b{self.batch}-sq{self.seqlen_q}-sk{self.seqlen_k}-h{self.heads_q}/{self.heads_kv}"
@@ -93,6 +102,8 @@ class Case:
             s += "-sinks"
         if self.softmax_scale is not None:
             s += f"-scale{self.softmax_scale:g}"
+        if self.positional:
+            s += f"-at{self.q_offset or 0}_{self.kv_offset or 0}"
         return s
 
 
@@ -360,6 +371,20 @@ def empty_row_cases():
                  sinks=True, softcap=3.0),
             Case(seqlen_q=64, seqlen_k=16, head_dim=40, dtype="bfloat16", causal=True, sinks=True),
             Case(seqlen_q=64, seqlen_k=16, head_dim=40, dtype="float16", causal=True)]
+
+
+def position_cases(dtypes=("float32",), head_dim=16):
+    """q_offset / kv_offset (rows of a longer sequence, e.g. a shard): query rows after
+    the keys, keys after the queries (rows with no key), equal starts (top-left), far
+    apart (nothing visible); causal, windows, sinks, GQA."""
+    starts = [(64, 0), (0, 50), (40, 40), (300, 100), (-20, 0), (0, 100_000)]
+    masks = [(True, (-1, -1)), (False, (16, 4)), (True, (8, -1)), (False, (-1, 0)),
+             (False, (-1, -1))]
+    return [Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=head_dim,
+                 dtype=dt, causal=c, window_size=w, sinks=(i % 3 == 1), q_offset=qo,
+                 kv_offset=ko)
+            for dt in dtypes for i, ((qo, ko), (c, w)) in enumerate(itertools.product(starts, masks))
+            if not (c is False and w == (-1, -1) and i % 2)]
 
 
 def ids(cases):

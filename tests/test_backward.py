@@ -11,7 +11,7 @@ import pytest
 import flashjax
 from flashjax import reference
 from helpers import (Case, case_inputs, check_close, check_gradients, empty_row_cases, gqa_cases,
-                     head_dim_cases, ids, option_cases, seqlen_cases)
+                     head_dim_cases, ids, option_cases, position_cases, seqlen_cases)
 
 @pytest.fixture(autouse=True, params=["one-pass", "two-pass"])
 def cpu_backward_path(request, monkeypatch):
@@ -50,6 +50,14 @@ def test_gqa_sums_over_group(case):
 
 @pytest.mark.parametrize("case", OPTION_CASES, ids=ids(OPTION_CASES))
 def test_option_matrix(case):
+    check_gradients(case)
+
+
+POSITION_CASES = position_cases()[::2] + position_cases(dtypes=("bfloat16",), head_dim=32)[1::6]
+
+
+@pytest.mark.parametrize("case", POSITION_CASES, ids=ids(POSITION_CASES))
+def test_positions(case):
     check_gradients(case)
 
 

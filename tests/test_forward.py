@@ -8,7 +8,8 @@ import pytest
 
 import flashjax
 from helpers import (DTYPES, Case, case_inputs, check_forward, empty_row_cases, gqa_cases,
-                     head_dim_cases, ids, option_cases, rel_err, seqlen_cases)
+                     head_dim_cases, ids, option_cases, position_cases, rel_err,
+                     seqlen_cases)
 
 HEAD_DIM_CASES = head_dim_cases()
 SEQLEN_CASES = seqlen_cases()
@@ -16,6 +17,7 @@ GQA_CASES = gqa_cases()
 OPTION_CASES = option_cases() + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),),
                                              windows=[(-1, -1), (10, 5)], head_dim=64)
 EMPTY_ROW_CASES = empty_row_cases()
+POSITION_CASES = position_cases() + position_cases(dtypes=("bfloat16",), head_dim=64)[::4]
 
 
 @pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=ids(HEAD_DIM_CASES))
@@ -35,6 +37,11 @@ def test_gqa_mqa(case):
 
 @pytest.mark.parametrize("case", OPTION_CASES, ids=ids(OPTION_CASES))
 def test_option_matrix(case):
+    check_forward(case)
+
+
+@pytest.mark.parametrize("case", POSITION_CASES, ids=ids(POSITION_CASES))
+def test_positions(case):
     check_forward(case)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import flashjax
 from helpers import (Case, case_inputs, check_empty_vmap, check_forward, check_gradients, empty_row_cases,
-                     gqa_cases, head_dim_cases, ids, option_cases, seqlen_cases)
+                     gqa_cases, head_dim_cases, ids, option_cases, position_cases, seqlen_cases)
 
 pytestmark = pytest.mark.gpu
 
@@ -75,10 +75,20 @@ WIDE_GRADIENT_CASES = [
     dataclasses.replace(NATIVE_DIM_CASES[1], dtype="bfloat16"),
 ]
 
+# Query/key positions (q_offset / kv_offset): the uniform kernels route as non-uniform.
+POSITION_CASES = (position_cases(dtypes=("bfloat16",), head_dim=64)
+                  + position_cases(dtypes=("float16",), head_dim=128)[::3]
+                  + [Case(batch=2, seqlen_q=700, seqlen_k=1000, heads_q=8, heads_kv=2, head_dim=128,
+                          dtype="bfloat16", causal=True, q_offset=1000, kv_offset=500),
+                     Case(batch=1, seqlen_q=600, seqlen_k=600, heads_q=4, heads_kv=4, head_dim=256,
+                          dtype="bfloat16", window_size=(130, 0), sinks=True, q_offset=333),
+                     Case(batch=1, seqlen_q=513, seqlen_k=257, heads_q=4, heads_kv=1, head_dim=96,
+                          dtype="float16", window_size=(64, 64), kv_offset=300)])
+
 FORWARD_CASES = (head_dim_cases() + seqlen_cases() + gqa_cases() + option_cases()
                  + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),), windows=[(-1, -1), (10, 5)],
                                 head_dim=64)
-                 + empty_row_cases() + LARGE_CASES + PACKED_CASES + NATIVE_DIM_CASES)
+                 + empty_row_cases() + LARGE_CASES + PACKED_CASES + NATIVE_DIM_CASES + POSITION_CASES)
 
 GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
                   + seqlen_cases(seqlens=[(1, 1), (1, 33), (17, 128), (128, 17)], head_dim=16)
@@ -86,7 +96,7 @@ GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
                   + option_cases(seqlens=((70, 90),), windows=[(-1, -1), (7, 3)])
                   + option_cases(dtypes=("bfloat16", "float16"), seqlens=((90, 70),), windows=[(-1, -1), (7, 3)],
                                  head_dim=64)
-                  + empty_row_cases() + LARGE_CASES[:6] + WIDE_GRADIENT_CASES)
+                  + empty_row_cases() + LARGE_CASES[:6] + WIDE_GRADIENT_CASES + POSITION_CASES[::2])
 
 DETERMINISTIC_CASES = [
     LARGE_CASES[0],

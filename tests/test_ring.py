@@ -1,8 +1,10 @@
 """flashjax.ring_attention inside jax.shard_map on 4 and 8 host devices (subprocesses:
 the device count is fixed when jax starts): a sequence sharded along one mesh axis
-(and batch along another), contiguous and zigzag layouts, causal or not, GQA, sinks,
-softcap, lse; forward and gradients (q, k, v, sinks) against the float64 reference of
-the whole sequence; the compiled ring has collective-permutes and no all-gather."""
+(and batch along another), contiguous and zigzag layouts, both strategies (ring,
+all-gather), causal or not, sliding windows, GQA, sinks, softcap, lse; forward and
+gradients (q, k, v, sinks) against the float64 reference of the whole sequence; the
+compiled ring has collective-permutes and no all-gather, the all-gather strategy
+gathers K/V only (never q) and reduce-scatters their gradients."""
 
 import textwrap
 
@@ -32,10 +34,16 @@ SCRIPT = textwrap.dedent("""
                                    err_msg=what)
 
     loss = lambda out, lse: jnp.sum(jnp.sin(out)) + 0.1 * jnp.sum(jnp.cos(lse))
-    for layout, causal, with_sinks in itertools.product(("contiguous", "zigzag"), (False, True),
-                                                        (False, True)):
-        options = dict(causal=causal, softcap=3.0)
-        what = f"{layout} causal={causal} sinks={with_sinks}"
+    # (causal, window): windows reach 0..2 neighbouring chunks of 8 (4 with zigzag)
+    masks = ((False, (-1, -1)), (True, (-1, -1)), (False, (5, 3)), (True, (11, -1)),
+             (False, (0, 9)))
+    cases = list(itertools.product(("contiguous", "zigzag"), ("ring", "all_gather"), masks,
+                                   (False, True)))
+    for layout, strategy, (causal, window), with_sinks in cases:
+        if strategy == "all_gather" and window[0] >= 0 and with_sinks:
+            continue  # (fewer compilations; windows and sinks are covered apart)
+        options = dict(causal=causal, window_size=window, softcap=3.0)
+        what = f"{layout} {strategy} causal={causal} window={window} sinks={with_sinks}"
         order = (lambda x, axis=1: ring.zigzag(x, n, axis)) if layout == "zigzag" else \\
             (lambda x, axis=1: x)
         restore = (lambda x, axis=1: ring.unzigzag(x, n, axis)) if layout == "zigzag" else \\
@@ -44,7 +52,7 @@ SCRIPT = textwrap.dedent("""
         def sharded(q, k, v, sinks):
             return jax.shard_map(
                 lambda q, k, v, sinks: flashjax.ring_attention(
-                    q, k, v, "seq", layout=layout, return_lse=True,
+                    q, k, v, "seq", layout=layout, strategy=strategy, return_lse=True,
                     sinks=sinks if with_sinks else None, **options),
                 mesh=mesh, in_specs=(rows, rows, rows, P()), out_specs=(rows, lse_rows))(
                     q, k, v, sinks)
@@ -65,9 +73,14 @@ SCRIPT = textwrap.dedent("""
             check(restore(g), w, what + " d" + name)
         if with_sinks:
             check(got[3], want[3], what + " dsinks")
-        hlo = jax.jit(sharded).lower(*args).compile().as_text()
-        found = set(re.findall(r"(all-gather|collective-permute)", hlo))
-        assert found == {"collective-permute"}, (what, found)
+        hlo = jax.jit(grad).lower(*args).compile().as_text()
+        found = set(re.findall(r"(all-gather|collective-permute|reduce-scatter)", hlo))
+        if strategy == "ring":
+            assert found == {"collective-permute"}, (what, found)
+        else:  # K/V (kv heads) gathered, never q; dK/dV reduce-scattered
+            assert found == {"all-gather", "reduce-scatter"}, (what, found)
+            heads = re.findall(r"= \\w+\\[\\d+,\\d+,(\\d+),\\d+\\][^ ]* all-gather", hlo)
+            assert heads and set(heads) == {str(hk)}, (what, heads)
     print("ok")
 """)
 
@@ -83,12 +96,27 @@ def test_ring_attention_static_errors():
     import flashjax
 
     q = jnp.zeros((1, 8, 2, 16), jnp.float32)
-    with pytest.raises(NotImplementedError, match="sliding windows"):
-        flashjax.ring_attention(q, q, q, "seq", window_size=(4, 0))
+    with pytest.raises(ValueError, match="strategy"):
+        flashjax.ring_attention(q, q, q, "seq", strategy="broadcast")
     with pytest.raises(ValueError, match="layout"):
         flashjax.ring_attention(q, q, q, "seq", layout="spiral")
     with pytest.raises(ValueError, match="as many local query rows"):
         flashjax.ring_attention(q, q[:, :4], q[:, :4], "seq")
+
+
+def test_strategy_rule():
+    """strategy="auto": all-gather for GQA with >= 4 query heads per kv head and no
+    sliding window; the ring otherwise (docs/sharding.md)."""
+    from flashjax import _checks, ring
+
+    config = lambda causal, window: _checks.make_config(16, None, causal, window, 0.0, False,
+                                                        False)
+    assert ring.choose_strategy("auto", 1, config(True, (-1, -1))) == "ring"
+    assert ring.choose_strategy("auto", 2, config(False, (-1, -1))) == "ring"
+    assert ring.choose_strategy("auto", 4, config(True, (-1, -1))) == "all_gather"
+    assert ring.choose_strategy("auto", 8, config(False, (128, 0))) == "ring"
+    assert ring.choose_strategy("ring", 8, config(True, (-1, -1))) == "ring"
+    assert ring.choose_strategy("all_gather", 1, config(True, (-1, -1))) == "all_gather"
 
 
 def test_zigzag_round_trip():
@@ -119,4 +147,4 @@ def test_ring_bench_runs_on_host_devices():
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("seqlen")]
-    assert len(lines) == 14 and not any("n/a" in line for line in lines), result.stdout
+    assert len(lines) == 24 and not any("n/a" in line for line in lines), result.stdout

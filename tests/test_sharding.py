@@ -60,8 +60,9 @@ SCRIPT = textwrap.dedent("""
 # jax.jit over sharded arrays: forward and gradients match the float64 reference for
 # every mesh below. Batch and/or heads sharded ("local"): the outputs keep q's
 # sharding and the compiled programs have no collective -- except the all-reduce that
-# sums a replicated sinks' gradient over the shards. Sequence sharded ("ring"): the
-# outputs keep it, collective-permutes and no all-gather.
+# sums a replicated sinks' gradient over the shards. Sequence sharded: the outputs
+# keep it; "ring": collective-permutes and no all-gather; "gather" (GQA): K/V are
+# all-gathered (never q), dK/dV reduce-scattered, no collective-permute.
 JIT_SCRIPT = textwrap.dedent("""
     import re, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -82,6 +83,11 @@ JIT_SCRIPT = textwrap.dedent("""
     def collectives(f, *args):
         return sorted(set(re.findall(COLLECTIVE, f.lower(*args).compile().as_text())))
 
+    def gathered_heads(f, *args):  # head counts of the rank-4 arrays all-gathered
+        hlo = f.lower(*args).compile().as_text()
+        shapes = re.findall(r"= \\w+\\[(\\d+),(\\d+),(\\d+),(\\d+)\\][^ ]* all-gather", hlo)
+        return sorted({int(shape[2]) for shape in shapes})
+
     def case(spec, heads_q, heads_kv, want, kv_spec=None, **options):
         b, s = 4, 48
         q, k, v = normal(b, s, heads_q, 16), normal(b, s, heads_kv, 16), normal(b, s, heads_kv, 8)
@@ -92,6 +98,10 @@ JIT_SCRIPT = textwrap.dedent("""
             ids = jnp.repeat(jnp.arange(3, dtype=jnp.int32), s // 3)[None].repeat(b, 0)
             arrays.update(q_segment_ids=ids, kv_segment_ids=ids,
                           seqused_k=jnp.array([48, 40, 17, 33], jnp.int32))
+        if options.pop("seqused_q", False):
+            arrays["seqused_q"] = jnp.array([41, 48, 9, 30], jnp.int32)
+        if options.pop("offsets", False):  # positions: rows of a longer sequence
+            arrays.update(q_offset=jnp.array([0, 5, -3, 60], jnp.int32), kv_offset=2)
         attn = lambda q, k, v, kw: flashjax.flash_attention(q, k, v, **options, **kw)
         ref = lambda q, k, v, kw: reference.attention(q, k, v, compute_dtype=jnp.float64,
                                                       **options, **kw)
@@ -103,7 +113,7 @@ JIT_SCRIPT = textwrap.dedent("""
         forward = jax.jit(attn)
         out = forward(*args)
         check(out, ref(q, k, v, arrays), what)
-        if want in ("local", "ring"):
+        if want in ("local", "ring", "gather"):
             padded = lambda p: tuple(p) + (None,) * (4 - len(p))
             assert padded(out.sharding.spec) == padded(spec), (what, out.sharding.spec)
         argnums = (0, 1, 2, 3) if "sinks" in arrays else (0, 1, 2)
@@ -123,6 +133,11 @@ JIT_SCRIPT = textwrap.dedent("""
             assert collectives(forward, *args) == permute, (what, collectives(forward, *args))
             expected = ["all-reduce"] + permute if sums_sinks else permute
             assert collectives(grad, *args) == expected, (what, collectives(grad, *args))
+        if want == "gather":  # K/V gathered, dK/dV reduce-scattered, q never gathered
+            assert collectives(forward, *args) == ["all-gather"], (what, collectives(forward, *args))
+            assert gathered_heads(forward, *args) == [heads_kv], (what, gathered_heads(forward, *args))
+            assert gathered_heads(grad, *args) == [heads_kv], (what, gathered_heads(grad, *args))
+            assert "collective-permute" not in collectives(grad, *args), what
 
     heads = n // 2  # the "model" axis
     case(P("data", None, "model", None), 2 * heads, heads, "local", causal=True)
@@ -131,14 +146,20 @@ JIT_SCRIPT = textwrap.dedent("""
     case(P("data", None, "model", None), 4 * heads, heads, "local", sinks=True, segments=True)
     case(P(("data", "model"), None, None, None) if n == 4 else P("data"), 4, 1, "local",
          causal=True)
-    # the sequence over "model" (and batch over "data"): a ring, causal or not, sinks
+    # the sequence over "model" (and batch over "data"): a ring, causal or not, sinks,
+    # sliding windows, segment ids + seqused, positions (q_offset / kv_offset)
     case(P("data", "model", None, None), 4, 2, "ring", causal=True)
     case(P(None, "model", None, None), 4, 4, "ring", sinks=True, softcap=2.0)
-    # gathered (correct): one kv head with q heads sharded; a sequence-sharded call the
-    # ring does not take (a window, segment ids)
+    case(P(None, "data", None, None), 4, 2, "ring", window_size=(7, 0))
+    case(P(None, "model", None, None), 4, 2, "ring", window_size=(5, 9), sinks=True)
+    case(P(None, "data", None, None), 4, 2, "ring", causal=True, segments=True, seqused_q=True)
+    case(P("data", "model", None, None), 2, 2, "ring", causal=True, offsets=True)
+    # GQA with heads_q >= 4 heads_kv: K/V all-gathered (Llama-3 style), q never
+    case(P(None, "model", None, None), 8, 2, "gather", causal=True, sinks=True)
+    case(P("data", "model", None, None), 4, 1, "gather", segments=True, offsets=True,
+         causal=True)
+    # gathered (correct): one kv head with q heads sharded
     case(P(None, None, "model", None), 3 * n, 1, "gathered", kv_spec=P(), causal=True)
-    case(P(None, "data", None, None), 4, 2, "gathered", window_size=(7, 0))
-    case(P(None, "data", None, None), 4, 2, "gathered", causal=True, segments=True)
 
     # flash_attention_varlen with heads sharded: local, no collective
     cu = jnp.array([0, 5, 17, 40], jnp.int32)
@@ -170,3 +191,75 @@ def test_sharded_inputs_and_shard_map():
 @pytest.mark.parametrize("devices", [4, 8])
 def test_jit_partitions_batch_and_heads(devices):
     run_on_host_devices(JIT_SCRIPT, devices)
+
+
+# flash_attention_with_kvcache under jax.jit: a contiguous cache (an entry per
+# sequence) shards along batch and heads with no collective, the caches keep their
+# sharding and, donated, are updated in place; a paged pool shards along heads, and a
+# batch-sharded call that writes it keeps the batch whole (each device would write
+# its own copy of the pool): correct either way, against the unsharded call.
+KVCACHE_SCRIPT = textwrap.dedent("""
+    import re
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import flashjax
+
+    COLLECTIVE = r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    ks = iter(jax.random.split(jax.random.PRNGKey(0), 16))
+    normal = lambda *shape: jax.random.normal(next(ks), shape, jnp.float32)
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+    b, hq, hk, d, capacity, new = 4, 8, 4, 16, 24, 2
+    q, k, v = normal(b, new, hq, d), normal(b, new, hk, d), normal(b, new, hk, d)
+    seqlens = jnp.array([0, 5, 20, 9], jnp.int32)
+
+    def check(got, want, what):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5,
+                                   err_msg=what)
+
+    def step(q, kc, vc, k, v, n, **extra):
+        return flashjax.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=n,
+                                                     causal=True, return_lse=True, **extra)
+
+    # contiguous: batch over "data", heads over "model"
+    kc, vc = normal(b, capacity, hk, d), normal(b, capacity, hk, d)
+    want = step(q, kc, vc, k, v, seqlens)
+    rows = ("data", None, "model", None)
+    args = (put(q, *rows), put(kc, *rows), put(vc, *rows), put(k, *rows), put(v, *rows),
+            put(seqlens, "data"))
+    sharded = jax.jit(step, donate_argnums=(1, 2))
+    compiled = sharded.lower(*args).compile()
+    assert not re.findall(COLLECTIVE, compiled.as_text()), "contiguous cache: a collective"
+    analysis = compiled.memory_analysis()
+    if analysis is not None:  # the local caches are updated in place
+        assert analysis.alias_size_in_bytes >= 2 * kc.nbytes // 4, analysis
+    got = sharded(*args)
+    for name, g, w in zip(("out", "lse", "k_cache", "v_cache"), got, want):
+        check(g, w, "contiguous " + name)
+    assert tuple(got[2].sharding.spec)[:3] == rows[:3], got[2].sharding.spec
+
+    # paged: 12 pages of 8 rows, heads over "model", batch over "data" (writes: kept whole)
+    pages = np.arange(12, dtype=np.int32)[::-1].reshape(4, 3).copy()
+    kp, vp = normal(12, 8, hk, d), normal(12, 8, hk, d)
+    want = step(q, kp, vp, k, v, seqlens, page_table=pages)
+    pool = (None, None, "model", None)
+    args = (put(q, *rows), put(kp, *pool), put(vp, *pool), put(k, *rows), put(v, *rows),
+            put(seqlens, "data"))
+    paged = jax.jit(lambda *a: step(*a, page_table=put(pages, "data", None)))
+    got = paged(*args)
+    for name, g, w in zip(("out", "lse", "k_pool", "v_pool"), got, want):
+        check(g, w, "paged " + name)
+    # read-only (no new rows): batch shards too, no collective
+    read = jax.jit(lambda q, kc, vc, n: flashjax.flash_attention_with_kvcache(
+        q, kc, vc, cache_seqlens=n, page_table=put(pages, "data", None)))
+    check(read(args[0], args[1], args[2], args[5]),
+          flashjax.flash_attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, page_table=pages),
+          "paged read-only")
+    hlo = read.lower(args[0], args[1], args[2], args[5]).compile().as_text()
+    assert not re.findall(COLLECTIVE, hlo), "paged read-only: a collective"
+    print("ok")
+""")
+
+
+def test_kvcache_call_shards_along_batch_and_heads():
+    run_on_host_devices(KVCACHE_SCRIPT, 4)

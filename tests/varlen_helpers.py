@@ -44,6 +44,8 @@ class VarlenCase:
     pad_k: int = 0
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    q_offset: tuple | None = None  # per-sequence positions (None: bottom-right alignment)
+    kv_offset: tuple | None = None
 
     @property
     def dv(self):
@@ -76,7 +78,12 @@ class VarlenCase:
         return (*self.cu_seqlens(), *used)
 
     def options(self):
-        return dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap)
+        positions = ({} if self.q_offset is None and self.kv_offset is None else
+                     dict(q_offset=None if self.q_offset is None else np.asarray(self.q_offset, np.int32),
+                          kv_offset=None if self.kv_offset is None
+                          else np.asarray(self.kv_offset, np.int32)))
+        return dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap,
+                    **positions)
 
     def __str__(self):
         s = (f"q{'-'.join(map(str, self.lengths_q))}+{self.pad_q}"
@@ -87,6 +94,8 @@ class VarlenCase:
                           (self.seqused_k is not None, f"usedk{self.seqused_k}"),
                           (self.softcap, f"cap{self.softcap:g}"),
                           (self.max_seqlen_q is not None, f"maxq{self.max_seqlen_q}"),
+                          (self.q_offset is not None, f"atq{self.q_offset}"),
+                          (self.kv_offset is not None, f"atk{self.kv_offset}"),
                           (tuple(self.window_size) != (-1, -1), f"w{self.window_size}")):
             if flag:
                 s += f"-{tag}"
@@ -331,6 +340,11 @@ def varlen_cases(dtypes=("float32",)):
                        seqused_q=(100, 64, 0), seqused_k=(120, 10, 3)),
             VarlenCase(dtype=dt, head_dim=40, head_dim_v=72, lengths_q=(65, 17),
                        lengths_k=(17, 65), causal=True, sinks=True),
+            # positions (chunked prefill: each sequence's queries continue its keys)
+            VarlenCase(dtype=dt, causal=True, sinks=True, q_offset=(4, 0, 0, 0, 97),
+                       kv_offset=(0, 0, 0, 0, 0)),
+            VarlenCase(dtype=dt, window_size=(9, 3), q_offset=(0, 3, 30, 1, 500),
+                       kv_offset=(5, 0, 0, 2, 400), seqused_k=(9, 2, 64, 1, 100)),
         ]
     return cases
 

@@ -1,4 +1,4 @@
-"""Adversarial varlen / seqused / segment-id metadata through every GPU kernel path,
+"""Adversarial varlen / seqused / segment-id / position metadata through every GPU kernel path,
 forward and backward, for `compute-sanitizer --tool memcheck python tools/sanitize_varlen.py`:
 the sanitizer must report 0 errors (the results themselves are documented as clamped)."""
 
@@ -16,6 +16,10 @@ BAD_METADATA = [  # (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqle
     ([0, 90, 90, 90], [0, 80, 80, 80], None, None, 16),
     ([2 ** 31 - 1, -2 ** 31, 7, 0], [0, 0, 0, 0], [-1, -1, -1], None, 300),
 ]
+
+
+# (q_offset, kv_offset): diagonals far outside every tile, both ways (the int32 extremes)
+BAD_POSITIONS = [(2 ** 31 - 1, 0), (-2 ** 31, 0), (0, 2 ** 31 - 1), ([5, -2 ** 31, 2 ** 31 - 1], 7)]
 
 
 def run_varlen(dtype, head_dim, deterministic):
@@ -40,6 +44,12 @@ def run_dense(dtype, head_dim, deterministic):
             q, k, v, causal=True, seqused_q=used, seqused_k=used[::-1], q_segment_ids=q_ids,
             kv_segment_ids=kv_ids, deterministic=deterministic).astype(jnp.float32).sum()
         jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, q, q))
+    for q_offset, kv_offset in BAD_POSITIONS:
+        for window in ((-1, 0), (3, 2), (-1, -1), (5, -1)):
+            f = lambda q, k, v: flashjax.flash_attention(
+                q, k, v, window_size=window, q_offset=jnp.asarray(q_offset, jnp.int32),
+                kv_offset=kv_offset, deterministic=deterministic).astype(jnp.float32).sum()
+            jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, q, q))
 
 
 if __name__ == "__main__":

@@ -111,9 +111,9 @@ ffi::Error take_optional_inputs(const ffi::RemainingArgs& rest, const Options& o
   return take_present_inputs(
       rest,
       {options.has_sinks, options.has_seqused_q, options.has_seqused_k, options.has_segment_ids,
-       options.has_segment_ids},
+       options.has_segment_ids, options.has_diagonal_offset},
       {&inputs.sinks, &inputs.seqused_q, &inputs.seqused_k, &inputs.q_segment_ids,
-       &inputs.kv_segment_ids});
+       &inputs.kv_segment_ids, &inputs.diagonal_offset});
 }
 
 TensorRef row_tensor(const AttentionParams& p, void* data, bool query_side, int64_t heads,
@@ -190,8 +190,10 @@ ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs
     if (ffi::Error e = expect_per_head("sinks", *inputs.sinks, p); e.failure()) return e;
     p.sinks = static_cast<const float*>(inputs.sinks->untyped_data());
   }
-  for (auto [name, input, target] : {std::tuple{"seqused_q", &inputs.seqused_q, &p.seqused_q},
-                                      std::tuple{"seqused_k", &inputs.seqused_k, &p.seqused_k}}) {
+  for (auto [name, input, target] :
+       {std::tuple{"seqused_q", &inputs.seqused_q, &p.seqused_q},
+        std::tuple{"seqused_k", &inputs.seqused_k, &p.seqused_k},
+        std::tuple{"diagonal_offset", &inputs.diagonal_offset, &p.diagonal_offset}}) {
     if (!*input) continue;
     if (!is_int32_array(**input, p.batch, {}))
       return invalid(std::string(name) + " must be int32 (batch,); got " +

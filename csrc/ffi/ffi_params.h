@@ -27,6 +27,7 @@ struct Options {
   bool has_seqused_q;
   bool has_seqused_k;
   bool has_segment_ids;
+  bool has_diagonal_offset;
   bool deterministic;    // backward only
 };
 
@@ -61,7 +62,8 @@ ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
 // The optional inputs a call passes after its required ones, present ones
 // only, in this order (no placeholder arrays).
 struct OptionalInputs {
-  std::optional<ffi::AnyBuffer> sinks, seqused_q, seqused_k, q_segment_ids, kv_segment_ids;
+  std::optional<ffi::AnyBuffer> sinks, seqused_q, seqused_k, q_segment_ids, kv_segment_ids,
+      diagonal_offset;
 };
 ffi::Error take_optional_inputs(const ffi::RemainingArgs& rest, const Options& options,
                                 OptionalInputs& inputs);
@@ -74,7 +76,8 @@ ffi::Error fill_packed_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
                               const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                               const ffi::AnyBuffer& cu_seqlens_q,
                               const ffi::AnyBuffer& cu_seqlens_k, const Options& options);
-// Checks and sets sinks, seqused and segment ids (after fill_*_inputs).
+// Checks and sets sinks, seqused, segment ids and the diagonal offset (after
+// fill_*_inputs).
 ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs);
 
 // Per-layout views of a buffer shaped like q/k (query_side) with `heads` and
@@ -108,6 +111,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("has_sinks"), ::xla::ffi::StructMember<bool>("has_seqused_q"),
     ::xla::ffi::StructMember<bool>("has_seqused_k"),
     ::xla::ffi::StructMember<bool>("has_segment_ids"),
+    ::xla::ffi::StructMember<bool>("has_diagonal_offset"),
     ::xla::ffi::StructMember<bool>("deterministic"));
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(

@@ -13,7 +13,7 @@
 //                   [, k_cache, v_cache]): the cache outputs, present when new
 //                   rows are appended, alias the cache inputs.
 // [optional..]: the present ones of sinks, seqused_q, seqused_k, q_segment_ids,
-// kv_segment_ids, in that order, as the Options flags announce.
+// kv_segment_ids, diagonal_offset, in that order, as the Options flags announce.
 #pragma once
 
 #include "ffi_params.h"

@@ -3,8 +3,8 @@
 Both public functions (`flash_attention`, `flash_attention_varlen`) end here:
 one differentiable core, `attention_core(q, k, v, sinks, layout, cfg)`, whose
 forward and backward are `jax.ffi.ffi_call`s. `layout` carries the traced
-integer metadata (cu_seqlens, seqused, segment ids; absent ones are None) and
-gets no cotangent; `cfg` is the static description of the call.
+integer metadata (cu_seqlens, seqused, segment ids, diagonal offset; absent ones
+are None) and gets no cotangent; `cfg` is the static description of the call.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Config:
             has_seqused_q=np.bool_(layout.seqused_q is not None),
             has_seqused_k=np.bool_(layout.seqused_k is not None),
             has_segment_ids=np.bool_(layout.q_segment_ids is not None),
+            has_diagonal_offset=np.bool_(layout.diagonal_offset is not None),
             deterministic=np.bool_(self.deterministic),
         )
 
@@ -59,11 +60,12 @@ class Layout(NamedTuple):
     seqused_k: Optional[jax.Array] = None
     q_segment_ids: Optional[jax.Array] = None
     kv_segment_ids: Optional[jax.Array] = None
+    diagonal_offset: Optional[jax.Array] = None  # (sequences,): q position - k position
 
     def optional_inputs(self) -> list:
         """The FFI's optional inputs after sinks, present ones only, in its order."""
         return [x for x in (self.seqused_q, self.seqused_k, self.q_segment_ids,
-                            self.kv_segment_ids) if x is not None]
+                            self.kv_segment_ids, self.diagonal_offset) if x is not None]
 
 
 # Inside jax.shard_map, arrays carry the mesh axes they vary over. An FFI call's
@@ -146,7 +148,8 @@ BACKWARD_OPERANDS = ("q", "k", "v", "out", "out", "lse", "lse", "sinks")
 FORWARD_RESULTS = ("out", "lse")
 BACKWARD_RESULTS = ("dq", "dk", "dv", "sinks")
 PACKED_FIELDS = {"cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
-                 "seqused_q": "packed_seqused", "seqused_k": "packed_seqused"}
+                 "seqused_q": "packed_seqused", "seqused_k": "packed_seqused",
+                 "diagonal_offset": "packed_seqused"}
 
 
 def _present(layout: Layout) -> tuple:
@@ -173,11 +176,10 @@ def _spec(target, impl, ring_impl, names, results, q, k, layout: Layout, cfg: Co
     from . import ring  # (ring builds on this module)
 
     present = _present(layout)
-    rings = not cfg.packed and ring.rings(cfg, present)
     return _partitioning.CallSpec(target, impl, (cfg, present), _kinds(names, present, cfg),
                                   _kinds(results, (), cfg), q.shape[-2] // k.shape[-2],
-                                  k.shape[-2], getattr(ring, ring_impl) if rings else None,
-                                  cfg.packed)
+                                  k.shape[-2], None if cfg.packed else getattr(ring, ring_impl),
+                                  fold_vmap=not cfg.packed)
 
 
 def _forward_call(q, k, v, sinks_rows, layout: Layout, cfg: Config):

@@ -78,6 +78,38 @@ def check_int_array(name: str, x, shape: tuple, meaning: str) -> None:
         raise ValueError(f"{name} must have shape {meaning} = {tuple(shape)}, got {s}")
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _position(name: str, x, sequences: int, meaning: str):
+    """An int32 (sequences,) array from an int or an integer array of shape () or
+    (sequences,) (traced values are fine)."""
+    if is_int(x):
+        if not INT32_MIN <= x <= INT32_MAX:
+            raise ValueError(f"{name} must fit in int32, got {x}")
+        return jnp.full((sequences,), x, jnp.int32)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an int or an integer array, got {type(x).__name__}")
+    s = tuple(x.shape)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an int or an integer array, got dtype {x.dtype}")
+    if s not in ((), (sequences,)):
+        raise ValueError(f"{name} must be an int or have shape () or {meaning} = "
+                         f"({sequences},), got {s}")
+    return jnp.broadcast_to(jnp.asarray(x, jnp.int32), (sequences,))
+
+
+def diagonal_offset(q_offset, kv_offset, sequences: int, meaning: str):
+    """The kernels' per-sequence diagonal offset (query row i's diagonal is key
+    i + offset) from the positions of the first query and key rows, or None (both
+    None: bottom-right alignment)."""
+    if q_offset is None and kv_offset is None:
+        return None
+    q = _position("q_offset", 0 if q_offset is None else q_offset, sequences, meaning)
+    k = _position("kv_offset", 0 if kv_offset is None else kv_offset, sequences, meaning)
+    return q - k
+
+
 def check_static_length(name: str, n) -> int:
     """A static, non-negative Python int (not a traced value)."""
     if isinstance(n, jax.core.Tracer) or (hasattr(n, "shape") and not isinstance(n, np.integer)):

@@ -7,12 +7,15 @@ runs the kernel on its own shard with no collective, and the outputs keep the
 inputs' sharding. A sequence sharded along one mesh axis runs the call's ring
 version (`spec.ring_impl`, flashjax.ring: K/V passed around with ppermute) when it
 has one; head dims, and sequences it cannot ring, are kept whole (gathered first).
-Packed (varlen) calls shard along heads only.
+Packed (varlen) calls shard along heads only. The KV-cache call shards along heads,
+and along batch when each sequence owns its cache entry (a shared pool of pages or
+entries that the call writes stays whole along batch: every device would write its own
+copy).
 
 custom_partitioning has no batching rule, so the wrapped call is also a
 `custom_vmap` whose rule folds the vmapped axis into batch (what the dense FFI call's
-vmap_method="broadcast_all" did) or, for packed calls, maps over it one entry after
-the other (their vmap_method="sequential"); inside a fully manual `shard_map` the
+vmap_method="broadcast_all" did) or, for packed and KV-cache calls, maps over it one
+entry after the other (their vmap_method="sequential"); inside a fully manual `shard_map` the
 call lowers to the plain FFI call.
 """
 
@@ -31,18 +34,23 @@ from jax.sharding import NamedSharding, PartitionSpec
 # The dims of each kind of operand or result, as factors of the sharding rule: b
 # batch, s query rows, t key rows, H query heads (h kv heads x g heads per group), h
 # kv heads, d q/k head dim, e v head dim; packed calls: T query tokens, U key tokens,
-# m sequences, n = m + 1 (cu_seqlens).
+# m sequences, n = m + 1 (cu_seqlens); KV-cache calls: r cache rows, c cache entries or
+# pages (a pool shared by the sequences), w new rows, p pages per sequence, z workspace.
 DIMS = {
     "q": "b s H d", "k": "b t h d", "v": "b t h e",
     "out": "b s H e", "dq": "b s H d", "dk": "b t h d", "dv": "b t h e",
     "lse": "b H s", "sinks": "b H",
     "seqused_q": "b", "seqused_k": "b", "q_segment_ids": "b s", "kv_segment_ids": "b t",
+    "diagonal_offset": "b",
     "packed_q": "T H d", "packed_k": "U h d", "packed_v": "U h e",
     "packed_out": "T H e", "packed_dq": "T H d", "packed_dk": "U h d", "packed_dv": "U h e",
     "packed_lse": "H T", "packed_sinks": "m H", "cu_seqlens": "n", "packed_seqused": "m",
+    "cache_k": "b r h d", "cache_v": "b r h e", "pool_k": "c r h d", "pool_v": "c r h e",
+    "new_k": "b w h d", "new_v": "b w h e", "per_sequence": "b", "page_table": "b p",
+    "workspace": "b H z",
 }
 # Never sharded by the rule (s, t: unless a ring).
-KEPT_WHOLE = ("s", "t", "d", "e", "g", "T", "U", "m", "n")
+KEPT_WHOLE = ("s", "t", "d", "e", "g", "T", "U", "m", "n", "r", "c", "w", "p", "z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +60,8 @@ class CallSpec:
     equal calls share one wrapper); `operands` / `results` name each one's kind (a
     DIMS key; the first two are q and k); `group` is heads_q // heads_kv;
     `ring_impl(*static, axis_name, *operands)`, if any, runs it on sequence shards
-    along axis_name; `packed`: operands lead with tokens, not batch."""
+    along axis_name; `fold_vmap`: every operand leads with the batch (a vmapped axis
+    folds into it; else vmap maps); `batch_shards`: whether batch may shard."""
 
     name: str  # the FFI target, for errors
     impl: Callable
@@ -62,7 +71,8 @@ class CallSpec:
     group: int
     heads_kv: int
     ring_impl: Callable | None = None
-    packed: bool = False
+    fold_vmap: bool = True
+    batch_shards: bool = True
 
     def dims(self, kind: str) -> list:
         return DIMS[kind].split()
@@ -107,7 +117,8 @@ def _partition(spec: CallSpec, mesh, arg_shapes, _result_shapes):
     if isinstance(q.sharding, NamedSharding):
         mesh_axes.update(zip(q_dims, q.sharding.spec))
     batch_axes, seq_axes, head_axes = (mesh_axes.get(d) for d in ("b", "s", "H"))
-    if batch_axes is not None and q.shape[q_dims.index("b")] % _axes_size(mesh, batch_axes):
+    if not spec.batch_shards or (
+            batch_axes is not None and q.shape[q_dims.index("b")] % _axes_size(mesh, batch_axes)):
         batch_axes = None
     if k.shape[k_dims.index("h")] % _axes_size(mesh, head_axes):  # whole q-head groups
         head_axes = None
@@ -163,4 +174,4 @@ def partitioned(spec: CallSpec):
     call = custom_partitioning(functools.partial(spec.impl, *spec.static))
     call.def_partition(partition=functools.partial(_partition, spec),
                        sharding_rule=functools.partial(_rule, spec))
-    return _not_differentiable(spec.name, _batchable(call, fold=not spec.packed))
+    return _not_differentiable(spec.name, _batchable(call, fold=spec.fold_vmap))

@@ -28,7 +28,8 @@ def _check_arrays(q, k, v, sinks):
     _checks.check_sinks(sinks, heads_q)
 
 
-def _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids) -> Layout:
+def _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
+            kv_offset) -> Layout:
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     _checks.check_int_array("seqused_q", seqused_q, (batch,), "(batch,)")
     _checks.check_int_array("seqused_k", seqused_k, (batch,), "(batch,)")
@@ -39,12 +40,14 @@ def _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids) -> Layout
     _checks.check_int_array("kv_segment_ids", kv_segment_ids, (batch, seqlen_k),
                             "(batch, seqlen_k)")
     return Layout(seqused_q=seqused_q, seqused_k=seqused_k, q_segment_ids=q_segment_ids,
-                  kv_segment_ids=kv_segment_ids)
+                  kv_segment_ids=kv_segment_ids,
+                  diagonal_offset=_checks.diagonal_offset(q_offset, kv_offset, batch, "(batch,)"))
 
 
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, sinks=None, return_lse=False, deterministic=False,
-                    q_segment_ids=None, kv_segment_ids=None, seqused_q=None, seqused_k=None):
+                    q_segment_ids=None, kv_segment_ids=None, seqused_q=None, seqused_k=None,
+                    q_offset=None, kv_offset=None):
     """Exact attention softmax(q k^T * scale) v, computed tile by tile.
 
     Args:
@@ -54,7 +57,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
       softmax_scale: scale of q.k; default 1/sqrt(head_dim). A static number.
       causal: mask keys after the query's diagonal, aligned bottom-right when
         seqlen_q != seqlen_k (FlashAttention 2/3 convention); with seqused, on
-        each sequence's used lengths.
+        each sequence's used lengths; with q_offset / kv_offset, by position.
       window_size: (left, right) sliding window around the diagonal, -1 = unbounded.
       softcap: if > 0, scores become softcap * tanh(scores / softcap).
       sinks: optional float32 (heads_q,) sink logits that join the softmax
@@ -68,6 +71,13 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
       seqused_q, seqused_k: optional int32 (batch,): only the first n rows of
         each batch entry take part (right-padded batches; clamped to
         [0, seqlen]).
+      q_offset, kv_offset: optional positions of the first query row and of the
+        first key row in the whole sequence: an int or an integer array of
+        shape () or (batch,), traced or static (default 0 for the one not
+        given). Given either, causal and windows compare positions (query i
+        sees key j, causal, iff kv_offset + j <= q_offset + i) instead of
+        aligning bottom-right: for rows that are a part of a longer sequence,
+        e.g. a query shard inside shard_map (docs/sharding.md).
 
     Returns:
       out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, and lse if asked.
@@ -75,7 +85,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
       past seqused_q get out 0 and lse -inf.
     """
     _check_arrays(q, k, v, sinks)
-    layout = _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids)
+    layout = _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
+                     kv_offset)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
                               sinks is not None, deterministic)
     _ffi.load()

@@ -7,18 +7,20 @@ it lies (contiguous, leftpad, cache_batch_idx or paged): on the GPU a split-KV k
 with a combine step for fp16/bf16, the SIMT path for float32; on the CPU the threaded
 C++ path. Rotary embedding of q and the new k is a JAX elementwise op before it. On
 the GPU, query blocks too large for decoding (prefill) attend with the dense kernels
-instead, after the same FFI call appends.
+instead, after the same FFI call appends. Under jax.jit the call shards along heads,
+and along batch when each sequence owns its cache entry (_partitioning).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _calls, _checks, _ffi
+from . import _calls, _checks, _ffi, _partitioning
 from .attention import flash_attention
 
 __all__ = ["flash_attention_with_kvcache", "apply_rotary"]
@@ -305,6 +307,42 @@ def split_count(batch: int, kv_heads: int, packed_rows: int, capacity: int, head
     return max(1, min(resident // max(ctas, 1), tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The static part of one flashjax_kvcache FFI call (hashable)."""
+
+    cfg: _calls.Config
+    flags: tuple  # (has_leftpad, has_batch_idx, has_page_table, has_sinks)
+    splits: int
+    appends: bool
+
+
+FLAG_NAMES = ("has_leftpad", "has_batch_idx", "has_page_table", "has_sinks")
+
+
+def _kvcache_ffi(static: _Static, q, k_cache, v_cache, k, v, seqlens, *optional):
+    """The FFI call on (local) arrays: (out, lse, workspace[, k_cache, v_cache])."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    dim_v = v_cache.shape[3]
+    # The split partials (float32 out and lse per split and row; unused for one split),
+    # as Partials::bytes in csrc/cuda/kvcache_attention.cu, per (sequence, head) so that
+    # the workspace shards like q.
+    per_head = static.splits * seqlen_q * (dim_v + 1) if static.splits > 1 else 1
+    results = [(q.shape[:-1] + (dim_v,), q.dtype), ((batch, heads_q, seqlen_q), jnp.float32),
+               ((batch, heads_q, per_head), jnp.float32)]
+    if static.appends:
+        results += [(k_cache.shape, k_cache.dtype), (v_cache.shape, v_cache.dtype)]
+    args = (q, k_cache, v_cache, k, v, seqlens, *optional)
+    call = jax.ffi.ffi_call(
+        _ffi.KVCACHE_TARGET, _calls._result_types(q, _calls._varying_axes(*args), *results),
+        input_output_aliases={1: 3, 2: 4} if static.appends else None)
+    cfg = static.cfg
+    return call(*args, softmax_scale=np.float32(cfg.softmax_scale),
+                window_left=np.int64(cfg.window_left), window_right=np.int64(cfg.window_right),
+                softcap=np.float32(cfg.softcap), num_splits=np.int64(static.splits),
+                **{name: np.bool_(flag) for name, flag in zip(FLAG_NAMES, static.flags)})
+
+
 class _KvcacheCall:
     """The flashjax_kvcache FFI call of one flash_attention_with_kvcache: static
     attributes and the optional metadata inputs."""
@@ -312,38 +350,36 @@ class _KvcacheCall:
     def __init__(self, cfg, leftpad, batch_idx, page_table, sinks):
         self.cfg = cfg
         self.leftpad, self.batch_idx, self.page_table = leftpad, batch_idx, page_table
-        self.optional = [x for x in (leftpad, batch_idx, page_table, sinks) if x is not None]
-        self.flags = dict(has_leftpad=np.bool_(leftpad is not None),
-                          has_batch_idx=np.bool_(batch_idx is not None),
-                          has_page_table=np.bool_(page_table is not None),
-                          has_sinks=np.bool_(sinks is not None))
+        present = (leftpad, batch_idx, page_table, sinks)
+        self.optional = [x for x in present if x is not None]
+        self.optional_kinds = tuple(kind for x, kind in zip(
+            present, ("per_sequence", "per_sequence", "page_table", "sinks")) if x is not None)
+        self.flags = tuple(x is not None for x in present)
 
     def __call__(self, q, k_cache, v_cache, k, v, seqlens, splits):
         """(out, lse, k_cache, v_cache): k, v (None: nothing) appended, the caches
         aliased in place; q with no rows only appends."""
-        batch, seqlen_q, heads_q, _ = q.shape
-        heads_kv, dim_v = k_cache.shape[2], v_cache.shape[3]
+        batch, heads_kv, dim_v = q.shape[0], k_cache.shape[2], v_cache.shape[3]
         appends = k is not None
         if not appends:
             k = jnp.zeros((batch, 0, heads_kv, k_cache.shape[3]), q.dtype)
             v = jnp.zeros((batch, 0, heads_kv, dim_v), q.dtype)
-        # The split partials (float32 out and lse per split and row; unused for one
-        # split), as Partials::bytes in csrc/cuda/kvcache_attention.cu.
-        partials = splits * batch * heads_q * seqlen_q * (dim_v + 1) if splits > 1 else 0
-        results = [(q.shape[:-1] + (dim_v,), q.dtype), ((batch, heads_q, seqlen_q), jnp.float32),
-                   ((max(1, partials),), jnp.float32)]
-        if appends:
-            results += [(k_cache.shape, k_cache.dtype), (v_cache.shape, v_cache.dtype)]
-        args = (q, k_cache, v_cache, k, v, seqlens.astype(jnp.int32), *self.optional)
+        # A cache entry per sequence shards with the batch; a shared pool (pages, or
+        # entries chosen by cache_batch_idx) stays whole, and batch shards only when
+        # the call does not write it.
+        own_entries = (self.page_table is None and self.batch_idx is None
+                       and k_cache.shape[0] == batch)
+        cache = "cache" if own_entries else "pool"
+        written = (f"{cache}_k", f"{cache}_v") if appends else ()
+        spec = _partitioning.CallSpec(
+            _ffi.KVCACHE_TARGET, _kvcache_ffi, (_Static(self.cfg, self.flags, splits, appends),),
+            ("q", f"{cache}_k", f"{cache}_v", "new_k", "new_v", "per_sequence")
+            + self.optional_kinds, ("out", "lse", "workspace") + written,
+            q.shape[2] // heads_kv, heads_kv, fold_vmap=False,
+            batch_shards=own_entries or not appends)
         _ffi.load()
-        call = jax.ffi.ffi_call(
-            _ffi.KVCACHE_TARGET, _calls._result_types(q, _calls._varying_axes(*args), *results),
-            input_output_aliases={1: 3, 2: 4} if appends else None, vmap_method="sequential")
-        outs = call(*args, softmax_scale=np.float32(self.cfg.softmax_scale),
-                    window_left=np.int64(self.cfg.window_left),
-                    window_right=np.int64(self.cfg.window_right),
-                    softcap=np.float32(self.cfg.softcap), num_splits=np.int64(splits),
-                    **self.flags)
+        outs = _partitioning.partitioned(spec)(q, k_cache, v_cache, k, v,
+                                               seqlens.astype(jnp.int32), *self.optional)
         return (outs[0], outs[1]) + ((outs[3], outs[4]) if appends else (k_cache, v_cache))
 
 

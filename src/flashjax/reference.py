@@ -25,19 +25,20 @@ import numpy as np
 __all__ = ["attention", "attention_varlen", "visible_mask"]
 
 
-def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
+def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), offset=None):
     """Bool numpy array (seqlen_q, seqlen_k): True where query i sees key j.
 
-    Bottom-right aligned (FlashAttention 2/3): with offset = seqlen_k - seqlen_q,
-    row i sees key j iff j >= i + offset - left (left >= 0) and
-    j <= i + offset + right (right >= 0); causal sets right = 0.
+    Bottom-right aligned (FlashAttention 2/3): with offset = seqlen_k - seqlen_q
+    (or the given one: q_offset - kv_offset), row i sees key j iff
+    j >= i + offset - left (left >= 0) and j <= i + offset + right (right >= 0);
+    causal sets right = 0.
     """
     left, right = (int(w) for w in window_size)
     if causal:
         right = 0
     i = np.arange(seqlen_q)[:, None]
     j = np.arange(seqlen_k)[None, :]
-    diagonal = i + (seqlen_k - seqlen_q)
+    diagonal = i + (seqlen_k - seqlen_q if offset is None else int(offset))
     mask = np.ones((seqlen_q, seqlen_k), bool)
     if left >= 0:
         mask &= j >= diagonal - left
@@ -46,9 +47,10 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
     return mask
 
 
-def _used_mask(seqlen_q, seqlen_k, causal, window_size, seqused_q, seqused_k):
+def _used_mask(seqlen_q, seqlen_k, causal, window_size, seqused_q, seqused_k, offset=None):
     """(batch, 1, seqlen_q, seqlen_k) visibility on each entry's used lengths, and
-    (batch, seqlen_q) which rows are used."""
+    (batch, seqlen_q) which rows are used. offset: (batch,) query position minus key
+    position of row 0 (None: bottom-right alignment on the used lengths)."""
     seqlen_q_used = jnp.clip(jnp.asarray(seqused_q), 0, seqlen_q)[:, None, None]
     seqlen_k_used = jnp.clip(jnp.asarray(seqused_k), 0, seqlen_k)[:, None, None]
     left, right = (int(w) for w in window_size)
@@ -56,7 +58,12 @@ def _used_mask(seqlen_q, seqlen_k, causal, window_size, seqused_q, seqused_k):
         right = 0
     i = jnp.arange(seqlen_q)[None, :, None]
     j = jnp.arange(seqlen_k)[None, None, :]
-    diagonal = i + (seqlen_k_used - seqlen_q_used)
+    if offset is None:
+        offset = seqlen_k_used - seqlen_q_used
+    else:
+        offset = jnp.asarray(offset, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+        offset = offset.reshape(offset.shape + (1, 1))
+    diagonal = i + offset
     mask = (i < seqlen_q_used) & (j < seqlen_k_used)
     if left >= 0:
         mask &= j >= diagonal - left
@@ -67,13 +74,15 @@ def _used_mask(seqlen_q, seqlen_k, causal, window_size, seqused_q, seqused_k):
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
               sinks=None, return_lse=False, compute_dtype=None, q_segment_ids=None,
-              kv_segment_ids=None, seqused_q=None, seqused_k=None):
+              kv_segment_ids=None, seqused_q=None, seqused_k=None, q_offset=None,
+              kv_offset=None):
     """softmax(scale * q k^T [softcapped, masked, + sink]) v, materialised.
 
     q: (..., seqlen_q, heads_q, head_dim); k: (..., seqlen_k, heads_kv, head_dim);
     v: (..., seqlen_k, heads_kv, head_dim_v); sinks: (heads_q,) or None.
-    Segment ids ((batch, seqlen)) and seqused ((batch,)) as in
-    flashjax.flash_attention (they need exactly one leading batch dim).
+    Segment ids ((batch, seqlen)), seqused ((batch,)) and q_offset / kv_offset (int,
+    () or (batch,)) as in flashjax.flash_attention (they need exactly one leading
+    batch dim).
     Returns out (..., seqlen_q, heads_q, head_dim_v) and, if return_lse, the
     log-sum-exp (..., heads_q, seqlen_q) (float32, or float64 when computing in float64).
     """
@@ -97,12 +106,17 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     if softcap > 0:
         scores = jnp.asarray(softcap, dtype) * jnp.tanh(scores / jnp.asarray(softcap, dtype))
     row_used = None
-    if seqused_q is not None or seqused_k is not None:
+    positional = q_offset is not None or kv_offset is not None
+    if seqused_q is not None or seqused_k is not None or positional:
         batch = q.shape[0]
+        offset = None
+        if positional:  # (64-bit where enabled: offsets near the int32 limits)
+            position = lambda x: jnp.broadcast_to(jnp.asarray(0 if x is None else x), (batch,))
+            offset = position(q_offset) - position(kv_offset)
         mask, row_used = _used_mask(
             seqlen_q, seqlen_k, causal, window_size,
             jnp.full((batch,), seqlen_q) if seqused_q is None else seqused_q,
-            jnp.full((batch,), seqlen_k) if seqused_k is None else seqused_k)
+            jnp.full((batch,), seqlen_k) if seqused_k is None else seqused_k, offset)
     else:
         mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
     if q_segment_ids is not None:
@@ -134,12 +148,13 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     seqused_q=None, seqused_k=None, return_lse=False, **options):
+                     seqused_q=None, seqused_k=None, return_lse=False, q_offset=None,
+                     kv_offset=None, **options):
     """flashjax.flash_attention_varlen, sequence by sequence (`attention` on each).
 
-    cu_seqlens and seqused must be concrete (NumPy) values; they are clamped as
-    flash_attention_varlen documents (for non-decreasing cu_seqlens). Rows that no
-    sequence uses get out 0 and lse -inf. Same `options` as `attention`.
+    cu_seqlens, seqused and q_offset / kv_offset must be concrete (NumPy) values; they
+    are clamped as flash_attention_varlen documents (for non-decreasing cu_seqlens).
+    Rows that no sequence uses get out 0 and lse -inf. Same `options` as `attention`.
     """
     cu_q, cu_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
     total_q, total_k = q.shape[0], k.shape[0]
@@ -163,6 +178,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                 lse = lse.at[:, q0:q0 + used_q].set(
                     jnp.asarray(sinks, lse.dtype)[:, None] * jnp.ones((1, used_q), lse.dtype))
             continue
+        if q_offset is not None or kv_offset is not None:
+            sequences = len(cu_q) - 1
+            at = lambda x: 0 if x is None else int(np.broadcast_to(np.asarray(x), (sequences,))[b])
+            options = dict(options, q_offset=at(q_offset), kv_offset=at(kv_offset))
         o, l = attention(q[None, q0:q0 + used_q], k[None, k0:k0 + used_k],
                          v[None, k0:k0 + used_k], return_lse=True, **options)
         out = out.at[q0:q0 + used_q].set(o[0].astype(out.dtype))

@@ -62,7 +62,7 @@ def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sin
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
-                           deterministic=False, page_table=None):
+                           deterministic=False, page_table=None, q_offset=None, kv_offset=None):
     """Attention over a packed batch of sequences of different lengths.
 
     Args:
@@ -77,7 +77,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         each sequence take part.
       softmax_scale, causal, window_size, softcap, sinks, deterministic: as in
         `flash_attention`; causal and windows are aligned bottom-right within
-        each sequence, on its used lengths.
+        each sequence, on its used lengths (or by position with q_offset /
+        kv_offset).
       return_lse: also return the float32 lse, shape (heads_q, total_q).
       page_table: optional int32 (num_seqs, max_pages): k and v are then paged
         caches (num_pages, page_size, heads_kv, head_dim[_v]) (continuous batching:
@@ -86,6 +87,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         row p % page_size of page page_table[i, p // page_size]), at most
         max_seqlen_k of them. Pages are gathered for now (see
         flash_attention_with_kvcache).
+      q_offset, kv_offset: optional positions of each sequence's first query
+        row and first key row (an int or an integer array of shape () or
+        (num_seqs,)), as in `flash_attention`: given either, causal and windows
+        compare positions.
 
     Returns:
       out (total_q, heads_q, head_dim_v) [, lse (heads_q, total_q)]. Rows that
@@ -106,7 +111,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                               sinks is not None, deterministic, packed=True,
                               max_seqlen_q=max_q, max_seqlen_k=max_k)
     layout = Layout(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                    seqused_k=seqused_k)
+                    seqused_k=seqused_k,
+                    diagonal_offset=_checks.diagonal_offset(
+                        q_offset, kv_offset, cu_seqlens_q.shape[0] - 1, "(num_seqs,)"))
     _ffi.load()
     if sinks is None:
         sinks = jnp.zeros((q.shape[1],), jnp.float32)  # ignored: has_sinks is False

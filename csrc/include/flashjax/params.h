@@ -149,6 +149,10 @@ struct AttentionParams {
   const int32_t* seqused_k = nullptr;      // [batch]
   const int32_t* q_segment_ids = nullptr;  // [batch, seqlen_q] (dense only)
   const int32_t* kv_segment_ids = nullptr; // [batch, seqlen_k]: q sees k iff ids equal
+  // [batch]: query row i's diagonal is key i + diagonal_offset[b] (the query's
+  // position minus the first key's: a query/key position offset, e.g. a shard of
+  // a longer sequence). null: bottom-right alignment, used seqlen_k - seqlen_q.
+  const int32_t* diagonal_offset = nullptr;
   KvCache cache;                           // keys from a KV cache (seqlen_k = its capacity)
 
   // Forward tensors.
@@ -173,7 +177,8 @@ struct AttentionParams {
   FJ_HOST_DEVICE bool has_segments() const { return q_segment_ids != nullptr; }
   // Every sequence fills its whole slot: the kernels' original, fastest case.
   FJ_HOST_DEVICE bool uniform() const {
-    return !packed() && !seqused_q && !seqused_k && !has_segments() && !cache.active();
+    return !packed() && !seqused_q && !seqused_k && !has_segments() && !cache.active() &&
+           !diagonal_offset;
   }
 };
 

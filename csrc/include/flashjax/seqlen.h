@@ -26,6 +26,7 @@ struct SeqlenInfo {
   int64_t q_slot = 0, k_slot = 0;    // rows of the slot
   int64_t seqlen_q = 0, seqlen_k = 0;  // used rows
   int64_t window_left = -1, window_right = -1;
+  int64_t diagonal = 0;  // query row i's diagonal is key i + diagonal
 
   SeqlenInfo() = default;
   FJ_HOST_DEVICE SeqlenInfo(const AttentionParams& p, int64_t b)
@@ -46,6 +47,7 @@ struct SeqlenInfo {
     seqlen_q = p.seqused_q ? clamp_to(p.seqused_q[b], 0, q_slot) : q_slot;
     seqlen_k = p.seqused_k ? clamp_to(p.seqused_k[b], 0, k_slot) : k_slot;
     if (p.cache.active()) set_cache_keys(p.cache, b);
+    diagonal = p.diagonal_offset ? p.diagonal_offset[b] : seqlen_k - seqlen_q;
   }
 
   // SeqlenInfo(p, b) of a p.uniform() call, from the shapes alone (no
@@ -58,11 +60,13 @@ struct SeqlenInfo {
     s.k_slot = s.seqlen_k = p.seqlen_k;
     s.window_left = p.window_left;
     s.window_right = p.window_right;
+    s.diagonal = p.seqlen_k - p.seqlen_q;
     return s;
   }
 
-  // Bottom-right alignment on the used lengths: row i's diagonal is key i + offset.
-  FJ_HOST_DEVICE int64_t diagonal_offset() const { return seqlen_k - seqlen_q; }
+  // Row i's diagonal is key i + offset: the call's position offset, else
+  // bottom-right alignment on the used lengths.
+  FJ_HOST_DEVICE int64_t diagonal_offset() const { return diagonal; }
 
   // Visible keys [first_key(i), last_key(i)] of query row i (slot-relative;
   // empty, first > last, for rows past the used ones).
