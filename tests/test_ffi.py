@@ -14,7 +14,8 @@ def attributes(**overrides):
                  window_right=np.int64(-1), softcap=np.float32(0.0), max_seqlen_q=np.int64(8),
                  max_seqlen_k=np.int64(8), has_sinks=np.bool_(False),
                  has_seqused_q=np.bool_(False), has_seqused_k=np.bool_(False),
-                 has_segment_ids=np.bool_(False), deterministic=np.bool_(False))
+                 has_segment_ids=np.bool_(False), has_diagonal_offset=np.bool_(False),
+                 deterministic=np.bool_(False))
     attrs.update({k: type(attrs[k])(v) for k, v in overrides.items()})
     return attrs
 
