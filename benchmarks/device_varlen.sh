@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), run the GPU tests, the varlen benchmark and the dense A/B.
-# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base tests kvtests sanitize
+# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base ptx tests kvtests sanitize
 #   kvsanitize varlen decode decodebase trace ncu dense ring)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
@@ -15,9 +15,10 @@ for step in "$@"; do
   case $step in
     build)
       start=$(date +%s)
-      # FJ_HEAD_DIMS (e.g. "64;128;256") narrows the compiled buckets for a faster build.
+      # FJ_HEAD_DIMS (e.g. "64;128;256") narrows the compiled buckets for a faster build;
+      # FJ_ARCHS (default 90a) the targets (e.g. "90a;80-virtual" to test the PTX JIT).
       $PY -m pip install -q --no-build-isolation --no-deps -C build-dir=/tmp/fjb \
-        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+        -C "cmake.define.FLASHJAX_CUDA_ARCHS=${FJ_ARCHS:-90a}" ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
       echo "build: $(( $(date +%s) - start )) s" ;;
     base)
       $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/base -C build-dir=/tmp/fjb_base ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} \
@@ -30,6 +31,17 @@ for step in "$@"; do
     kvtests)
       $PY -m pytest -q -n 8 -m gpu tests/test_gpu_kvcache.py > "$OUT/kvtests.log" 2>&1
       tail -30 "$OUT/kvtests.log" ;;
+    ptx)
+      # The build's PTX (FJ_ARCHS with NN-virtual), flashjax.info(), then the non-Hopper
+      # GPU tests with the driver forced to JIT every kernel from PTX.
+      lib=$($PY -c "import flashjax._ffi as f; print(f.library()._name)")
+      echo "PTX in $lib (per target):"; cuobjdump --list-ptx "$lib" | grep -o 'sm_[0-9a-z]*' | sort | uniq -c
+      echo "machine code (per target):"; cuobjdump --list-elf "$lib" | grep -o 'sm_[0-9a-z]*' | sort | uniq -c
+      $PY -c "import flashjax, pprint; pprint.pprint(flashjax.info())" 2>&1 | head -40
+      CUDA_FORCE_PTX_JIT=1 CUDA_CACHE_MAXSIZE=4294967296 timeout ${PTX_TIMEOUT:-420} $PY -m pytest -q -n 8 -m gpu \
+        ${PTX_TESTS:-tests/test_gpu.py tests/test_gpu_varlen.py tests/test_gpu_kvcache.py} \
+        -k "${PTX_K:-cuda:mma or cuda:simt}" > "$OUT/ptx_tests.log" 2>&1
+      tail -15 "$OUT/ptx_tests.log" ;;
     sanitize)
       compute-sanitizer --tool memcheck $PY tools/sanitize_varlen.py 2>&1 | tail -8 ;;
     kvsanitize)

@@ -1,6 +1,9 @@
 # The CUDA kernels and the "CUDA" FFI handlers, added to flashjax_ffi.
-# FLASHJAX_CUDA_ARCHS picks the GPU targets: 90a (Hopper: H100/H200) and/or 80
-# (Ampere and anything newer through the SIMT/mma.sync paths).
+# FLASHJAX_CUDA_ARCHS picks the GPU targets: machine code "NN" (90a: the Hopper
+# kernels for H100/H200; 80: the mma.sync and SIMT kernels for Ampere and newer) and
+# PTX "NN-virtual" (default 80-virtual: any newer GPU, Blackwell included, JIT-compiles
+# the mma.sync and SIMT kernels from it at first use; the Hopper kernels exist only as
+# sm_90a machine code and are chosen only on sm_90 devices).
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
 
@@ -26,14 +29,38 @@ set(_gencode "")
 if("90a" IN_LIST FLASHJAX_CUDA_ARCHS)
   target_compile_definitions(flashjax_ffi PRIVATE FLASHJAX_HOPPER=1)
 endif()
-foreach(arch IN LISTS FLASHJAX_CUDA_ARCHS)
-  string(REGEX REPLACE "[^0-9]" "" _num "${arch}")
-  list(APPEND _gencode "-gencode=arch=compute_${arch},code=sm_${arch}")
-  message(STATUS "flashjax: compiling CUDA kernels for sm_${arch}")
+# One nvcc pass per virtual architecture, emitting its machine code and/or PTX.
+set(_virtual_archs "")
+foreach(entry IN LISTS FLASHJAX_CUDA_ARCHS)
+  string(REGEX REPLACE "-virtual$" "" arch "${entry}")
+  list(APPEND _virtual_archs "${arch}")
+endforeach()
+list(REMOVE_DUPLICATES _virtual_archs)
+foreach(arch IN LISTS _virtual_archs)
+  set(_codes "")
+  if("${arch}" IN_LIST FLASHJAX_CUDA_ARCHS)
+    list(APPEND _codes "sm_${arch}")
+  endif()
+  if("${arch}-virtual" IN_LIST FLASHJAX_CUDA_ARCHS)
+    list(APPEND _codes "compute_${arch}")
+  endif()
+  list(LENGTH _codes _count)
+  string(REPLACE ";" "," _codes "${_codes}")
+  if(_count GREATER 1)
+    set(_codes "[${_codes}]")  # (one front-end pass for both)
+  endif()
+  list(APPEND _gencode "-gencode=arch=compute_${arch},code=${_codes}")
+  message(STATUS "flashjax: CUDA kernels for compute_${arch}: ${_codes}")
 endforeach()
 target_compile_options(flashjax_ffi PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:${_gencode} -O3 -lineinfo
     --expt-relaxed-constexpr -Xcompiler=-fvisibility=hidden>)
+
+# What flashjax.info() reports (csrc/ffi/introspection.cc).
+string(REPLACE ";" "," _archs_info "${FLASHJAX_CUDA_ARCHS}")
+string(REPLACE ";" "," _dims_info "${FLASHJAX_HEAD_DIMS}")
+target_compile_definitions(flashjax_ffi PRIVATE FLASHJAX_WITH_CUDA=1
+  FLASHJAX_BUILD_CUDA_ARCHS="${_archs_info}" FLASHJAX_BUILD_HEAD_DIMS="${_dims_info}")
 
 foreach(dim IN LISTS FLASHJAX_HEAD_DIMS)
   target_compile_definitions(flashjax_ffi PRIVATE FLASHJAX_TC_HEAD_DIM_${dim}=1)

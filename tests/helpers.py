@@ -387,6 +387,14 @@ def position_cases(dtypes=("float32",), head_dim=16):
             if not (c is False and w == (-1, -1) and i % 2)]
 
 
+def use_implementation(monkeypatch, implementation):
+    """Every flashjax entry point a test calls runs with `implementation` (the GPU tests
+    run each kernel path: "cuda", "cuda:mma", "cuda:simt")."""
+    for name in ("flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"):
+        monkeypatch.setattr(flashjax, name, functools.partial(getattr(flashjax, name),
+                                                              implementation=implementation))
+
+
 def ids(cases):
     return [str(c) for c in cases]
 

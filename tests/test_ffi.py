@@ -15,7 +15,7 @@ def attributes(**overrides):
                  max_seqlen_k=np.int64(8), has_sinks=np.bool_(False),
                  has_seqused_q=np.bool_(False), has_seqused_k=np.bool_(False),
                  has_segment_ids=np.bool_(False), has_diagonal_offset=np.bool_(False),
-                 deterministic=np.bool_(False))
+                 deterministic=np.bool_(False), kernel_cap=np.int64(0))
     attrs.update({k: type(attrs[k])(v) for k, v in overrides.items()})
     return attrs
 

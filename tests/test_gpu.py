@@ -3,7 +3,7 @@
 The CPU suite's case lists (helpers.py) run here on jax.devices("gpu")[0], plus
 larger shapes that cross the GPU kernels' tile boundaries. Each forward runs on
 every kernel path: the default choice (Hopper TMA/wgmma on an H100), mma.sync and
-SIMT, capped with FLASHJAX_FORWARD_KERNEL (read by the library at each call).
+SIMT, chosen with implementation="cuda" / "cuda:mma" / "cuda:simt" (helpers.use_implementation).
 
 Output buffers cannot be NaN-poisoned from JAX; instead every output is checked
 for NaN/inf and against the reference, and one test first fills the allocator's
@@ -17,11 +17,12 @@ import pytest
 
 import flashjax
 from helpers import (Case, case_inputs, check_empty_vmap, check_forward, check_gradients, empty_row_cases,
-                     gqa_cases, head_dim_cases, ids, option_cases, position_cases, seqlen_cases)
+                     gqa_cases, head_dim_cases, ids, option_cases, position_cases, seqlen_cases,
+                     use_implementation)
 
 pytestmark = pytest.mark.gpu
 
-PATHS = ["default", "mma", "simt"]
+PATHS = ["cuda", "cuda:mma", "cuda:simt"]
 
 LARGE_CASES = [
     Case(batch=2, seqlen_q=1000, seqlen_k=1000, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16", causal=True),
@@ -109,8 +110,7 @@ DETERMINISTIC_CASES = [
 
 @pytest.fixture(params=PATHS)
 def kernel_path(request, monkeypatch):
-    if request.param != "default":
-        monkeypatch.setenv("FLASHJAX_FORWARD_KERNEL", request.param)
+    use_implementation(monkeypatch, request.param)
     return request.param
 
 
@@ -134,7 +134,7 @@ SIMT_GRADIENT_CASES = GRADIENT_CASES[::7] + LARGE_CASES[:3]
 
 @pytest.mark.parametrize("case", SIMT_GRADIENT_CASES, ids=ids(SIMT_GRADIENT_CASES))
 def test_gradients_simt_path(case, gpu_device, monkeypatch):
-    monkeypatch.setenv("FLASHJAX_FORWARD_KERNEL", "simt")
+    use_implementation(monkeypatch, "cuda:simt")
     check_gradients(case, device=gpu_device)
 
 
@@ -161,3 +161,15 @@ def test_outputs_fully_written(case, gpu_device):
 def test_vmap_over_an_empty_axis(gpu_device):
     check_empty_vmap(Case(batch=1, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=128,
                           dtype="bfloat16", sinks=True, causal=True), device=gpu_device)
+
+
+XLA_PATH_CASES = LARGE_CASES[:4] + POSITION_CASES[:3] + PACKED_CASES[:1]
+
+
+@pytest.mark.parametrize("case", XLA_PATH_CASES, ids=ids(XLA_PATH_CASES))
+def test_pure_jax_path_on_the_gpu(case, gpu_device, monkeypatch):
+    """implementation="xla" (the path for platforms without flashjax's kernels) on the GPU:
+    forward and gradients against the float64 reference."""
+    use_implementation(monkeypatch, "xla")
+    check_forward(case, device=gpu_device)
+    check_gradients(case, device=gpu_device)

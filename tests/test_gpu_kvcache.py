@@ -1,6 +1,6 @@
 """flash_attention_with_kvcache on the GPU: the split-KV kernel (fp16/bf16: decoding
 blocks, GQA-packed, forced and automatic split counts, every cache layout), the SIMT
-path (float32, and FLASHJAX_FORWARD_KERNEL=simt), and the prefill route through the
+path (float32, and implementation="cuda:simt"), and the prefill route through the
 dense kernels, against the float64 reference of kvcache_helpers.py."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import flashjax
+from helpers import use_implementation
 from kvcache_helpers import KVCase, check, make_inputs
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +61,7 @@ def test_gpu_forced_splits(case, num_splits):
 
 @pytest.mark.parametrize("case", GPU_CASES[:3], ids=map(str, GPU_CASES[:3]))
 def test_gpu_simt_path(case, monkeypatch):
-    monkeypatch.setenv("FLASHJAX_FORWARD_KERNEL", "simt")
+    use_implementation(monkeypatch, "cuda:simt")
     check(case)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import flashjax
+from helpers import use_implementation
 from varlen_helpers import (SegmentCase, VarlenCase, check_segments, check_varlen,
                             segment_cases, varlen_cases)
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 # "default" is the Hopper path on an H100 (packed and seqused layouts; segment ids
 # take the mma.sync path there too).
-PATHS = ["default", "mma", "simt"]
+PATHS = ["cuda", "cuda:mma", "cuda:simt"]
 
 # Tensor-core shapes (head dims % 8, fp16/bf16) plus lengths across 64/128/192-row tiles.
 GPU_VARLEN_CASES = (
@@ -44,8 +45,7 @@ GPU_SEGMENT_CASES = (segment_cases(dtypes=("float32", "bfloat16"))
 
 @pytest.fixture(params=PATHS)
 def kernel_path(request, monkeypatch):
-    if request.param != "default":
-        monkeypatch.setenv("FLASHJAX_FORWARD_KERNEL", request.param)
+    use_implementation(monkeypatch, request.param)
     return request.param
 
 

@@ -4,6 +4,8 @@ continuous batching through flash_attention_varlen."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,8 +41,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=map(str, CASES))
-def test_kvcache(case):
-    check(case)
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_kvcache(case, implementation):
+    check(case, implementation=implementation)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
@@ -76,9 +79,11 @@ def check_prefill_route(case, static_seqlens=None):
                                 extra.get("page_table"),
                                 None if sinks is None else jnp.broadcast_to(
                                     sinks, (case.batch, case.heads_q)))
+    options = dict(softmax_scale=None, causal=case.causal, window_size=case.window_size,
+                   softcap=case.softcap, sinks=sinks, implementation=None)
     out, lse, kc, _ = kvcache._prefill_dense(
-        call, static_seqlens, None, case.causal, case.window_size, case.softcap, sinks, q, k_cache, v_cache,
-        new.get("k"), new.get("v"), jnp.asarray(case.seqlens, jnp.int32))
+        call, static_seqlens, options, q, k_cache, v_cache, new.get("k"), new.get("v"),
+        jnp.asarray(case.seqlens, jnp.int32))
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(kc, np.float64), want_kc, rtol=2e-4, atol=2e-4)
@@ -108,21 +113,24 @@ def test_donated_caches_are_updated_in_place():
     assert analysis.alias_size_in_bytes >= k_cache.nbytes + v_cache.nbytes
 
 
-def test_adversarial_metadata_stays_in_bounds():
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_adversarial_metadata_stays_in_bounds(implementation):
     """Garbage lengths, pages and batch indices: no fault, finite results, the cache
     rows no valid append reaches unchanged."""
+    attend = functools.partial(flashjax.flash_attention_with_kvcache,
+                               implementation=implementation)
     case = KVCase(page_size=4, num_pages=12, capacity=16, seqlen_new=2)
     q, k_cache, v_cache, new, extra = make_inputs(case)
     table = jnp.asarray([[0, 1, 99, -5], [2, 3, 4, 5], [6, 7, 8, 2 ** 31 - 1]], jnp.int32)
     for seqlens in ([-7, 15, 2 ** 31 - 1], [16, 0, 3]):
-        out, kc, vc = flashjax.flash_attention_with_kvcache(
+        out, kc, vc = attend(
             q, k_cache, v_cache, **new, cache_seqlens=jnp.asarray(seqlens, jnp.int32),
             page_table=table, cache_leftpad=jnp.asarray([-3, 40, 1], jnp.int32))
         assert np.isfinite(np.asarray(out)).all()
         untouched = np.asarray(kc)[9:12]  # pages no sequence's table names
         np.testing.assert_array_equal(untouched, np.asarray(k_cache)[9:12])
     q, k_cache, v_cache, new, extra = make_inputs(KVCase(seqlen_new=1, batch_cache=4))
-    out, kc, _ = flashjax.flash_attention_with_kvcache(
+    out, kc, _ = attend(
         q, k_cache, v_cache, **new, cache_seqlens=jnp.asarray([1, 2, 3], jnp.int32),
         cache_batch_idx=jnp.asarray([-1, 4, 2 ** 31 - 1], jnp.int32))
     assert np.isfinite(np.asarray(out)).all()

@@ -3,8 +3,6 @@
 `compute-sanitizer --tool memcheck python tools/sanitize_kvcache.py`: the sanitizer must
 report 0 errors (results are documented as clamped; no read or write leaves the cache)."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -15,7 +13,7 @@ SEQLENS = ([-7, 15, BIG], [16, 0, 3], [-BIG - 1, BIG, 8])
 LEFTPADS = (None, [-3, 40, 1], [BIG, -BIG - 1, 15])
 
 
-def run(dtype, head_dim, seqlen_q, num_splits):
+def run(dtype, head_dim, seqlen_q, num_splits, implementation):
     key = iter(jax.random.split(jax.random.key(0), 8))
     normal = lambda *s: jax.random.normal(next(key), s, dtype)
     q = normal(3, seqlen_q, 8, head_dim)
@@ -29,7 +27,8 @@ def run(dtype, head_dim, seqlen_q, num_splits):
             left = None if leftpad is None else jnp.asarray(leftpad, jnp.int32)
             for causal in (False, True):
                 common = dict(cache_seqlens=n, cache_leftpad=left, causal=causal,
-                              num_splits=num_splits, sinks=jnp.zeros((8,), jnp.float32))
+                              num_splits=num_splits, sinks=jnp.zeros((8,), jnp.float32),
+                              implementation=implementation)
                 jax.block_until_ready(flashjax.flash_attention_with_kvcache(
                     q, pages, pages, k_new, v_new, page_table=table, **common))
                 jax.block_until_ready(flashjax.flash_attention_with_kvcache(
@@ -39,10 +38,9 @@ def run(dtype, head_dim, seqlen_q, num_splits):
 
 
 if __name__ == "__main__":
-    for path in ("default", "simt"):
-        os.environ["FLASHJAX_FORWARD_KERNEL"] = path
+    for path in ("cuda", "cuda:simt"):
         for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float32, 40)):
             for seqlen_q in (1, 40):  # 40 x 4 packed rows: the prefill route
                 for num_splits in (1, 3):
-                    run(dtype, head_dim, seqlen_q, num_splits)
+                    run(dtype, head_dim, seqlen_q, num_splits, path)
         print(f"path {path}: done", flush=True)

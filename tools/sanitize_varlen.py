@@ -2,8 +2,6 @@
 forward and backward, for `compute-sanitizer --tool memcheck python tools/sanitize_varlen.py`:
 the sanitizer must report 0 errors (the results themselves are documented as clamped)."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -22,7 +20,7 @@ BAD_METADATA = [  # (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqle
 BAD_POSITIONS = [(2 ** 31 - 1, 0), (-2 ** 31, 0), (0, 2 ** 31 - 1), ([5, -2 ** 31, 2 ** 31 - 1], 7)]
 
 
-def run_varlen(dtype, head_dim, deterministic):
+def run_varlen(dtype, head_dim, deterministic, implementation):
     q = jax.random.normal(jax.random.key(0), (90, 4, head_dim), dtype)
     k = jax.random.normal(jax.random.key(1), (80, 2, head_dim), dtype)
     for cu_q, cu_k, used_q, used_k, max_len in BAD_METADATA:
@@ -31,32 +29,33 @@ def run_varlen(dtype, head_dim, deterministic):
             f = lambda q, k, v: flashjax.flash_attention_varlen(
                 q, k, v, meta[0], meta[1], max_len, max_len, seqused_q=meta[2], seqused_k=meta[3],
                 causal=causal, sinks=jnp.zeros((4,), jnp.float32),
-                deterministic=deterministic).astype(jnp.float32).sum()
+                deterministic=deterministic, implementation=implementation).astype(jnp.float32).sum()
             jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, k, k))
 
 
-def run_dense(dtype, head_dim, deterministic):
+def run_dense(dtype, head_dim, deterministic, implementation):
     q = jax.random.normal(jax.random.key(0), (3, 100, 4, head_dim), dtype)
     used = jnp.asarray([2 ** 31 - 1, -7, 50], jnp.int32)
     ids = jax.random.randint(jax.random.key(2), (3, 100), -2 ** 31, 2 ** 31 - 1, jnp.int32)
     for q_ids, kv_ids in ((ids, ids[:, ::-1]), (None, None)):  # segments; seqused alone
         f = lambda q, k, v: flashjax.flash_attention(
             q, k, v, causal=True, seqused_q=used, seqused_k=used[::-1], q_segment_ids=q_ids,
-            kv_segment_ids=kv_ids, deterministic=deterministic).astype(jnp.float32).sum()
+            kv_segment_ids=kv_ids, deterministic=deterministic,
+            implementation=implementation).astype(jnp.float32).sum()
         jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, q, q))
     for q_offset, kv_offset in BAD_POSITIONS:
         for window in ((-1, 0), (3, 2), (-1, -1), (5, -1)):
             f = lambda q, k, v: flashjax.flash_attention(
                 q, k, v, window_size=window, q_offset=jnp.asarray(q_offset, jnp.int32),
-                kv_offset=kv_offset, deterministic=deterministic).astype(jnp.float32).sum()
+                kv_offset=kv_offset, deterministic=deterministic,
+                implementation=implementation).astype(jnp.float32).sum()
             jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, q, q))
 
 
 if __name__ == "__main__":
-    for path in ("default", "mma", "simt"):  # default: Hopper on an H100
-        os.environ["FLASHJAX_FORWARD_KERNEL"] = path
+    for path in ("cuda", "cuda:mma", "cuda:simt"):  # cuda: Hopper on an H100
         for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float16, 64), (jnp.float32, 40)):
             for deterministic in (False, True):
-                run_varlen(dtype, head_dim, deterministic)
-                run_dense(dtype, head_dim, deterministic)
+                run_varlen(dtype, head_dim, deterministic, path)
+                run_dense(dtype, head_dim, deterministic, path)
         print(f"path {path}: done", flush=True)

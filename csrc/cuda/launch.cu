@@ -1,11 +1,8 @@
 // Chooses a kernel for each call. Tensor-core kernels declare which calls
 // they take; the SIMT path takes the rest, so no valid call is refused.
-// FLASHJAX_FORWARD_KERNEL=simt|mma caps the choice for forward and backward
-// (tests use it to run every path on one GPU). The rows of packed tensors
+// p.kernel_cap (implementation="cuda:mma" / "cuda:simt") caps the choice for
+// forward and backward (tests use it to run every path on one GPU). The rows of packed tensors
 // that no sequence covers are written here, before whichever path runs.
-#include <cstdlib>
-#include <cstring>
-
 #include "backward_workspace.h"
 #include "hopper_backward.h"
 #include "hopper_forward.h"
@@ -19,67 +16,73 @@
 namespace flashjax::cuda {
 namespace {
 
-enum class ForwardCap { kHopper, kMma, kSimt };
-
-ForwardCap forward_cap() {
-  const char* env = std::getenv("FLASHJAX_FORWARD_KERNEL");
-  if (env && std::strcmp(env, "simt") == 0) return ForwardCap::kSimt;
-  if (env && std::strcmp(env, "mma") == 0) return ForwardCap::kMma;
-  return ForwardCap::kHopper;
-}
-
-bool use_split_kv(const AttentionParams& p) {
-  return forward_cap() != ForwardCap::kSimt && split_kv_supports(p);
-}
-
-bool use_hopper_forward(const AttentionParams& p) {
-  return forward_cap() == ForwardCap::kHopper && hopper_forward_supports(p);
-}
-
-bool use_hopper_backward(const AttentionParams& p) {
-  return forward_cap() == ForwardCap::kHopper && hopper_backward_supports(p);
-}
+bool tensor_cores_allowed(const AttentionParams& p) { return p.kernel_cap != KernelCap::kSimt; }
 
 }  // namespace
+
+Kernel forward_kernel(const AttentionParams& p) {
+  if (p.cache.active()) return tensor_cores_allowed(p) && split_kv_supports(p) ? Kernel::kSplitKv
+                                                                               : Kernel::kSimt;
+  if (p.kernel_cap == KernelCap::kAny && hopper_forward_supports(p)) return Kernel::kHopper;
+  if (tensor_cores_allowed(p) && tensor_core_forward_supports(p)) return Kernel::kMma;
+  return Kernel::kSimt;
+}
+
+Kernel backward_kernel(const AttentionParams& p) {
+  if (p.kernel_cap == KernelCap::kAny && hopper_backward_supports(p)) return Kernel::kHopper;
+  if (tensor_cores_allowed(p) && tensor_core_backward_supports(p)) return Kernel::kMma;
+  return Kernel::kSimt;
+}
+
+const char* kernel_name(Kernel kernel) {
+  switch (kernel) {
+    case Kernel::kHopper: return "hopper";
+    case Kernel::kMma: return "mma";
+    case Kernel::kSplitKv: return "split-kv";
+    case Kernel::kSimt: return "simt";
+  }
+  return "?";
+}
 
 // The Hopper path's varlen work list, else the segment-id tile ranges of the
 // mma.sync path (the SIMT path needs none).
 size_t forward_workspace_bytes(const AttentionParams& p) {
-  if (use_hopper_forward(p)) return hopper_forward_workspace_bytes(p);
+  if (forward_kernel(p) == Kernel::kHopper) return hopper_forward_workspace_bytes(p);
   return SegmentTiles::workspace_bytes(p);
 }
 
 cudaError_t forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   if (cudaError_t e = fill_uncovered_rows(p, Pass::kForward, stream); e != cudaSuccess) return e;
-  if (use_hopper_forward(p)) return hopper_forward(p, workspace, stream);
-  const ForwardCap cap = forward_cap();
-  if (cap != ForwardCap::kSimt && tensor_core_forward_supports(p))
-    return tensor_core_forward(p, workspace, stream);
-  return simt_forward(p, stream);
+  switch (forward_kernel(p)) {
+    case Kernel::kHopper: return hopper_forward(p, workspace, stream);
+    case Kernel::kMma: return tensor_core_forward(p, workspace, stream);
+    default: return simt_forward(p, stream);
+  }
 }
 
 size_t backward_workspace_bytes(const AttentionParams& p) {
-  if (use_hopper_backward(p)) return hopper_backward_workspace(p, nullptr).bytes;
+  if (backward_kernel(p) == Kernel::kHopper) return hopper_backward_workspace(p, nullptr).bytes;
   return BackwardWorkspace(p, nullptr, false, 0).bytes;
 }
 
 cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   if (cudaError_t e = fill_uncovered_rows(p, Pass::kBackward, stream); e != cudaSuccess) return e;
-  if (use_hopper_backward(p)) return hopper_backward(p, workspace, stream);
-  if (forward_cap() != ForwardCap::kSimt && tensor_core_backward_supports(p))
-    return tensor_core_backward(p, workspace, stream);
-  return simt_backward(p, workspace, stream);
+  switch (backward_kernel(p)) {
+    case Kernel::kHopper: return hopper_backward(p, workspace, stream);
+    case Kernel::kMma: return tensor_core_backward(p, workspace, stream);
+    default: return simt_backward(p, workspace, stream);
+  }
 }
 
 size_t kvcache_workspace_bytes(const AttentionParams& p, int splits) {
-  return use_split_kv(p) ? split_kv_workspace_bytes(p, splits) : 0;
+  return forward_kernel(p) == Kernel::kSplitKv ? split_kv_workspace_bytes(p, splits) : 0;
 }
 
 cudaError_t kvcache_forward(const AttentionParams& p, int splits, void* workspace,
                             cudaStream_t stream) {
   if (cudaError_t e = append_to_cache(p, stream); e != cudaSuccess) return e;
   if (p.seqlen_q == 0) return cudaSuccess;  // an append only
-  if (use_split_kv(p)) return split_kv_forward(p, splits, workspace, stream);
+  if (forward_kernel(p) == Kernel::kSplitKv) return split_kv_forward(p, splits, workspace, stream);
   return simt_forward(p, stream);
 }
 

@@ -13,6 +13,12 @@
 
 namespace flashjax::cuda {
 
+// The kernel a call runs on the current device: the one place that chooses.
+enum class Kernel { kHopper, kMma, kSplitKv, kSimt };
+Kernel forward_kernel(const AttentionParams& p);  // (KV-cache calls: split-KV or SIMT)
+Kernel backward_kernel(const AttentionParams& p);
+const char* kernel_name(Kernel kernel);
+
 size_t forward_workspace_bytes(const AttentionParams& p);
 cudaError_t forward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 

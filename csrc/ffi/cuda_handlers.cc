@@ -20,6 +20,16 @@ ffi::Error to_ffi_error(cudaError_t status, const char* what) {
                               cudaGetErrorString(status));
 }
 
+// Makes XLA's device for this call current: the kernel choice (its compute
+// capability) and kernel attributes are per device, and one process may drive
+// several GPUs of different kinds. (XLA's device ordinal, not a query of the
+// stream: the KV-cache call runs inside CUDA graph capture.)
+ffi::Error use_device(int32_t device) {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == device) return ffi::Error::Success();
+  return to_ffi_error(cudaSetDevice(device), "selecting the call's device");
+}
+
 // Workspace of `bytes` from XLA (null when none is needed).
 std::optional<void*> workspace(ffi::ScratchAllocator& scratch, size_t bytes) {
   if (bytes == 0) return static_cast<void*>(nullptr);
@@ -27,20 +37,23 @@ std::optional<void*> workspace(ffi::ScratchAllocator& scratch, size_t bytes) {
 }
 
 struct CudaPlatform {
-  static ffi::Error forward(cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                            const AttentionParams& p) {
+  static ffi::Error forward(int32_t device, cudaStream_t stream,
+                            ffi::ScratchAllocator& scratch, const AttentionParams& p) {
+    if (ffi::Error e = use_device(device); e.failure()) return e;
     std::optional<void*> ws = workspace(scratch, flashjax::cuda::forward_workspace_bytes(p));
     if (!ws) return ffi::Error::Internal("flashjax: could not allocate forward workspace");
     return to_ffi_error(flashjax::cuda::forward(p, *ws, stream), "forward kernel launch");
   }
-  static ffi::Error backward(cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                             const AttentionParams& p) {
+  static ffi::Error backward(int32_t device, cudaStream_t stream,
+                             ffi::ScratchAllocator& scratch, const AttentionParams& p) {
+    if (ffi::Error e = use_device(device); e.failure()) return e;
     std::optional<void*> ws = workspace(scratch, flashjax::cuda::backward_workspace_bytes(p));
     if (!ws) return ffi::Error::Internal("flashjax: could not allocate backward workspace");
     return to_ffi_error(flashjax::cuda::backward(p, *ws, stream), "backward kernel launch");
   }
-  static ffi::Error kvcache(cudaStream_t stream, const AttentionParams& p, int splits,
-                            void* workspace, size_t workspace_bytes) {
+  static ffi::Error kvcache(int32_t device, cudaStream_t stream, const AttentionParams& p,
+                            int splits, void* workspace, size_t workspace_bytes) {
+    if (ffi::Error e = use_device(device); e.failure()) return e;
     if (workspace_bytes < flashjax::cuda::kvcache_workspace_bytes(p, splits))
       return ffi::Error::InvalidArgument("flashjax: the KV-cache workspace is too small for " +
                                          std::to_string(splits) + " splits");
@@ -50,17 +63,20 @@ struct CudaPlatform {
 };
 
 using CudaHandlers =
-    flashjax::ffi_layer::Handlers<CudaPlatform, cudaStream_t, ffi::ScratchAllocator>;
-using CudaKvcacheHandler = flashjax::ffi_layer::KvcacheHandler<CudaPlatform, cudaStream_t>;
+    flashjax::ffi_layer::Handlers<CudaPlatform, int32_t, cudaStream_t, ffi::ScratchAllocator>;
+using CudaKvcacheHandler = flashjax::ffi_layer::KvcacheHandler<CudaPlatform, int32_t, cudaStream_t>;
 
 }  // namespace
 
 FLASHJAX_DEFINE_HANDLERS(CudaHandlers,
                          ffi::Ffi::Bind()
+                             .Ctx<ffi::DeviceOrdinal>()
                              .Ctx<ffi::PlatformStream<cudaStream_t>>()
                              .Ctx<ffi::ScratchAllocator>(),
                          FlashjaxForwardCuda, FlashjaxBackwardCuda, FlashjaxVarlenForwardCuda,
                          FlashjaxVarlenBackwardCuda);
 FLASHJAX_DEFINE_KVCACHE_HANDLER(CudaKvcacheHandler,
-                                ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(),
+                                ffi::Ffi::Bind()
+                                    .Ctx<ffi::DeviceOrdinal>()
+                                    .Ctx<ffi::PlatformStream<cudaStream_t>>(),
                                 FlashjaxKvcacheCuda);

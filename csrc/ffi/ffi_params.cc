@@ -50,6 +50,9 @@ ffi::Error check_options(const Options& options) {
     return invalid("window sizes must be >= -1");
   if (!(options.softcap >= 0.0f) || !std::isfinite(options.softmax_scale))
     return invalid("softcap must be >= 0 and softmax_scale finite");
+  if (options.kernel_cap < static_cast<int64_t>(KernelCap::kAny) ||
+      options.kernel_cap > static_cast<int64_t>(KernelCap::kSimt))
+    return invalid("kernel_cap must be 0 (any), 1 (mma) or 2 (simt)");
   return ffi::Error::Success();
 }
 
@@ -72,6 +75,7 @@ ffi::Error check_and_set_common(AttentionParams& p, const ffi::AnyBuffer& q,
   p.window_left = options.window_left;
   p.window_right = options.window_right;
   p.deterministic = options.deterministic;
+  p.kernel_cap = static_cast<KernelCap>(options.kernel_cap);
   p.q = row_tensor(p, q.untyped_data(), true, p.heads_q, p.head_dim);
   p.k = row_tensor(p, k.untyped_data(), false, p.heads_kv, p.head_dim);
   p.v = row_tensor(p, v.untyped_data(), false, p.heads_kv, p.head_dim_v);
@@ -274,7 +278,8 @@ ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
   }
   p.seqlen_k = c.capacity();
   const Options common{options.softmax_scale, options.window_left, options.window_right,
-                       options.softcap, 0, 0, false, false, false, false, false};
+                       options.softcap, 0,     0,     false, false, false, false, false, false,
+                       options.kernel_cap};
   if (ffi::Error e = check_and_set_common(p, in.q, in.k_cache, in.v_cache, common); e.failure())
     return e;
   if (options.num_splits < 1) return invalid("num_splits must be >= 1");

@@ -29,6 +29,7 @@ struct Options {
   bool has_segment_ids;
   bool has_diagonal_offset;
   bool deterministic;    // backward only
+  int64_t kernel_cap;    // KernelCap
 };
 
 // Attributes of the KV-cache target (flash_attention_with_kvcache). has_* say
@@ -40,6 +41,7 @@ struct KvcacheOptions {
   int64_t window_right;
   float softcap;
   int64_t num_splits;  // >= 1 (Python resolves 0, automatic)
+  int64_t kernel_cap;  // KernelCap
   bool has_leftpad;
   bool has_batch_idx;
   bool has_page_table;
@@ -112,13 +114,15 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("has_seqused_k"),
     ::xla::ffi::StructMember<bool>("has_segment_ids"),
     ::xla::ffi::StructMember<bool>("has_diagonal_offset"),
-    ::xla::ffi::StructMember<bool>("deterministic"));
+    ::xla::ffi::StructMember<bool>("deterministic"),
+    ::xla::ffi::StructMember<int64_t>("kernel_cap"));
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     flashjax::ffi_layer::KvcacheOptions, ::xla::ffi::StructMember<float>("softmax_scale"),
     ::xla::ffi::StructMember<int64_t>("window_left"),
     ::xla::ffi::StructMember<int64_t>("window_right"),
     ::xla::ffi::StructMember<float>("softcap"), ::xla::ffi::StructMember<int64_t>("num_splits"),
+    ::xla::ffi::StructMember<int64_t>("kernel_cap"),
     ::xla::ffi::StructMember<bool>("has_leftpad"), ::xla::ffi::StructMember<bool>("has_batch_idx"),
     ::xla::ffi::StructMember<bool>("has_page_table"),
     ::xla::ffi::StructMember<bool>("has_sinks"));

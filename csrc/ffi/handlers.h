@@ -204,7 +204,7 @@ auto bind_kvcache(Binding binding) {
 
 // The handler functions of one platform, from its `Platform::forward(ctx.., p)`
 // and `Platform::backward(ctx.., p)`; Ctx are the context parameters XLA
-// passes first (stream, scratch allocator).
+// passes first (device ordinal, stream, scratch allocator).
 template <class Platform, class... Ctx>
 struct Handlers {
   static ffi::Error forward(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -245,8 +245,8 @@ struct Handlers {
 };
 
 // The KV-cache handler of one platform, from its `Platform::kvcache(ctx.., p,
-// splits, workspace, workspace_bytes)`; Ctx: its contexts (the stream only:
-// no scratch allocator, so that command buffers can capture it).
+// splits, workspace, workspace_bytes)`; Ctx: its contexts (device ordinal and
+// stream only: no scratch allocator, so that command buffers can capture it).
 template <class Platform, class... Ctx>
 struct KvcacheHandler {
   static ffi::Error kvcache(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,

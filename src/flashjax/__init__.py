@@ -2,11 +2,12 @@
 
 from . import reference, ring
 from ._ffi import has_cuda_kernels
+from ._introspection import info, version as _version
 from .attention import flash_attention
 from .kvcache import flash_attention_with_kvcache
 from .ring import ring_attention
 from .varlen import flash_attention_varlen
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
-           "has_cuda_kernels", "reference", "ring", "ring_attention"]
-__version__ = "0.1.0"
+           "has_cuda_kernels", "info", "reference", "ring", "ring_attention"]
+__version__ = _version()  # the installed distribution's (pyproject.toml)

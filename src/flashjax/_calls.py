@@ -33,6 +33,8 @@ class Config:
     packed: bool = False      # flash_attention_varlen
     max_seqlen_q: int = 0     # packed only
     max_seqlen_k: int = 0
+    implementation: str = "auto"  # "auto", "cuda", "cpu" or "xla" (_checks.IMPLEMENTATIONS)
+    kernel_cap: int = 0       # the CUDA kernels allowed: 0 any, 1 mma.sync, 2 SIMT
 
     def attributes(self, layout: "Layout") -> dict:
         return dict(
@@ -48,6 +50,7 @@ class Config:
             has_segment_ids=np.bool_(layout.q_segment_ids is not None),
             has_diagonal_offset=np.bool_(layout.diagonal_offset is not None),
             deterministic=np.bool_(self.deterministic),
+            kernel_cap=np.int64(self.kernel_cap),
         )
 
 

@@ -122,8 +122,24 @@ def check_static_length(name: str, n) -> int:
     return int(n)
 
 
+# implementation= values: (backend, CUDA kernel cap). None: flashjax's kernels on CUDA and
+# CPU, the pure-JAX path elsewhere; "cuda:mma" / "cuda:simt" cap the CUDA kernel choice
+# (the Hopper kernels, then mma.sync, then SIMT) at the mma.sync or SIMT kernels.
+IMPLEMENTATIONS = {None: ("auto", 0), "cuda": ("cuda", 0), "cuda:mma": ("cuda", 1),
+                   "cuda:simt": ("cuda", 2), "cpu": ("cpu", 0), "xla": ("xla", 0)}
+
+
+def implementation_fields(implementation) -> dict:
+    """Config fields of an implementation= value."""
+    if not isinstance(implementation, (str, type(None))) or implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {list(IMPLEMENTATIONS)}, got "
+                         f"{implementation!r}")
+    backend, cap = IMPLEMENTATIONS[implementation]
+    return dict(implementation=backend, kernel_cap=cap)
+
+
 def make_config(head_dim, softmax_scale, causal, window_size, softcap, has_sinks,
-                deterministic, **layout) -> Config:
+                deterministic, implementation=None, **layout) -> Config:
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     if not is_real(softmax_scale) or not math.isfinite(float(softmax_scale)):
@@ -146,4 +162,4 @@ def make_config(head_dim, softmax_scale, causal, window_size, softcap, has_sinks
     if causal:
         right = 0
     return Config(float(softmax_scale), left, right, float(softcap), bool(has_sinks),
-                  bool(deterministic), **layout)
+                  bool(deterministic), **layout, **implementation_fields(implementation))

@@ -38,9 +38,14 @@ def _library_path() -> pathlib.Path:
 
 
 @functools.cache
+def library() -> ctypes.CDLL:
+    return ctypes.cdll.LoadLibrary(str(_library_path()))
+
+
+@functools.cache
 def load() -> frozenset[str]:
     """Registers every handler the library has; returns the platforms served."""
-    lib = ctypes.cdll.LoadLibrary(str(_library_path()))
+    lib = library()
     platforms = set()
     for platform, suffix in _PLATFORMS.items():
         symbols = {target: stem + suffix for target, stem in _SYMBOLS.items()}

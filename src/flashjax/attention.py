@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import _checks, _ffi
-from ._calls import Layout, attention_core
+from . import _checks, _ffi, _implementation
+from ._calls import Layout
 
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
 
@@ -47,7 +47,7 @@ def _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, sinks=None, return_lse=False, deterministic=False,
                     q_segment_ids=None, kv_segment_ids=None, seqused_q=None, seqused_k=None,
-                    q_offset=None, kv_offset=None):
+                    q_offset=None, kv_offset=None, implementation=None):
     """Exact attention softmax(q k^T * scale) v, computed tile by tile.
 
     Args:
@@ -78,6 +78,11 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         sees key j, causal, iff kv_offset + j <= q_offset + i) instead of
         aligning bottom-right: for rows that are a part of a longer sequence,
         e.g. a query shard inside shard_map (docs/sharding.md).
+      implementation: None (flashjax's kernels on CUDA GPUs and the CPU, the pure-JAX
+        path elsewhere), "cuda" (the fastest CUDA kernels: Hopper, else mma.sync, else
+        SIMT), "cuda:mma" / "cuda:simt" (at most the mma.sync / only the SIMT kernels),
+        "cpu", or "xla" (pure JAX, blockwise: any platform). Static; a forced one that
+        cannot run on the arrays' platform raises ValueError.
 
     Returns:
       out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, and lse if asked.
@@ -88,9 +93,9 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     layout = _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
                      kv_offset)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic)
+                              sinks is not None, deterministic, implementation)
     _ffi.load()
     if sinks is None:
         sinks = jnp.zeros((q.shape[2],), jnp.float32)  # ignored: has_sinks is False
-    out, lse = attention_core(q, k, v, sinks, layout, cfg)
+    out, lse = _implementation.attention(q, k, v, sinks, layout, cfg)
     return (out, lse) if return_lse else out

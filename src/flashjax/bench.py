@@ -15,7 +15,8 @@ Usage::
 List options take several values, space- or comma-separated; sequence lengths accept a
 ``k`` suffix (``16k`` = 16384).
 
-Implementations (``--impl``): ``flashjax`` (this package), ``xla`` and ``cudnn``
+Implementations (``--impl``): ``flashjax`` (this package's kernels), ``flashjax-xla``
+(this package's pure-JAX path, ``implementation="xla"``), ``xla`` and ``cudnn``
 (``jax.nn.dot_product_attention(implementation=...)``), all timed in the same run.
 Modes (``--mode``): ``fwd``; ``fwdbwd`` (jitted ``jax.grad`` of ``sum(out * dout)``
 with respect to q, k, v); ``bwd`` (the jitted pullback of ``jax.vjp`` applied to
@@ -48,7 +49,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("flashjax", "xla", "cudnn")
+IMPLS = ("flashjax", "flashjax-xla", "xla", "cudnn")
 VARLEN_IMPLS = ("varlen", "segments", "padded", "cudnn-padded", "dense-mean")  # --varlen
 DECODE_IMPLS = ("flashjax", "xla", "cudnn", "pallas", "torch-flash", "torch-cudnn")  # --decode
 MODES = ("fwd", "fwdbwd", "bwd")
@@ -117,10 +118,12 @@ def load_flash_attention() -> Callable:
         raise Unsupported("flashjax.flash_attention unavailable") from e
 
 
-def _flashjax_attention(case: Case) -> Callable:
+def _flashjax_attention(case: Case, implementation: str | None = None) -> Callable:
     flash_attention = load_flash_attention()
+    # (no keyword when None: the A/B runs this file against older versions too)
+    extra = {} if implementation is None else {"implementation": implementation}
     return lambda q, k, v: flash_attention(q, k, v, causal=case.causal,
-                                           deterministic=case.deterministic)
+                                           deterministic=case.deterministic, **extra)
 
 
 def _jax_nn_attention(implementation: str, case: Case) -> Callable:
@@ -150,6 +153,8 @@ def attention_fn(impl: str, case: Case) -> Callable:
     """Returns ``f(q, k, v) -> out`` for ``impl`` or raises ``Unsupported``."""
     if impl == "flashjax":
         return _flashjax_attention(case)
+    if impl == "flashjax-xla":
+        return _flashjax_attention(case, implementation="xla")
     return _jax_nn_attention(impl, case)
 
 
@@ -338,7 +343,7 @@ def resolve_defaults(args: argparse.Namespace, gpu: bool) -> argparse.Namespace:
     default("dtype", "bfloat16" if fa3 else "float32")
     default("causal", "both")
     default("mode", ["fwd", "fwdbwd"])
-    default("impl", list(IMPLS) if gpu else ["flashjax", "xla"])
+    default("impl", ["flashjax", "xla", "cudnn"] if gpu else ["flashjax", "xla"])
     default("iters", 20 if gpu else 5)
     return args
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _calls, _checks, _ffi, _partitioning
+from . import _calls, _checks, _ffi, _implementation, _partitioning
 from .attention import flash_attention
 
 __all__ = ["flash_attention_with_kvcache", "apply_rotary"]
@@ -171,7 +171,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                                  cache_batch_idx=None, cache_leftpad=None, page_table=None,
                                  rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                                  softmax_scale=None, causal=False, window_size=(-1, -1),
-                                 softcap=0.0, sinks=None, num_splits=0, return_lse=False):
+                                 softcap=0.0, sinks=None, num_splits=0, return_lse=False,
+                                 implementation=None):
     """Attention of q over a KV cache, with new tokens k, v appended to it first.
 
     Args:
@@ -199,6 +200,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         (0: chosen from batch, kv heads, the capacity and the SM count; 1: no
         split; at most 128). Other paths (CPU, float32, prefill blocks) ignore it.
       return_lse: also return the float32 lse (batch, heads_q, seqlen_q).
+      implementation: as in `flash_attention` ("xla": the new rows scattered into the
+        caches and each sequence's rows gathered, in JAX).
 
     Returns:
       out [, lse] when k, v are None; out [, lse], k_cache, v_cache (the caches
@@ -216,21 +219,24 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
            page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, False)
+                              sinks is not None, False, implementation)
     static_seqlens = None
     if _checks.is_int(cache_seqlens):
         static_seqlens = int(cache_seqlens)
         cache_seqlens = jnp.full((q.shape[0],), cache_seqlens, jnp.int32)
     return _inference_only(
-        functools.partial(_kvcache, cfg, rotary_interleaved, softmax_scale, causal, window_size,
-                          softcap, num_splits, return_lse, static_seqlens),
+        functools.partial(_kvcache, cfg, rotary_interleaved,
+                          dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                               softcap=softcap, implementation=implementation),
+                          num_splits, return_lse, static_seqlens),
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
         rotary_cos, rotary_sin, sinks)
 
 
-def _kvcache(cfg, rotary_interleaved, softmax_scale, causal, window_size, softcap, num_splits,
-             return_lse, static_seqlens, q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad,
-             page_table, rotary_cos, rotary_sin, sinks):
+def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_seqlens, q,
+             k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, page_table,
+             rotary_cos, rotary_sin, sinks):
+    """options: flash_attention's keyword arguments (the prefill and "xla" routes)."""
     per_row_positions = cfg.window_left >= 0 or cfg.window_right >= 0  # causal or windowed
     batch, seqlen_q, heads_q, _ = q.shape
     capacity = cache_capacity(k_cache, page_table)
@@ -249,16 +255,23 @@ def _kvcache(cfg, rotary_interleaved, softmax_scale, causal, window_size, softca
     call = _KvcacheCall(cfg, cache_leftpad, cache_batch_idx, page_table,
                         None if sinks is None else jnp.broadcast_to(sinks, (batch, heads_q)))
     kv_heads = k_cache.shape[2]
+    options = dict(options, sinks=sinks)
+    in_kernel = functools.partial(_attend_in_kernel, call, num_splits)
+    on_cuda = in_kernel
     if q.dtype != jnp.float32 and seqlen_q * (heads_q // kv_heads) > SPLIT_KV_MAX_ROWS:
         # Prefill: the dense kernels on the GPU (the split-KV kernel is for short blocks).
-        out, lse, k_cache, v_cache = jax.lax.platform_dependent(
-            q, k_cache, v_cache, k, v, seqlens,
-            cuda=functools.partial(_prefill_dense, call, static_seqlens, softmax_scale, causal,
-                                   window_size, softcap, sinks),
-            default=functools.partial(_attend_in_kernel, call, num_splits))
+        on_cuda = functools.partial(_prefill_dense, call, static_seqlens, options)
+    in_jax = functools.partial(_kvcache_in_jax, call, static_seqlens, options)
+    args = (q, k_cache, v_cache, k, v, seqlens)
+    if cfg.implementation == "xla":
+        route = in_jax
+    elif cfg.implementation != "auto":
+        _implementation.check_platform(cfg, q, k_cache)
+        route = on_cuda if cfg.implementation == "cuda" else in_kernel
     else:
-        out, lse, k_cache, v_cache = _attend_in_kernel(call, num_splits, q, k_cache, v_cache,
-                                                       k, v, seqlens)
+        route = lambda *a: jax.lax.platform_dependent(*a, cuda=on_cuda, cpu=in_kernel,
+                                                      default=in_jax)
+    out, lse, k_cache, v_cache = route(*args)
     outputs = (out, lse) if return_lse else (out,)
     if k is not None:
         outputs = (*outputs, k_cache, v_cache)
@@ -340,6 +353,7 @@ def _kvcache_ffi(static: _Static, q, k_cache, v_cache, k, v, seqlens, *optional)
     return call(*args, softmax_scale=np.float32(cfg.softmax_scale),
                 window_left=np.int64(cfg.window_left), window_right=np.int64(cfg.window_right),
                 softcap=np.float32(cfg.softcap), num_splits=np.int64(static.splits),
+                kernel_cap=np.int64(cfg.kernel_cap),
                 **{name: np.bool_(flag) for name, flag in zip(FLAG_NAMES, static.flags)})
 
 
@@ -392,15 +406,36 @@ def _attend_in_kernel(call, num_splits, q, k_cache, v_cache, k, v, seqlens):
     return call(q, k_cache, v_cache, k, v, seqlens, splits)
 
 
-def _prefill_dense(call, static_seqlens, softmax_scale, causal, window_size, softcap, sinks,
-                   q, k_cache, v_cache, k, v, seqlens):
-    """The FFI call appends (q without rows), then flash_attention reads the cache in
-    place when it is contiguous with one entry per sequence and no leftpad (its first
-    rows only, and no seqused_k, when cache_seqlens was a Python int: the dense
-    kernels' uniform path), else each sequence's rows gathered."""
-    new_rows = 0 if k is None else k.shape[1]
+def _prefill_dense(call, static_seqlens, options, q, k_cache, v_cache, k, v, seqlens):
+    """The FFI call appends (q without rows), then flash_attention reads the caches."""
     if k is not None:
         _, _, k_cache, v_cache = call(q[:, :0], k_cache, v_cache, k, v, seqlens, 1)
+    return _attend_dense(call, static_seqlens, options, q, k_cache, v_cache,
+                         0 if k is None else k.shape[1], seqlens)
+
+
+def _kvcache_in_jax(call, static_seqlens, options, q, k_cache, v_cache, k, v, seqlens):
+    """The whole call in JAX (implementation="xla"): the new rows scattered into the
+    caches (rows outside the capacity, entries or pages outside the cache dropped),
+    then the pure-JAX attention over each sequence's rows."""
+    if k is not None:
+        capacity = cache_capacity(k_cache, call.page_table)
+        logical = (jnp.clip(seqlens, 0, capacity)[:, None]
+                   + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :])
+        slot, row, valid = cache_rows(logical, k_cache, call.page_table, call.batch_idx)
+        slot = jnp.where(valid, slot, k_cache.shape[0])  # past the end: dropped
+        k_cache = k_cache.at[slot, row].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[slot, row].set(v.astype(v_cache.dtype), mode="drop")
+    options = dict(options, implementation="xla")
+    return _attend_dense(call, static_seqlens, options, q, k_cache, v_cache,
+                         0 if k is None else k.shape[1], seqlens)
+
+
+def _attend_dense(call, static_seqlens, options, q, k_cache, v_cache, new_rows, seqlens):
+    """(out, lse, k_cache, v_cache) of flash_attention over the caches (the new rows
+    already in): in place when the cache is contiguous with one entry per sequence and
+    no leftpad (its first rows only, and no seqused_k, when cache_seqlens was a Python
+    int: the dense kernels' uniform path), else each sequence's rows gathered."""
     batch = q.shape[0]
     capacity = cache_capacity(k_cache, call.page_table)
     end = jnp.minimum(jnp.clip(seqlens, 0, capacity) + new_rows, capacity)
@@ -420,8 +455,7 @@ def _prefill_dense(call, static_seqlens, softmax_scale, causal, window_size, sof
         used = jnp.maximum(end - start, 0)
         if call.page_table is None and call.batch_idx is not None:  # outside: no keys
             used = jnp.where((call.batch_idx >= 0) & (call.batch_idx < k_cache.shape[0]), used, 0)
-    out, lse = flash_attention(q, keys, values, softmax_scale=softmax_scale, causal=causal,
-                               window_size=window_size, softcap=softcap, sinks=sinks,
-                               return_lse=True,
-                               seqused_k=None if used is None else used.astype(jnp.int32))
+    out, lse = flash_attention(q, keys, values, return_lse=True,
+                               seqused_k=None if used is None else used.astype(jnp.int32),
+                               **options)
     return out, lse, k_cache, v_cache

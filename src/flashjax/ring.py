@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _calls, _checks, _ffi
+from . import _calls, _checks, _ffi, _implementation, xla_attention
 from ._calls import Layout
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -430,9 +430,22 @@ def _sharded_bwd(axis_name, plan: Plan, residuals, cotangents):
 _sharded.defvjp(_sharded_fwd, _sharded_bwd)
 
 
+def _gathered_in_jax(q, k, v, sinks, axis_name, plan: Plan):
+    """The pure-JAX version (implementation="xla", and platforms without flashjax's
+    kernels): K/V all-gathered, each local chunk attends at its position; JAX
+    differentiates it (the gathers' transpose reduce-scatters dK/dV)."""
+    shard = Shard(axis_name, plan, q.shape[1])
+    k_all, v_all = _gather_keys(k, shard), _gather_keys(v, shard)
+    results = [xla_attention.attention_core(
+                   qi, k_all, v_all, sinks,
+                   Layout(diagonal_offset=jnp.full((q.shape[0],), start, jnp.int32)), plan.cfg)
+               for qi, start in zip(_split(q, plan.parts), shard.starts(shard.me))]
+    return _join([o for o, _ in results]), _join([l for _, l in results], axis=2)
+
+
 def ring_attention(q, k, v, axis_name, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                    softcap=0.0, sinks=None, return_lse=False, deterministic=False,
-                   layout="contiguous", strategy="auto"):
+                   layout="contiguous", strategy="auto", implementation=None):
     """flash_attention over a sequence sharded along `axis_name`, inside jax.shard_map.
 
     q, k, v: this device's rows, (batch, rows, heads, head_dim) as in flash_attention,
@@ -445,6 +458,8 @@ def ring_attention(q, k, v, axis_name, *, softmax_scale=None, causal=False, wind
       "all_gather" (K/V gathered once, dK/dV reduce-scattered: cheaper when K/V are
       small, GQA), or "auto": "all_gather" when heads_q >= 4 * heads_kv and there is
       no sliding window, "ring" otherwise. Queries are never gathered.
+    implementation: as in flash_attention ("xla", and platforms without flashjax's
+      kernels: K/V all-gathered, the pure-JAX blockwise attention per local chunk).
 
     Returns out (and lse (batch, heads, rows)) for this device's rows. Differentiable
     (reverse mode): dK/dV travel back around the ring (or are reduce-scattered).
@@ -463,10 +478,19 @@ def ring_attention(q, k, v, axis_name, *, softmax_scale=None, causal=False, wind
         raise ValueError(f"layout='zigzag' needs an even number of local rows, got {q.shape[1]}")
     _checks.check_sinks(sinks, q.shape[2])
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic)
+                              sinks is not None, deterministic, implementation)
     plan = Plan(cfg, layout, choose_strategy(strategy, q.shape[2] // k.shape[2], cfg))
     _ffi.load()
     if sinks is None:
         sinks = jnp.zeros((q.shape[2],), jnp.float32)
-    out, lse = _sharded(q, k, v, sinks, axis_name, plan)
+    kernels = lambda *a: _sharded(*a, axis_name, plan)
+    in_jax = lambda *a: _gathered_in_jax(*a, axis_name, plan)
+    if cfg.implementation == "xla":
+        out, lse = in_jax(q, k, v, sinks)
+    elif cfg.implementation != "auto":
+        _implementation.check_platform(cfg, q)
+        out, lse = kernels(q, k, v, sinks)
+    else:
+        out, lse = jax.lax.platform_dependent(q, k, v, sinks, cuda=kernels, cpu=kernels,
+                                              default=in_jax)
     return (out, lse) if return_lse else out

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _ffi
-from ._calls import Layout, attention_core
+from . import _checks, _ffi, _implementation
+from ._calls import Layout
 from .kvcache import cache_capacity, gather_rows
 
 
@@ -62,7 +62,8 @@ def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sin
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
-                           deterministic=False, page_table=None, q_offset=None, kv_offset=None):
+                           deterministic=False, page_table=None, q_offset=None, kv_offset=None,
+                           implementation=None):
     """Attention over a packed batch of sequences of different lengths.
 
     Args:
@@ -91,6 +92,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         row and first key row (an int or an integer array of shape () or
         (num_seqs,)), as in `flash_attention`: given either, causal and windows
         compare positions.
+      implementation: as in `flash_attention`.
 
     Returns:
       out (total_q, heads_q, head_dim_v) [, lse (heads_q, total_q)]. Rows that
@@ -108,7 +110,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if page_table is not None:
         k, v, cu_seqlens_k, seqused_k = _unpage(k, v, page_table, seqused_k, max_k)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic, packed=True,
+                              sinks is not None, deterministic, implementation, packed=True,
                               max_seqlen_q=max_q, max_seqlen_k=max_k)
     layout = Layout(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                     seqused_k=seqused_k,
@@ -117,5 +119,5 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _ffi.load()
     if sinks is None:
         sinks = jnp.zeros((q.shape[1],), jnp.float32)  # ignored: has_sinks is False
-    out, lse = attention_core(q, k, v, sinks, layout, cfg)
+    out, lse = _implementation.attention(q, k, v, sinks, layout, cfg)
     return (out, lse) if return_lse else out

@@ -18,6 +18,12 @@ namespace flashjax {
 
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// The GPU kernels a call may use: the fastest the device and call allow (kAny),
+// at most the mma.sync tensor-core kernels, or the SIMT kernels only. Python's
+// implementation="cuda:mma" / "cuda:simt" (a static option of the call); the CPU
+// path ignores it.
+enum class KernelCap : int32_t { kAny = 0, kMma = 1, kSimt = 2 };
+
 inline constexpr int64_t kMaxHeadDim = 256;
 
 FJ_HOST_DEVICE int64_t clamp_to(int64_t x, int64_t lo, int64_t hi) {
@@ -171,6 +177,7 @@ struct AttentionParams {
   TensorRef dv;                  // like v
   float* dsinks = nullptr;       // [batch, heads_q]
   bool deterministic = false;    // GPU: bitwise-repeatable dq accumulation
+  KernelCap kernel_cap = KernelCap::kAny;
 
   FJ_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }
   FJ_HOST_DEVICE bool packed() const { return cu_seqlens_q != nullptr; }

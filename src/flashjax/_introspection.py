@@ -1,0 +1,106 @@
+"""flashjax.info(): the build, the devices seen, and which kernels a call would run
+(for bug reports: `python -c "import flashjax, pprint; pprint.pprint(flashjax.info())"`)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks, _ffi
+
+DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
+NAME_BYTES = 32
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("flashjax")
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree
+        return "unknown"
+
+
+class _CallDescription(ctypes.Structure):  # csrc/ffi/introspection.h
+    _fields_ = ([("dtype", ctypes.c_int32)]
+                + [(n, ctypes.c_int64) for n in ("batch", "seqlen_q", "seqlen_k", "heads_q",
+                                                  "heads_kv", "head_dim", "head_dim_v",
+                                                  "window_left", "window_right")]
+                + [(n, ctypes.c_int32) for n in ("packed", "seqused", "segment_ids",
+                                                  "positions", "kv_cache", "deterministic",
+                                                  "kernel_cap")])
+
+
+def _build() -> dict:
+    lib = _ffi.library()
+    lib.FlashjaxBuildInfo.restype = ctypes.c_char_p
+    fields = dict(item.split("=", 1) for item in lib.FlashjaxBuildInfo().decode().split(";"))
+    split = lambda s: [x for x in s.split(",") if x]
+    return {"cuda_targets": split(fields["cuda_targets"]),
+            "head_dim_buckets": [int(x) for x in split(fields["head_dims"])],
+            "cuda_runtime": fields["cuda_runtime"] or None}
+
+
+def _cuda_kernels(device, call: _CallDescription) -> dict:
+    lib = _ffi.library()
+    forward, backward = (ctypes.create_string_buffer(NAME_BYTES) for _ in range(2))
+    status = lib.FlashjaxKernelChoice(device.local_hardware_id, ctypes.byref(call), forward,
+                                      backward, NAME_BYTES)
+    if status != 0:
+        return {"forward": f"unknown (CUDA error {status})", "backward": "unknown"}
+    return {"forward": forward.value.decode(), "backward": backward.value.decode()}
+
+
+def _kernels(device, call: _CallDescription, backend: str) -> dict:
+    """The kernels `device` would run for the call."""
+    platform = device.platform
+    cuda = platform == "gpu" and "CUDA" in _ffi.load() and "rocm" not in str(
+        getattr(device.client, "platform_version", "")).lower()
+    if backend == "xla" or (backend == "auto" and not (cuda or platform == "cpu")):
+        return {"forward": "xla", "backward": "xla"}
+    if backend == "cpu" or (backend == "auto" and platform == "cpu"):
+        if platform != "cpu":
+            return {"forward": "unavailable", "backward": "unavailable"}
+        return {"forward": "cpu", "backward": "none" if call.kv_cache else "cpu"}
+    if not cuda:
+        return {"forward": "unavailable", "backward": "unavailable"}
+    return _cuda_kernels(device, call)
+
+
+def info(q=None, k=None, v=None, *, causal=False, window_size=(-1, -1), deterministic=False,
+         implementation=None, seqused=False, segment_ids=False, positions=False,
+         varlen=False, kv_cache=False) -> dict:
+    """The flashjax build and the devices JAX sees; given a call (q, k, v: arrays or
+    jax.ShapeDtypeStruct in flash_attention's (batch, seqlen, heads, head_dim) layout,
+    and its options: the flags say which metadata it passes), also the kernels each
+    device would run for its forward and backward."""
+    result = {"version": version(), "jax": jax.__version__,
+              "platforms": sorted(_ffi.load()), **_build(),
+              "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in _all_devices()]}
+    if q is None:
+        return result
+    if k is None or v is None:
+        raise ValueError("info() describes a call by q, k and v together")
+    fields = _checks.implementation_fields(implementation)
+    left, right = (int(w) for w in window_size)
+    call = _CallDescription(
+        dtype=DTYPES.get(jnp.dtype(q.dtype), 0), batch=q.shape[0], seqlen_q=q.shape[1],
+        seqlen_k=k.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3],
+        head_dim_v=v.shape[3], window_left=left, window_right=0 if causal else right,
+        packed=int(varlen), seqused=int(seqused), segment_ids=int(segment_ids),
+        positions=int(positions), kv_cache=int(kv_cache), deterministic=int(deterministic),
+        kernel_cap=fields["kernel_cap"])
+    result["kernels"] = {f"{d.platform}:{d.id}": _kernels(d, call, fields["implementation"])
+                         for d in _all_devices()}
+    return result
+
+
+def _all_devices() -> list:
+    devices = []
+    for backend in ("gpu", "tpu", "cpu"):
+        try:
+            devices += jax.devices(backend)
+        except RuntimeError:
+            continue
+    return devices

@@ -1,0 +1,596 @@
+"""flashjax's attention in pure JAX (implementation="xla"): blockwise online softmax.
+
+`attention_core(q, k, v, sinks, layout, cfg)` has the contract of
+`flashjax._calls.attention_core` (the kernels' call): dense or packed (cfg.packed)
+rows, GQA/MQA, causal and sliding windows, softcap, sinks, lse, seqused, segment ids
+and positions (diagonal offsets), with the same clamping of metadata as
+csrc/include/flashjax/seqlen.h. It uses jax.numpy and lax only (no FFI, no Pallas),
+so it runs on any platform.
+
+How it works:
+- Every layout becomes per-row int32 metadata over one "batch" of rows (dense: the
+  batch entries; packed: one entry holding every row): for query row i a visible key
+  range [lo_i, hi_i] of key positions (the window around its diagonal, saturated to
+  int32) and an id (segment id, or packed sequence index); for key row j its position
+  (INT32_MIN for keys outside every used range: no row sees them) and id. Key j is
+  visible to row i iff lo_i <= pos_j <= hi_i and id_i == id_j. Query rows outside
+  every used range are zeroed at the end (out 0, lse -inf, even with sinks).
+- Rows are cut into query blocks and key blocks. A pair of blocks is skipped when the
+  blocks' ranges cannot meet (causal: the upper triangle; windows, packed sequences,
+  segments, seqused likewise), computed without a mask when every pair of used rows is
+  visible, and masked otherwise (as the kernels do).
+- Forward: a scan over query blocks; for each, a loop over its key blocks carrying the
+  running max, running sum and the float32 output accumulator (FlashAttention's online
+  softmax; a sink starts the running max and sum). Memory is O(rows): no
+  (seqlen_q, seqlen_k) array is ever built.
+- Backward (jax.custom_vjp): a scan over key blocks; for each, a loop over its query
+  blocks recomputing the probabilities from the saved lse, producing dK/dV of the block
+  and adding into a float32 dQ. With D_i = dO_i . O_i - dlse_i:
+  dS = P (dP - D), dsink_h = -sum_i exp(sink_h - lse_i) D_i.
+
+Arithmetic is float32 (inputs cast per block, matrix products at HIGHEST precision);
+out has q's dtype, lse is float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _calls
+from ._calls import Config, Layout
+
+__all__ = ["attention_core"]
+
+# Target block sizes (rows of queries and keys per block): the blocks of a call are at
+# most this large (a length is cut into equal blocks, rounded up to a multiple of 8).
+# Read at trace time (tests lower them to exercise many blocks on small shapes).
+BLOCK_Q = 512
+BLOCK_K = 512
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+_NO_KEY = INT32_MIN  # the position of a key that no row sees
+_PRECISION = lax.Precision.HIGHEST
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def _i32(x):
+    return jnp.asarray(x, jnp.int32)
+
+
+def _sat_add(a, b):
+    """a + b for int32 arrays, saturated to [INT32_MIN, INT32_MAX] (no wrap-around)."""
+    a, b = _i32(a), _i32(b)
+    s = a + b  # wraps on overflow (XLA's two's-complement arithmetic)
+    up = (a > 0) & (b > 0) & (s < 0)
+    down = (a < 0) & (b < 0) & (s >= 0)
+    return jnp.where(up, _i32(INT32_MAX), jnp.where(down, _i32(INT32_MIN), s))
+
+
+def _add_static(a, c: int):
+    """a + c, saturated, for an int32 array a and any Python int c."""
+    a = _i32(a)
+    if c >= 2**32:
+        return jnp.full_like(a, INT32_MAX)
+    if c <= -(2**32):
+        return jnp.full_like(a, INT32_MIN)
+    while c:  # same-sign chunks that fit int32: saturation composes exactly
+        step = max(-INT32_MAX, min(INT32_MAX, c))
+        a = _sat_add(a, np.int32(step))
+        c -= step
+    return a
+
+
+class _Rows:
+    """Per-row metadata of one call over `batch` entries of seqlen_q / seqlen_k rows.
+
+    q_valid (batch, seqlen_q) bool: the row is used (else out 0, lse -inf);
+    q_lo, q_hi (batch, seqlen_q) int32: the key positions the row sees (bounds
+      included; INT32_MIN + 1 / INT32_MAX when unbounded);
+    q_id, k_id (batch, seqlen) int32 or None: ids that must be equal;
+    k_pos (batch, seqlen_k) int32: key positions, INT32_MIN for keys no row sees.
+    Static: use_lo / use_hi / use_id: which comparisons the element mask needs.
+    """
+
+    def __init__(self, q_valid, q_lo, q_hi, q_id, k_pos, k_id, use_lo, use_hi):
+        self.q_valid, self.q_lo, self.q_hi, self.q_id = q_valid, q_lo, q_hi, q_id
+        self.k_pos, self.k_id = k_pos, k_id
+        self.use_lo, self.use_hi, self.use_id = use_lo, use_hi, q_id is not None
+
+
+def _window(offset, pos, valid, cfg: Config):
+    """(lo, hi) of query rows at slot positions `pos` whose diagonal is key pos + offset."""
+    base_lo = (_add_static(offset, -cfg.window_left) if cfg.window_left >= 0
+               else jnp.full_like(offset, INT32_MIN))
+    base_hi = (_add_static(offset, cfg.window_right) if cfg.window_right >= 0
+               else jnp.full_like(offset, INT32_MAX))
+    # pos >= 0: a saturated base stays beyond every key position after adding it.
+    lo = jnp.maximum(_sat_add(pos, base_lo), _i32(INT32_MIN + 1))  # > _NO_KEY always
+    hi = _sat_add(pos, base_hi)
+    return jnp.where(valid, lo, _i32(INT32_MAX)), jnp.where(valid, hi, _i32(INT32_MIN))
+
+
+def _dense_rows(seqlen_q, seqlen_k, batch, layout: Layout, cfg: Config) -> _Rows:
+    i = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :]
+    j = jnp.arange(seqlen_k, dtype=jnp.int32)[None, :]
+    used_q = (jnp.full((batch,), seqlen_q, jnp.int32) if layout.seqused_q is None
+              else jnp.clip(_i32(layout.seqused_q), 0, seqlen_q))
+    used_k = (jnp.full((batch,), seqlen_k, jnp.int32) if layout.seqused_k is None
+              else jnp.clip(_i32(layout.seqused_k), 0, seqlen_k))
+    offset = (used_k - used_q if layout.diagonal_offset is None
+              else _i32(layout.diagonal_offset))
+    q_valid = jnp.broadcast_to(i < used_q[:, None], (batch, seqlen_q))
+    q_lo, q_hi = _window(offset[:, None], i, q_valid, cfg)
+    k_pos = jnp.where(j < used_k[:, None], j, _i32(_NO_KEY))
+    q_id = k_id = None
+    if layout.q_segment_ids is not None:
+        q_id, k_id = _i32(layout.q_segment_ids), _i32(layout.kv_segment_ids)
+    return _Rows(q_valid, q_lo, q_hi, q_id, k_pos, k_id,
+                 use_lo=cfg.window_left >= 0 or layout.seqused_k is not None,
+                 use_hi=cfg.window_right >= 0)
+
+
+def _slots(cu, total: int, max_len: int):
+    """(start, slot) of each sequence, clamped as seqlen.h does."""
+    cu = _i32(cu)
+    start = jnp.clip(cu[:-1], 0, total)
+    end = jnp.clip(cu[1:], 0, total)  # (clamping first changes no result and cannot wrap)
+    slot = jnp.clip(end - start, 0, jnp.minimum(max_len, total - start))
+    return start, slot
+
+
+def _sequence_of_rows(start, used, total: int):
+    """(sequence, position, used?) of each of `total` rows (packed layout)."""
+    rows = jnp.arange(total, dtype=jnp.int32)
+    seq = jnp.searchsorted(start, rows, side="right").astype(jnp.int32) - 1
+    seq = jnp.clip(seq, 0, start.shape[0] - 1)
+    pos = rows - start[seq]
+    return seq, pos, (pos >= 0) & (pos < used[seq])
+
+
+def _packed_rows(total_q, total_k, layout: Layout, cfg: Config) -> _Rows:
+    sequences = layout.cu_seqlens_q.shape[-1] - 1
+    if sequences == 0:  # nothing is used
+        zeros_q, zeros_k = (jnp.zeros((1, n), jnp.int32) for n in (total_q, total_k))
+        return _Rows(zeros_q > 0, zeros_q + INT32_MAX, zeros_q + INT32_MIN, zeros_q,
+                     zeros_k + _NO_KEY, zeros_k, use_lo=True, use_hi=cfg.window_right >= 0)
+    start_q, slot_q = _slots(layout.cu_seqlens_q, total_q, cfg.max_seqlen_q)
+    start_k, slot_k = _slots(layout.cu_seqlens_k, total_k, cfg.max_seqlen_k)
+    used_q = slot_q if layout.seqused_q is None else jnp.clip(_i32(layout.seqused_q), 0, slot_q)
+    used_k = slot_k if layout.seqused_k is None else jnp.clip(_i32(layout.seqused_k), 0, slot_k)
+    offset = (used_k - used_q if layout.diagonal_offset is None
+              else _i32(layout.diagonal_offset))
+    q_seq, q_pos, q_valid = _sequence_of_rows(start_q, used_q, total_q)
+    k_seq, k_pos, k_valid = _sequence_of_rows(start_k, used_k, total_k)
+    q_lo, q_hi = _window(offset[q_seq], q_pos, q_valid, cfg)
+    k_pos = jnp.where(k_valid, k_pos, _i32(_NO_KEY))
+    return _Rows(q_valid[None], q_lo[None], q_hi[None], q_seq[None], k_pos[None], k_seq[None],
+                 use_lo=True, use_hi=cfg.window_right >= 0)
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def _block_size(n: int, target: int) -> tuple:
+    """(block, count): `count` equal blocks of at most ~target rows covering n."""
+    count = max(1, -(-n // target))
+    block = -(-n // count)
+    block = -(-block // 8) * 8
+    return block, count
+
+
+def _pad_rows(x, axis: int, rows: int, value=0):
+    extra = rows - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+class _Plan:
+    """Block layout of one call: sizes, blocked metadata and the block summaries that
+    decide which block pairs are skipped, computed unmasked, or masked."""
+
+    def __init__(self, rows: _Rows, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
+        self.batch, self.seqlen_q, self.seqlen_k = batch, seqlen_q, seqlen_k
+        self.heads_kv, self.group = heads_kv, heads_q // heads_kv
+        self.bq, self.nq = _block_size(seqlen_q, BLOCK_Q)
+        self.bk, self.nk = _block_size(seqlen_k, BLOCK_K)
+        self.use_lo = rows.use_lo or self.bk * self.nk != seqlen_k  # padded keys
+        self.use_hi, self.use_id = rows.use_hi, rows.use_id
+        pq, pk = self.bq * self.nq, self.bk * self.nk
+        # Padded query rows: not used (their results are dropped).
+        valid = _pad_rows(rows.q_valid, 1, pq, False)
+        lo = _pad_rows(rows.q_lo, 1, pq, INT32_MAX)
+        hi = _pad_rows(rows.q_hi, 1, pq, INT32_MIN)
+        pos = _pad_rows(rows.k_pos, 1, pk, _NO_KEY)
+        shape_q, shape_k = (batch, self.nq, self.bq), (batch, self.nk, self.bk)
+        self.q_valid = valid.reshape(shape_q)
+        self.q_lo, self.q_hi = lo.reshape(shape_q), hi.reshape(shape_q)
+        self.k_pos = pos.reshape(shape_k)
+        self.q_id = self.k_id = None
+        if self.use_id:
+            self.q_id = _pad_rows(rows.q_id, 1, pq).reshape(shape_q)
+            self.k_id = _pad_rows(rows.k_id, 1, pk).reshape(shape_k)
+
+        # Summaries over used rows and keys (neutral values for the others).
+        v = self.q_valid
+        big, small = _i32(INT32_MAX), _i32(INT32_MIN)
+        self.q_any = v.any(-1)
+        self.lo_min = jnp.min(jnp.where(v, self.q_lo, big), -1)
+        self.lo_max = jnp.max(jnp.where(v, self.q_lo, small), -1)
+        self.hi_min = jnp.min(jnp.where(v, self.q_hi, big), -1)
+        self.hi_max = jnp.max(jnp.where(v, self.q_hi, small), -1)
+        k_used = self.k_pos != _NO_KEY
+        # Blocked rows that no result reads are zeroed (_to_blocks_*): the kernels never
+        # read them, so NaN there (unread cache rows, padding) must not reach a result
+        # through 0 * NaN in the block products.
+        self.q_rows_used = jnp.broadcast_to(
+            v[:, :, None, None, :], (batch, self.nq, 1, self.group, self.bq)
+        ).reshape(batch, self.nq, 1, self.group * self.bq)
+        self.k_rows_used = k_used[:, :, None, :]
+        self.k_all = k_used.all(-1)
+        self.pos_min = jnp.min(jnp.where(k_used, self.k_pos, big), -1)
+        self.pos_max = jnp.max(self.k_pos, -1)
+        if self.use_id:
+            self.qid_min = jnp.min(jnp.where(v, self.q_id, big), -1)
+            self.qid_max = jnp.max(jnp.where(v, self.q_id, small), -1)
+            self.kid_min = jnp.min(jnp.where(k_used, self.k_id, big), -1)
+            self.kid_max = jnp.max(jnp.where(k_used, self.k_id, small), -1)
+
+    def pairs(self, b, qb=None, kb=None):
+        """(meets, full) of query block(s) qb with key block(s) kb of batch entry b
+        (one of qb, kb is None: all blocks on that side)."""
+        qs = slice(None) if qb is None else qb
+        ks = slice(None) if kb is None else kb
+        q = lambda x: x[b, qs]
+        k = lambda x: x[b, ks]
+        meets = (q(self.q_any) & (q(self.lo_min) <= k(self.pos_max))
+                 & (q(self.hi_max) >= k(self.pos_min)))
+        full = k(self.k_all) & (q(self.lo_max) <= k(self.pos_min)) & (q(self.hi_min) >= k(self.pos_max))
+        if self.use_id:
+            meets &= (q(self.qid_min) <= k(self.kid_max)) & (k(self.kid_min) <= q(self.qid_max))
+            full &= ((q(self.qid_min) == q(self.qid_max)) & (k(self.kid_min) == k(self.kid_max))
+                     & (q(self.qid_min) == k(self.kid_min)))
+        return meets, full
+
+    def mask(self, b, qb, kb):
+        """(bq, bk) bool: query row sees key, for the masked block pairs."""
+        pos = self.k_pos[b, kb][None, :]
+        mask = jnp.ones((self.bq, self.bk), bool)
+        if self.use_lo:
+            mask &= pos >= self.q_lo[b, qb][:, None]
+        if self.use_hi:
+            mask &= pos <= self.q_hi[b, qb][:, None]
+        if self.use_id:
+            mask &= self.q_id[b, qb][:, None] == self.k_id[b, kb][None, :]
+        return mask
+
+    @property
+    def needs_mask(self) -> bool:
+        return self.use_lo or self.use_hi or self.use_id
+
+
+def _schedule(meets, full):
+    """(unmasked, masked, order): the blocks to visit, those needing no mask first (in
+    order), then the masked ones; unmasked and masked count them."""
+    rank = jnp.where(meets, jnp.where(full, 0, 1), 2).astype(jnp.int32)
+    order = jnp.argsort(rank, stable=True).astype(jnp.int32)
+    unmasked = jnp.sum(meets & full, dtype=jnp.int32)
+    masked = jnp.sum(meets & ~full, dtype=jnp.int32)
+    return unmasked, masked, order
+
+
+def _visit(schedule, step, needs_mask: bool, init):
+    """Runs step(masked, carry, block) over the scheduled blocks."""
+    unmasked, masked, order = schedule
+    if not needs_mask:  # every visited pair is computed unmasked
+        return lax.fori_loop(0, unmasked + masked,
+                             lambda i, c: step(False, c, order[i]), init)
+    carry = lax.fori_loop(0, unmasked, lambda i, c: step(False, c, order[i]), init)
+    return lax.fori_loop(unmasked, unmasked + masked, lambda i, c: step(True, c, order[i]),
+                         carry)
+
+
+def _to_blocks_q(x, plan: _Plan):
+    """(batch, seqlen_q, heads_q, d) -> (batch, nq, heads_kv, group * bq, d), the rows
+    not used zeroed."""
+    b, _, _, d = x.shape
+    x = _pad_rows(x, 1, plan.nq * plan.bq)
+    x = x.reshape(b, plan.nq, plan.bq, plan.heads_kv, plan.group, d)
+    x = x.transpose(0, 1, 3, 4, 2, 5)
+    x = x.reshape(b, plan.nq, plan.heads_kv, plan.group * plan.bq, d)
+    return jnp.where(plan.q_rows_used[..., None], x, jnp.zeros((), x.dtype))
+
+
+def _from_blocks_q(x, plan: _Plan):
+    """Inverse of _to_blocks_q."""
+    b, d = x.shape[0], x.shape[-1]
+    x = x.reshape(b, plan.nq, plan.heads_kv, plan.group, plan.bq, d)
+    x = x.transpose(0, 1, 4, 2, 3, 5)
+    x = x.reshape(b, plan.nq * plan.bq, plan.heads_kv * plan.group, d)
+    return x[:, :plan.seqlen_q]
+
+
+def _rows_to_blocks(x, plan: _Plan, value=0.0):
+    """(batch, heads_q, seqlen_q) -> (batch, nq, heads_kv, group * bq); `value` in the
+    rows not used."""
+    b = x.shape[0]
+    x = _pad_rows(x, 2, plan.nq * plan.bq, value)
+    x = x.reshape(b, plan.heads_kv, plan.group, plan.nq, plan.bq)
+    x = x.transpose(0, 3, 1, 2, 4).reshape(b, plan.nq, plan.heads_kv, plan.group * plan.bq)
+    return jnp.where(plan.q_rows_used, x, jnp.asarray(value, x.dtype))
+
+
+def _rows_from_blocks(x, plan: _Plan):
+    b = x.shape[0]
+    x = x.reshape(b, plan.nq, plan.heads_kv, plan.group, plan.bq)
+    x = x.transpose(0, 2, 3, 1, 4).reshape(b, plan.heads_kv * plan.group, plan.nq * plan.bq)
+    return x[:, :, :plan.seqlen_q]
+
+
+def _to_blocks_k(x, plan: _Plan):
+    """(batch, seqlen_k, heads_kv, d) -> (batch, nk, heads_kv, bk, d), the keys no row
+    sees zeroed."""
+    b, _, h, d = x.shape
+    x = _pad_rows(x, 1, plan.nk * plan.bk)
+    x = x.reshape(b, plan.nk, plan.bk, h, d).transpose(0, 1, 3, 2, 4)
+    return jnp.where(plan.k_rows_used[..., None], x, jnp.zeros((), x.dtype))
+
+
+def _from_blocks_k(x, plan: _Plan):
+    b, _, h, _, d = x.shape
+    x = x.transpose(0, 1, 3, 2, 4).reshape(b, plan.nk * plan.bk, h, d)
+    return x[:, :plan.seqlen_k]
+
+
+def _vary(x, axes: frozenset):
+    """x marked as varying over the mesh axes `axes` (inside jax.shard_map: loop carries
+    must vary over the axes of what the loop body mixes into them)."""
+    missing = tuple(sorted(axes - _calls._varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # jax < 0.10
+
+
+# ----------------------------------------------------------------------------- block math
+
+
+def _dot(spec, a, b):
+    return jnp.einsum(spec, a, b, precision=_PRECISION, preferred_element_type=jnp.float32)
+
+
+def _scale_of(cfg: Config) -> float:
+    """The factor q is multiplied by before q.k: scale, or scale / softcap."""
+    return cfg.softmax_scale / cfg.softcap if cfg.softcap > 0 else cfg.softmax_scale
+
+
+def _scores(qs, kf, cfg: Config):
+    """(s, t): scores (heads_kv, group * bq, bk) and tanh of the softcap (or None)."""
+    s = _dot("hmd,hkd->hmk", qs, kf)
+    if cfg.softcap > 0:
+        t = jnp.tanh(s)
+        return jnp.float32(cfg.softcap) * t, t
+    return s, None
+
+
+def _apply_mask(x, mask, plan: _Plan, fill):
+    h, m, k = x.shape
+    x = x.reshape(h, plan.group, plan.bq, k)
+    x = jnp.where(mask[None, None], x, fill)
+    return x.reshape(h, m, k)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozenset):
+    """Blocked forward: q (batch, nq, heads_kv, group*bq, d), k/v (batch, nk, heads_kv, bk, d)
+    -> out (batch, nq, heads_kv, group*bq, dv) float32, lse (batch, nq, heads_kv, group*bq)."""
+    batch, nq = plan.batch, plan.nq
+    h, m = plan.heads_kv, plan.group * plan.bq
+    dv = vb_.shape[-1]
+    scale = _scale_of(cfg)
+    if cfg.has_sinks:
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(h, plan.group, 1),
+                              (h, plan.group, plan.bq)).reshape(h, m)
+        l0 = jnp.ones((h, m), jnp.float32)
+    else:
+        m0 = jnp.full((h, m), -jnp.inf, jnp.float32)
+        l0 = jnp.zeros((h, m), jnp.float32)
+
+    def query_block(_, x):
+        b, qb, qblk = x
+        qs = qblk.astype(jnp.float32) * jnp.float32(scale)
+        schedule = _schedule(*plan.pairs(b, qb=qb))
+
+        def step(masked, carry, kb):
+            mx, l, acc = carry
+            kf = kb_[b, kb].astype(jnp.float32)
+            vf = vb_[b, kb].astype(jnp.float32)
+            s, _ = _scores(qs, kf, cfg)
+            if masked:
+                s = _apply_mask(s, plan.mask(b, qb, kb), plan, -jnp.inf)
+            m_new = jnp.maximum(mx, jnp.max(s, axis=-1))
+            shift = m_new
+            if masked and not cfg.has_sinks:  # rows with nothing yet: shift by 0, not -inf
+                shift = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
+            p = jnp.exp(s - shift[..., None])
+            alpha = jnp.exp(mx - shift)
+            l = l * alpha + jnp.sum(p, axis=-1)
+            acc = acc * alpha[..., None] + _dot("hmk,hkd->hmd", p, vf)
+            return m_new, l, acc
+
+        init = tuple(_vary(x, axes) for x in (m0, l0, jnp.zeros((h, m, dv), jnp.float32)))
+        mx, l, acc = _visit(schedule, step, plan.needs_mask, init)
+        valid = jnp.broadcast_to(plan.q_valid[b, qb], (h, plan.group, plan.bq)).reshape(h, m)
+        used = valid & (l > 0)
+        safe = jnp.where(used, l, jnp.float32(1))
+        out = jnp.where(used[..., None], acc / safe[..., None], jnp.float32(0))
+        lse = jnp.where(used, mx + jnp.log(safe), -jnp.inf)
+        return None, (out, lse)
+
+    bs = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), nq)
+    qbs = jnp.tile(jnp.arange(nq, dtype=jnp.int32), batch)
+    xs = (bs, qbs, qb_.reshape((batch * nq,) + qb_.shape[2:]))
+    _, (out, lse) = lax.scan(query_block, None, xs)
+    return out.reshape(batch, nq, h, m, dv), lse.reshape(batch, nq, h, m)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _backward_blocks(qb_, kb_, vb_, dob_, lseb_, deltab_, plan: _Plan, cfg: Config,
+                     axes: frozenset):
+    """Blocked backward: (dq (batch, nq, heads_kv, group*bq, d), dk, dv (batch, nk, heads_kv,
+    bk, d[v])) float32, before the softmax scale (dq, dk) is applied."""
+    batch, nk = plan.batch, plan.nk
+    h, bk = plan.heads_kv, plan.bk
+    d, dv = kb_.shape[-1], vb_.shape[-1]
+    scale = _scale_of(cfg)
+
+    def key_block(dq, x):
+        b, kb, kblk, vblk = x
+        kf, vf = kblk.astype(jnp.float32), vblk.astype(jnp.float32)
+        schedule = _schedule(*plan.pairs(b, kb=kb))
+
+        def step(masked, carry, qb):
+            dk, dvv, dq = carry
+            qf = qb_[b, qb].astype(jnp.float32)
+            qs = qf * jnp.float32(scale)
+            do = dob_[b, qb].astype(jnp.float32)
+            s, t = _scores(qs, kf, cfg)
+            p = jnp.exp(s - lseb_[b, qb][..., None])  # lse +inf for rows without keys: 0
+            if masked:
+                p = _apply_mask(p, plan.mask(b, qb, kb), plan, jnp.float32(0))
+            dvv = dvv + _dot("hmk,hmd->hkd", p, do)
+            dp = _dot("hmd,hkd->hmk", do, vf)
+            ds = p * (dp - deltab_[b, qb][..., None])
+            if t is not None:
+                ds = ds * (1 - t * t)
+            dk = dk + _dot("hmk,hmd->hkd", ds, qf)
+            zero = jnp.zeros((), jnp.int32)
+            at = (b, qb, zero, zero, zero)
+            dq_blk = lax.dynamic_slice(dq, at, (1, 1) + dq.shape[2:])
+            dq_blk = dq_blk + _dot("hmk,hkd->hmd", ds, kf)[None, None]
+            return dk, dvv, lax.dynamic_update_slice(dq, dq_blk, at)
+
+        init = (_vary(jnp.zeros((h, bk, d), jnp.float32), axes),
+                _vary(jnp.zeros((h, bk, dv), jnp.float32), axes), dq)
+        dk, dvv, dq = _visit(schedule, step, plan.needs_mask, init)
+        return dq, (dk, dvv)
+
+    bs = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), nk)
+    kbs = jnp.tile(jnp.arange(nk, dtype=jnp.int32), batch)
+    flat = lambda x: x.reshape((batch * nk,) + x.shape[2:])
+    dq0 = _vary(jnp.zeros(qb_.shape, jnp.float32), axes)
+    dq, (dk, dvv) = lax.scan(key_block, dq0, (bs, kbs, flat(kb_), flat(vb_)))
+    return dq, dk.reshape(kb_.shape[:-1] + (d,)), dvv.reshape(vb_.shape[:-1] + (dv,))
+
+
+# ----------------------------------------------------------------------------- the call
+
+
+def _as_dense(q, k, v, layout: Layout, cfg: Config):
+    """q, k, v with a batch dim and the per-row metadata."""
+    if cfg.packed:
+        return q[None], k[None], v[None], _packed_rows(q.shape[0], k.shape[0], layout, cfg)
+    return q, k, v, _dense_rows(q.shape[1], k.shape[1], q.shape[0], layout, cfg)
+
+
+def _plan(q, k, rows: _Rows) -> _Plan:
+    return _Plan(rows, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+
+
+def _forward(q, k, v, sinks, layout: Layout, cfg: Config):
+    qd, kd, vd, rows = _as_dense(q, k, v, layout, cfg)
+    plan = _plan(qd, kd, rows)
+    out, lse = _forward_blocks(_to_blocks_q(qd, plan), _to_blocks_k(kd, plan),
+                               _to_blocks_k(vd, plan), sinks, plan, cfg,
+                               _calls._varying_axes(q, k, v, sinks, layout))
+    out = _from_blocks_q(out, plan).astype(q.dtype)
+    lse = _rows_from_blocks(lse, plan)
+    if cfg.packed:
+        return out[0], lse[0]
+    return out, lse
+
+
+def _check(q, k, v, cfg: Config):
+    rank = 3 if cfg.packed else 4
+    if q.ndim != rank or k.ndim != rank or v.ndim != rank:
+        raise ValueError(f"xla_attention: q, k, v must have rank {rank} "
+                         f"({'packed' if cfg.packed else 'dense'}), got {q.shape}, {k.shape}, "
+                         f"{v.shape} (vmap over extra leading dimensions)")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def attention_core(q, k, v, sinks, layout: Layout, cfg: Config):
+    """(out, lse): the same contract as flashjax._calls.attention_core, computed
+    blockwise in pure JAX; differentiable in q, k, v, sinks (custom_vjp with a
+    blockwise backward); layout fields get no cotangent."""
+    _check(q, k, v, cfg)
+    return _forward(q, k, v, sinks, layout, cfg)
+
+
+def _core_fwd(q, k, v, sinks, layout: Layout, cfg: Config):
+    _check(q, k, v, cfg)
+    out, lse = _forward(q, k, v, sinks, layout, cfg)
+    return (out, lse), (q, k, v, sinks, layout, out, lse)
+
+
+def _core_bwd(cfg: Config, residuals, cotangents):
+    q, k, v, sinks, layout, out, lse = residuals
+    dout, dlse = cotangents
+    dout = dout.astype(jnp.float32)
+    dlse = dlse.astype(jnp.float32)
+    # D_i = dO_i . O_i - dlse_i: dS = P (dP - D) covers the lse cotangent too.
+    delta = jnp.einsum("...qhd,...qhd->...hq", dout, out.astype(jnp.float32),
+                       precision=_PRECISION) - dlse
+    if cfg.packed:
+        qd, kd, vd, dod, lsed, deltad = q[None], k[None], v[None], dout[None], lse[None], delta[None]
+        rows = _packed_rows(q.shape[0], k.shape[0], layout, cfg)
+    else:
+        qd, kd, vd, dod, lsed, deltad = q, k, v, dout, lse, delta
+        rows = _dense_rows(q.shape[1], k.shape[1], q.shape[0], layout, cfg)
+    plan = _plan(qd, kd, rows)
+    # lse -inf (rows not used, or without any key and sink): +inf, so that P = 0.
+    lse_safe = jnp.where(lsed == -jnp.inf, jnp.inf, lsed)
+    dq, dk, dvv = _backward_blocks(
+        _to_blocks_q(qd, plan), _to_blocks_k(kd, plan), _to_blocks_k(vd, plan),
+        _to_blocks_q(dod, plan), _rows_to_blocks(lse_safe, plan, jnp.inf),
+        _rows_to_blocks(deltad, plan), plan, cfg,
+        _calls._varying_axes(q, k, v, sinks, layout, dout, dlse))
+    dq = _from_blocks_q(dq, plan) * jnp.float32(cfg.softmax_scale)
+    dk = _from_blocks_k(dk, plan) * jnp.float32(cfg.softmax_scale)
+    dvv = _from_blocks_k(dvv, plan)
+    if cfg.packed:
+        dq, dk, dvv = dq[0], dk[0], dvv[0]
+    if cfg.has_sinks:
+        # d lse_i / d sink = P_sink = exp(sink - lse_i); d out_i / d sink = -out_i P_sink.
+        sink = sinks.astype(jnp.float32)
+        sink = sink[:, None] if cfg.packed else sink[None, :, None]
+        finite = jnp.isfinite(lse)
+        p_sink = jnp.exp(jnp.where(finite, sink - jnp.where(finite, lse, 0), -jnp.inf))
+        axes = (1,) if cfg.packed else (0, 2)
+        dsinks = -jnp.sum(p_sink * delta, axis=axes)
+    else:
+        dsinks = jnp.zeros(sinks.shape, jnp.float32)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dvv.astype(v.dtype),
+             dsinks.astype(sinks.dtype))
+    grads = tuple(_calls._sum_to_varying(ct, primal)
+                  for ct, primal in zip(grads, (q, k, v, sinks)))
+    return grads + (Layout(*map(_calls._no_cotangent, layout)),)
+
+
+attention_core.defvjp(_core_fwd, _core_bwd)
