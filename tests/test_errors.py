@@ -52,8 +52,6 @@ BAD_SHAPES = {
     "head_dim_257": (shapes(d=257), r"head_dim\b"),
     "head_dim_v_0": (shapes(dv=0), "head_dim_v"),
     "head_dim_v_257": (shapes(dv=257), "head_dim_v"),
-    "seqlen_q_0": (shapes(sq=0), "seqlen_q"),
-    "seqlen_k_0": (shapes(sk=0), "seqlen_k"),
 }
 
 
@@ -88,7 +86,6 @@ BAD_OPTIONS = {
     "window_str": (dict(window_size="ab"), TypeError, "window_size"),
     "window_left_-2": (dict(window_size=(-2, 0)), ValueError, "window_size"),
     "window_right_-5": (dict(window_size=(3, -5)), ValueError, "window_size"),
-    "scale_jax_array": (dict(softmax_scale=jnp.float32(0.5)), TypeError, "softmax_scale"),
     "scale_jax_vector": (dict(softmax_scale=jnp.ones((2,))), TypeError, "softmax_scale"),
     "scale_str": (dict(softmax_scale="0.5"), TypeError, "softmax_scale"),
     "scale_complex": (dict(softmax_scale=1j), TypeError, "softmax_scale"),
@@ -96,6 +93,13 @@ BAD_OPTIONS = {
     "softcap_negative": (dict(softcap=-1.0), ValueError, "softcap"),
     "softcap_str": (dict(softcap="1.0"), TypeError, "softcap"),
     "causal_str": (dict(causal="yes"), TypeError, "causal"),
+    "causal_int": (dict(causal=1), TypeError, "causal"),
+    "causal_vector": (dict(causal=jnp.ones((2,), bool)), TypeError, "causal"),
+    "deterministic_str": (dict(deterministic="no"), TypeError, "deterministic"),
+    "deterministic_none": (dict(deterministic=None), TypeError, "deterministic"),
+    "return_lse_int": (dict(return_lse=0), TypeError, "return_lse"),
+    "window_jax_float": (dict(window_size=(jnp.float32(2.0), 0)), TypeError, "window_size"),
+    "softcap_jax_vector": (dict(softcap=jnp.ones((2,))), TypeError, "softcap"),
     "sinks_short": (dict(sinks=jnp.zeros((3,), jnp.float32)), ValueError, "sinks"),
     "sinks_2d": (dict(sinks=jnp.zeros((1, 4), jnp.float32)), ValueError, "sinks"),
     "sinks_scalar": (dict(sinks=jnp.zeros((), jnp.float32)), ValueError, "sinks"),
@@ -118,6 +122,31 @@ def test_traced_scale_or_softcap_rejected_under_jit():
         jax.jit(lambda q, k, v, c: flashjax.flash_attention(q, k, v, softcap=c))(q, k, v, 2.0)
 
 
+def test_traced_window_or_flag_rejected_under_jit():
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match=r"window_size\[0\].*traced"):
+        jax.jit(lambda q, k, v, w: flashjax.flash_attention(q, k, v, window_size=(w, 0)))(
+            q, k, v, 3)
+    with pytest.raises(TypeError, match="causal.*traced"):
+        jax.jit(lambda q, k, v, c: flashjax.flash_attention(q, k, v, causal=c))(q, k, v, True)
+
+
+def test_concrete_jax_and_numpy_scalars_are_static_values():
+    """A concrete (not traced) JAX or NumPy scalar is taken wherever a static number or
+    flag is, with the same result as the Python value."""
+    q, k, v = arrays()
+    want = flashjax.flash_attention(q, k, v, softmax_scale=0.5, softcap=3.0, causal=True,
+                                    window_size=(5, 0), return_lse=True)
+    for cast_f, cast_i, cast_b in ((jnp.float32, jnp.int32, jnp.bool_),
+                                   (np.float64, np.int64, np.bool_),
+                                   (np.asarray, np.asarray, np.asarray)):
+        got = flashjax.flash_attention(q, k, v, softmax_scale=cast_f(0.5), softcap=cast_f(3.0),
+                                       causal=cast_b(True), window_size=(cast_i(5), cast_i(0)),
+                                       return_lse=cast_b(True), deterministic=cast_b(False))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_valid_edge_values_accepted():
     # The boundaries of the valid ranges must not raise.
     q, k, v = arrays(*shapes(d=256, dv=1, hq=3, hk=1))
@@ -136,3 +165,22 @@ def test_unsupported_autodiff_modes_raise_the_documented_errors():
         jax.jvp(f, (q,), (q,))
     with pytest.raises(ValueError, match="cannot be differentiated"):
         jax.grad(lambda q: jax.grad(f)(q).sum())(q)
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-3", "", "1.5"])
+def test_invalid_cpu_threads_variable_is_an_error_naming_it(value, monkeypatch):
+    monkeypatch.setenv("FLASHJAX_CPU_THREADS", value)
+    with pytest.raises(ValueError, match="FLASHJAX_CPU_THREADS"):
+        flashjax.flash_attention(*arrays())
+
+
+def test_bench_plot_without_matplotlib_names_the_extra(monkeypatch, capsys):
+    import importlib.util
+
+    from flashjax import bench
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--plot", "out.png"])
+    assert "flashjax[plot]" in capsys.readouterr().err

@@ -138,28 +138,60 @@ def implementation_fields(implementation) -> dict:
     return dict(implementation=backend, kernel_cap=cap)
 
 
+def _concrete_scalar(name: str, x, what: str):
+    """x as a Python/NumPy scalar: Python and NumPy scalars as they are, concrete 0-d
+    JAX/NumPy arrays unwrapped; a traced value is a TypeError (it would need a
+    recompile per value: these options are static)."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"{name} must be a static {what} (a Python/NumPy scalar or a concrete "
+                        f"array of shape ()), not a traced value: {x!r}")
+    if isinstance(x, (np.ndarray, jax.Array)) and np.shape(x) == ():
+        return np.asarray(x)[()]
+    return x
+
+
+def static_real(name: str, x) -> float:
+    x = _concrete_scalar(name, x, "real number")
+    if not is_real(x):
+        raise TypeError(f"{name} must be a real number (a static value), got {x!r}")
+    return float(x)
+
+
+def static_int(name: str, x) -> int:
+    x = _concrete_scalar(name, x, "int")
+    if not is_int(x):
+        raise TypeError(f"{name} must be an int (a static value), got {x!r}")
+    return int(x)
+
+
+def static_flag(name: str, x) -> bool:
+    x = _concrete_scalar(name, x, "bool")
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {x!r}")
+    return bool(x)
+
+
 def make_config(head_dim, softmax_scale, causal, window_size, softcap, has_sinks,
-                deterministic, implementation=None, **layout) -> Config:
+                deterministic, implementation=None, return_lse=False, **layout) -> Config:
+    """The call's static Config; every static option is checked here (concrete JAX/NumPy
+    scalars are accepted where a number or flag is)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    if not is_real(softmax_scale) or not math.isfinite(float(softmax_scale)):
-        raise TypeError(
-            "softmax_scale must be a finite Python/NumPy real number (a static value, not a "
-            f"traced array), got {softmax_scale!r}"
-        )
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(is_int(w) for w in window_size)):
+    softmax_scale = static_real("softmax_scale", softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
+    causal = static_flag("causal", causal)
+    deterministic = static_flag("deterministic", deterministic)
+    static_flag("return_lse", return_lse)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
+    left, right = (static_int(f"window_size[{i}]", w) for i, w in enumerate(window_size))
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size}")
-    if not is_real(softcap):
-        raise TypeError(f"softcap must be a real number (0 = off), got {softcap!r}")
-    if not (float(softcap) >= 0.0) or not math.isfinite(float(softcap)):
+    softcap = static_real("softcap", softcap)
+    if not (softcap >= 0.0) or not math.isfinite(softcap):
         raise ValueError(f"softcap must be a finite real >= 0 (0 = off), got {softcap!r}")
     if causal:
         right = 0
-    return Config(float(softmax_scale), left, right, float(softcap), bool(has_sinks),
-                  bool(deterministic), **layout, **implementation_fields(implementation))
+    return Config(softmax_scale, left, right, softcap, bool(has_sinks), deterministic,
+                  **layout, **implementation_fields(implementation))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import pathlib
 
 import jax
@@ -42,9 +43,27 @@ def library() -> ctypes.CDLL:
     return ctypes.cdll.LoadLibrary(str(_library_path()))
 
 
-@functools.cache
+CPU_THREADS_VARIABLE = "FLASHJAX_CPU_THREADS"  # read by csrc/cpu/thread_pool.cc
+
+
+def check_environment() -> None:
+    """A ValueError naming the variable when a flashjax environment variable is set to
+    something the library cannot use (it would otherwise be ignored)."""
+    threads = os.environ.get(CPU_THREADS_VARIABLE)
+    if threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
+        raise ValueError(f"{CPU_THREADS_VARIABLE} must be a positive integer (threads of the "
+                         f"CPU path), got {threads!r}; unset it to use every core")
+
+
 def load() -> frozenset[str]:
-    """Registers every handler the library has; returns the platforms served."""
+    """Checks the environment, registers every handler the library has (once); returns
+    the platforms served."""
+    check_environment()
+    return _register()
+
+
+@functools.cache
+def _register() -> frozenset[str]:
     lib = library()
     platforms = set()
     for platform, suffix in _PLATFORMS.items():

@@ -46,13 +46,22 @@ def check_platform(cfg: _calls.Config, *arrays) -> None:
             "(automatic) or 'xla' (pure JAX, any platform)")
 
 
+def _no_work(q, k, cfg: _calls.Config) -> bool:
+    """No query rows or no keys (static shapes): nothing for a kernel to do."""
+    rows = lambda x: x.shape[0] if cfg.packed else x.shape[0] * x.shape[1]
+    return rows(q) == 0 or rows(k) == 0
+
+
 def attention(q, k, v, sinks, layout: _calls.Layout, cfg: _calls.Config, *arrays):
     """(out, lse) of a dense or packed call by cfg's implementation (`arrays`: the
     caller's inputs, for the platform check)."""
+    if cfg.implementation != "auto":
+        check_platform(cfg, q, *arrays)
+    if _no_work(q, k, cfg):
+        return xla_attention.no_work_attention(q, k, v, sinks, layout, cfg)
     if cfg.implementation == "xla":
         return xla_attention.attention_core(q, k, v, sinks, layout, cfg)
     if cfg.implementation != "auto":
-        check_platform(cfg, q, *arrays)
         return _calls.attention_core(q, k, v, sinks, layout, cfg)
     kernels = lambda *a: _calls.attention_core(*a, cfg)
     return jax.lax.platform_dependent(

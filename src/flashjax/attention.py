@@ -22,9 +22,6 @@ def _check_arrays(q, k, v, sinks):
     (batch, seqlen_q, heads_q, _), ks, vs = q.shape, k.shape, v.shape
     if ks[0] != batch or vs[0] != batch:
         raise ValueError(f"batch of q, k, v must match, got shapes q {q.shape}, k {ks}, v {vs}")
-    for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", ks[1]), ("batch", batch)):
-        if n < 1:
-            raise ValueError(f"{name} must be >= 1, got {n} (q {q.shape}, k {ks})")
     _checks.check_sinks(sinks, heads_q)
 
 
@@ -93,7 +90,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     layout = _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
                      kv_offset)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic, implementation)
+                              sinks is not None, deterministic, implementation, return_lse)
     _ffi.load()
     if sinks is None:
         sinks = jnp.zeros((q.shape[2],), jnp.float32)  # ignored: has_sinks is False

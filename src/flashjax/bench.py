@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import json
 import statistics
 import sys
@@ -317,6 +318,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="PATH.png", help="TFLOP/s vs seqlen plot")
     p.add_argument("--json", metavar="PATH", help="JSON lines, one per measurement")
     args = p.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib, which is not installed: "
+                "pip install 'flashjax[plot]' (or pip install matplotlib)")
     impls = VARLEN_IMPLS if args.varlen else DECODE_IMPLS if args.decode else IMPLS
     for name, allowed in (("mode", MODES), ("impl", impls)):
         values = _split(getattr(args, name))

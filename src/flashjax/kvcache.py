@@ -160,10 +160,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_left
         for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if x.dtype not in (jnp.float32, q.dtype):
                 raise TypeError(f"{name} must be float32 or q's dtype {q.dtype}, got {x.dtype}")
-    for name, flag in (("rotary_interleaved", rotary_interleaved), ("return_lse", return_lse)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-    if not _checks.is_int(num_splits) or num_splits < 0:
+    _checks.static_flag("rotary_interleaved", rotary_interleaved)
+    _checks.static_flag("return_lse", return_lse)
+    if _checks.static_int("num_splits", num_splits) < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
 
 
@@ -218,8 +217,11 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     """
     _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
            page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
+    rotary_interleaved = _checks.static_flag("rotary_interleaved", rotary_interleaved)
+    return_lse = _checks.static_flag("return_lse", return_lse)
+    num_splits = _checks.static_int("num_splits", num_splits)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, False, implementation)
+                              sinks is not None, False, implementation, return_lse)
     static_seqlens = None
     if _checks.is_int(cache_seqlens):
         static_seqlens = int(cache_seqlens)

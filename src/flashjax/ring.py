@@ -478,7 +478,7 @@ def ring_attention(q, k, v, axis_name, *, softmax_scale=None, causal=False, wind
         raise ValueError(f"layout='zigzag' needs an even number of local rows, got {q.shape[1]}")
     _checks.check_sinks(sinks, q.shape[2])
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic, implementation)
+                              sinks is not None, deterministic, implementation, return_lse)
     plan = Plan(cfg, layout, choose_strategy(strategy, q.shape[2] // k.shape[2], cfg))
     _ffi.load()
     if sinks is None:

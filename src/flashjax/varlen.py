@@ -110,7 +110,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if page_table is not None:
         k, v, cu_seqlens_k, seqused_k = _unpage(k, v, page_table, seqused_k, max_k)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic, implementation, packed=True,
+                              sinks is not None, deterministic, implementation, return_lse,
+                              packed=True,
                               max_seqlen_q=max_q, max_seqlen_k=max_k)
     layout = Layout(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                     seqused_k=seqused_k,

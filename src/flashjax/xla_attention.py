@@ -45,7 +45,7 @@ from jax import lax
 from . import _calls
 from ._calls import Config, Layout
 
-__all__ = ["attention_core"]
+__all__ = ["attention_core", "no_work_attention"]
 
 # Target block sizes (rows of queries and keys per block): the blocks of a call are at
 # most this large (a length is cut into equal blocks, rounded up to a multiple of 8).
@@ -532,6 +532,20 @@ def _check(q, k, v, cfg: Config):
         raise ValueError(f"xla_attention: q, k, v must have rank {rank} "
                          f"({'packed' if cfg.packed else 'dense'}), got {q.shape}, {k.shape}, "
                          f"{v.shape} (vmap over extra leading dimensions)")
+
+
+def no_work_attention(q, k, v, sinks, layout: Layout, cfg: Config):
+    """(out, lse) of a call with no query rows or no keys (any implementation: no kernel
+    runs): out 0; lse -inf, or, with sinks, the sink logit for the used rows (a softmax
+    over the sink alone). Plain JAX, so autodiff needs no rule (dsinks = the lse
+    cotangent of the used rows)."""
+    out = jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)
+    *_, rows = _as_dense(q, k, v, layout, cfg)
+    used = rows.q_valid[:, None, :]  # (batch, 1, seqlen_q)
+    lse = jnp.full(used.shape[:1] + (q.shape[-2],) + used.shape[2:], -jnp.inf, jnp.float32)
+    if cfg.has_sinks:
+        lse = jnp.where(used, sinks.astype(jnp.float32)[None, :, None], lse)
+    return out, (lse[0] if cfg.packed else lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
