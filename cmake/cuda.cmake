@@ -14,15 +14,15 @@ set(CMAKE_CUDA_RUNTIME_LIBRARY Static)
 set_target_properties(flashjax_ffi PROPERTIES CUDA_ARCHITECTURES OFF)
 
 target_sources(flashjax_ffi PRIVATE
-  csrc/cuda/launch.cu
-  csrc/cuda/sequence_layout.cu
-  csrc/cuda/simt_attention.cu
-  csrc/cuda/tensor_core_forward.cu
-  csrc/cuda/hopper_forward.cu
-  csrc/cuda/kvcache_attention.cu
-  csrc/cuda/sm90/bwd_launch.cu
-  csrc/cuda/tensor_core_backward.cu
-  csrc/ffi/cuda_handlers.cc)
+  cuda/launch.cu
+  cuda/sequence_layout.cu
+  cuda/simt_attention.cu
+  cuda/tensor_core_forward.cu
+  cuda/hopper_forward.cu
+  cuda/kvcache_attention.cu
+  cuda/sm90/bwd_launch.cu
+  cuda/tensor_core_backward.cu
+  ffi/cuda_handlers.cc)
 target_link_libraries(flashjax_ffi PRIVATE CUDA::cudart_static)
 
 set(_gencode "")
