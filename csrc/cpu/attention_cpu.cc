@@ -286,6 +286,7 @@ struct BackwardTiles {
   float *Q, *dO, *Kr, *Kt, *Vr, *Vt, *S, *P, *dS;
   float *lse, *D;
   bool rows_finite = true, keys_finite = true;
+  int64_t rows = 0;  // used rows of the loaded Q / dO tile (the rest is padding)
   BackwardTiles(Scratch& scratch, const Shape& s) {
     const int64_t tile = kBlockQ * kBlockK;
     Q = scratch.get(kBlockQ * s.dp + kBlockQ * s.dvp + 2 * kBlockK * s.dp +
@@ -318,6 +319,7 @@ struct BackwardHead {
     load_tile<T>(t.Q, shape.dp, kBlockQ, query_rows(p.q, seq, h), q0, rows, p.head_dim,
                  p.softmax_scale);
     load_tile<T>(t.dO, shape.dvp, kBlockQ, query_rows(p.dout, seq, h), q0, rows, p.head_dim_v);
+    t.rows = rows;
     const TileKernels& kernels = tile_kernels();
     t.rows_finite = kernels.all_finite(t.Q, kBlockQ * shape.dp) &&
                     kernels.all_finite(t.dO, kBlockQ * shape.dvp);
@@ -364,7 +366,8 @@ struct BackwardHead {
 
 // C += A B for one of the products that sum over tile pairs (P^T dO, dS^T Q,
 // dS K). With inf / NaN in B only pairs the mask lets through add (masked
-// pairs have S = -inf), so nothing leaks into rows / keys that never see it.
+// pairs have S = -inf; padding rows are not pairs: their S is not masked), so
+// nothing leaks into rows / keys that never see it.
 // A is P or dS, laid out like S (queries x keys), read transposed with trans_a.
 void pair_product(const BackwardTiles& t, bool b_finite, float* C, int64_t ldc, const float* A,
                   bool trans_a, const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K) {
@@ -373,7 +376,8 @@ void pair_product(const BackwardTiles& t, bool b_finite, float* C, int64_t ldc, 
     return;
   }
   visible_product(C, ldc, A, kBlockK, trans_a, B, ldb, M, N, K, [&](int64_t i, int64_t k) {
-    return (trans_a ? t.S[k * kBlockK + i] : t.S[i * kBlockK + k]) != kNegInf;
+    const int64_t row = trans_a ? k : i, key = trans_a ? i : k;
+    return row < t.rows && t.S[row * kBlockK + key] != kNegInf;
   });
 }
 
