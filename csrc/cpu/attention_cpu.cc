@@ -127,10 +127,8 @@ void mask_scores(float* S, float softcap, const TileMask& mask, bool* seen) {
       for (int64_t j = 0; j < kBlockK; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
     int64_t lo, hi;
     mask.window(r, lo, hi);
-    if (mask.needs_mask || mask.cols < kBlockK) {
-      std::fill(s, s + lo, kNegInf);
-      std::fill(s + hi, s + kBlockK, kNegInf);
-    }
+    std::fill(s, s + lo, kNegInf);
+    std::fill(s + hi, s + kBlockK, kNegInf);
     bool any = lo < hi;
     if (mask.needs_segment_mask) {
       any = false;

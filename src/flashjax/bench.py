@@ -34,10 +34,11 @@ Each time is the median over ``--iters`` runs after compilation and ``--warmup``
 every run is blocked with ``block_until_ready`` and timed with ``time.perf_counter``.
 A case that fails (unsupported by cuDNN, out of memory, ...) shows ``n/a`` and a reason.
 
-On the CPU the rates are GFLOP/s, and each shape also times a float32 GEMM in the same
-process (a jitted ``jnp.dot`` of two 2048x2048 matrices, median after warm-up): every
-row shows its rate as a fraction of that GEMM rate ("x GEMM"), which stays meaningful
-on a machine whose speed (sharing, clocks) moves between runs.
+On the CPU the rates are GFLOP/s, and a float32 GEMM is timed in the same process (a
+jitted ``jnp.dot`` of two 2048x2048 matrices, median after warm-up) before and after
+every measurement: each cell shows that GEMM rate (the mean of the two) and its own rate
+as a fraction of it ("x GEMM"), which stays meaningful on a machine whose speed
+(sharing, clocks) moves between and within runs.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ FA3_HEAD_DIMS = (64, 128, 256)
 
 REASON_CHARS = 60
 GEMM_SIZE = 2048  # the CPU's reference GEMM: two float32 GEMM_SIZE x GEMM_SIZE matrices
-GEMM_ITERS = 10
+GEMM_ITERS = 5
 
 
 class Unsupported(Exception):
@@ -106,7 +107,7 @@ class Result:
     impl: str
     ms: float | None = None
     error: str | None = None
-    gemm_gflops: float | None = None  # CPU: the float32 GEMM rate measured next to this case
+    gemm_gflops: float | None = None  # CPU: the float32 GEMM rate around this measurement
 
     @property
     def tflops(self) -> float | None:
@@ -261,7 +262,7 @@ def gemm_gflops(iters: int = GEMM_ITERS) -> float:
     ka, kb = jax.random.split(jax.random.key(1))
     a = jax.random.normal(ka, (GEMM_SIZE, GEMM_SIZE), jnp.float32)
     b = jax.random.normal(kb, (GEMM_SIZE, GEMM_SIZE), jnp.float32)
-    ms = median_ms(jax.jit(jnp.dot), (a, b), warmup=2, iters=iters)
+    ms = median_ms(jax.jit(jnp.dot), (a, b), warmup=1, iters=iters)
     return 2.0 * GEMM_SIZE ** 3 / (ms * 1e-3) / 1e9
 
 
@@ -446,29 +447,24 @@ def group_results(results: list[Result]) -> dict[tuple[Case, str], dict[str, Res
 
 def results_table(results: list[Result], impls: list[str]) -> str:
     """One row per (shape, mode), two columns (ms, TFLOP/s) per impl; n/a reasons as notes.
-    On the CPU (results carry a GEMM rate): the GEMM's GFLOP/s, then per impl ms, GFLOP/s
-    and the fraction of the GEMM rate."""
+    On the CPU (results carry a GEMM rate) four per impl: ms, GFLOP/s, the GEMM's GFLOP/s
+    around that measurement and the fraction of it."""
     notes: dict[str, int] = {}
     cpu = any(r.gemm_gflops is not None for r in results)
 
     def cells(r: Result) -> list[str]:
         if r.ms is None:
-            return [f"n/a [{notes.setdefault(r.error, len(notes) + 1)}]"] + [""] * (1 + cpu)
+            return [f"n/a [{notes.setdefault(r.error, len(notes) + 1)}]"] + [""] * (1 + 2 * cpu)
         if cpu:
-            return [f"{r.ms:.1f}", f"{r.gflops:.1f}", f"{r.gemm_fraction:.2f}"]
+            return [f"{r.ms:.1f}", f"{r.gflops:.1f}", f"{r.gemm_gflops:.1f}",
+                    f"{r.gemm_fraction:.2f}"]
         return [f"{r.ms:.3f}", f"{r.tflops:.2f}"]
 
-    header = list(CASE_COLUMNS.values()) + (["GEMM GFLOP/s"] if cpu else [])
+    header = list(CASE_COLUMNS.values())
     for impl in impls:
-        header += ([f"{impl} ms", f"{impl} GFLOP/s", f"{impl} x GEMM"] if cpu
+        header += ([f"{impl} ms", f"{impl} GFLOP/s", "GEMM GFLOP/s", f"{impl} x GEMM"] if cpu
                    else [f"{impl} ms", f"{impl} TFLOP/s"])
-
-    def gemm_cell(by_impl: dict[str, Result]) -> list[str]:
-        rates = [r.gemm_gflops for r in by_impl.values() if r.gemm_gflops is not None]
-        return [f"{rates[0]:.1f}" if rates else ""] if cpu else []
-
-    rows = [case_cells(case, mode) + gemm_cell(by_impl)
-            + [c for impl in impls for c in cells(by_impl[impl])]
+    rows = [case_cells(case, mode) + [c for impl in impls for c in cells(by_impl[impl])]
             for (case, mode), by_impl in group_results(results).items()]
     return "\n".join([format_table(header, rows),
                       *(f"[{n}] {reason}" for reason, n in notes.items())])
@@ -552,17 +548,19 @@ def run(args: argparse.Namespace) -> list[Result]:
     try:
         for n, case in enumerate(cases, 1):
             inputs = make_inputs(case)
-            gemm = gemm_gflops() if cpu else None  # next to each shape: the machine's speed moves
-            if cpu:
-                print(f"[{n}/{len(cases)}] float32 GEMM {GEMM_SIZE}^3: {gemm:.1f} GFLOP/s",
-                      flush=True)
+            # CPU: the GEMM rate before and after each measurement (the speed of a shared
+            # machine moves within a run)
+            gemm_before = gemm_gflops() if cpu else None
             for mode in args.mode:
                 for impl in args.impl:
                     print(f"[{n}/{len(cases)}] {mode:6s} {impl:8s} {case.label()} ...",
                           end=" ", flush=True)
                     result = measure(case, mode, impl, inputs, args.warmup, args.iters,
                                      args.loop)
-                    result.gemm_gflops = gemm
+                    if cpu:
+                        gemm_after = gemm_gflops()
+                        result.gemm_gflops = (gemm_before + gemm_after) / 2
+                        gemm_before = gemm_after
                     print(format_cell(result).strip(), flush=True)
                     results.append(result)
                     if json_file:
