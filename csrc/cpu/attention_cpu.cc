@@ -16,9 +16,11 @@ namespace flashjax::cpu {
 namespace {
 
 // Tile sizes: a 128 x 128 score tile (64 KB) and the Q / K / V / O tiles of
-// head_dim 64 (32 KB each) stay in L2, and every K / V tile loaded (and K
-// transposed) serves 128 query rows.
+// head_dim 64 (32 KB each) stay in L2.
 constexpr int64_t kBlockQ = 128;  // query rows per tile (multiple of 4)
+// The forward's query tiles are taller: each K / V tile loaded and K transposed
+// then serves 256 rows (the backward reuses its key tiles over all query tiles).
+constexpr int64_t kForwardBlockQ = 256;
 constexpr int64_t kBlockK = 128;  // keys per tile (multiple of kRowAlign)
 constexpr float kNegInf = kNegInfinity;
 
@@ -161,12 +163,13 @@ void visible_product(float* C, int64_t ldc, const float* A, int64_t lda, bool tr
 // Per-call geometry shared by forward and backward.
 struct Shape {
   int64_t dp, dvp;  // padded head dims
-  int64_t q_tiles, k_tiles;
+  int64_t q_tiles, k_tiles, forward_q_tiles;
   explicit Shape(const AttentionParams& p)
       : dp(round_up(p.head_dim, kRowAlign)),
         dvp(round_up(p.head_dim_v, kRowAlign)),
         q_tiles(ceil_div(p.seqlen_q, kBlockQ)),
-        k_tiles(ceil_div(p.seqlen_k, kBlockK)) {}
+        k_tiles(ceil_div(p.seqlen_k, kBlockK)),
+        forward_q_tiles(ceil_div(p.seqlen_q, kForwardBlockQ)) {}
 };
 
 // Does every row of [q0, q0+rows) see every key of [k0, k0+cols)?
@@ -202,11 +205,11 @@ float sink_logit(const AttentionParams& p, int64_t b, int64_t h) {
 
 template <class T>
 void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
-  const auto [b, h, qt] = Task(task, shape.q_tiles, p.heads_q);
+  const auto [b, h, qt] = Task(task, shape.forward_q_tiles, p.heads_q);
   const SeqlenInfo seq(p, b);
-  const int64_t q0 = qt * kBlockQ;
+  const int64_t q0 = qt * kForwardBlockQ;
   if (q0 >= seq.q_slot) return;
-  const int64_t rows = std::min(kBlockQ, seq.q_slot - q0);
+  const int64_t rows = std::min(kForwardBlockQ, seq.q_slot - q0);
   const int64_t used = used_rows(seq.seqlen_q, q0, rows);
   const int64_t hk = h / p.group_size();
   const int64_t dp = shape.dp, dvp = shape.dvp;
@@ -214,23 +217,24 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
 
   const TileKernels& kernels = tile_kernels();
   thread_local Scratch scratch;
-  float* Q = scratch.get(kBlockQ * dp + 2 * dp * kBlockK + kBlockK * dvp +
-                         kBlockQ * kBlockK + kBlockQ * dvp + 3 * kBlockQ);
-  float* Kt = Q + kBlockQ * dp;
+  float* Q = scratch.get(kForwardBlockQ * dp + 2 * dp * kBlockK + kBlockK * dvp +
+                         kForwardBlockQ * kBlockK + kForwardBlockQ * dvp + 3 * kForwardBlockQ);
+  float* Kt = Q + kForwardBlockQ * dp;
   float* Kr = Kt + dp * kBlockK;
   float* V = Kr + dp * kBlockK;
   float* S = V + kBlockK * dvp;
-  float* O = S + kBlockQ * kBlockK;
-  float* m = O + kBlockQ * dvp;
-  float* l = m + kBlockQ;
-  bool* seen = reinterpret_cast<bool*>(l + kBlockQ);  // the row saw a key
-  std::fill(O, O + kBlockQ * dvp, 0.0f);
-  std::fill(m, m + kBlockQ, kNegInf);
-  std::fill(l, l + kBlockQ, 0.0f);
-  std::fill(seen, seen + kBlockQ, false);
+  float* O = S + kForwardBlockQ * kBlockK;
+  float* m = O + kForwardBlockQ * dvp;
+  float* l = m + kForwardBlockQ;
+  bool* seen = reinterpret_cast<bool*>(l + kForwardBlockQ);  // the row saw a key
+  std::fill(O, O + kForwardBlockQ * dvp, 0.0f);
+  std::fill(m, m + kForwardBlockQ, kNegInf);
+  std::fill(l, l + kForwardBlockQ, 0.0f);
+  std::fill(seen, seen + kForwardBlockQ, false);
 
   const HeadRows k_rows = key_rows(p.k, seq, hk), v_rows = key_rows(p.v, seq, hk);
-  load_tile<T>(Q, dp, kBlockQ, query_rows(p.q, seq, h), q0, used, p.head_dim, p.softmax_scale);
+  load_tile<T>(Q, dp, kForwardBlockQ, query_rows(p.q, seq, h), q0, used, p.head_dim,
+               p.softmax_scale);
 
   const KeySpan keys(seq, q0, used);
   for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
@@ -242,13 +246,13 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
     load_tile<T>(V, dvp, kBlockK, v_rows, k0, cols, p.head_dim_v);
     const TileMask mask{seq, segments, q0, used, k0, cols,
                         tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform()};
-    kernels.gemm(S, kBlockK, Q, dp, false, Kt, kBlockK, kBlockQ, kBlockK, dp, false);
+    kernels.gemm(S, kBlockK, Q, dp, false, Kt, kBlockK, kForwardBlockQ, kBlockK, dp, false);
     mask_scores(S, p.softcap, mask, seen);
-    kernels.softmax_step(S, kBlockK, used, kBlockQ, kBlockK, m, l, O, dvp);
+    kernels.softmax_step(S, kBlockK, used, kForwardBlockQ, kBlockK, m, l, O, dvp);
     if (kernels.all_finite(V, kBlockK * dvp))
-      kernels.gemm(O, dvp, S, kBlockK, false, V, dvp, kBlockQ, dvp, kBlockK, true);
+      kernels.gemm(O, dvp, S, kBlockK, false, V, dvp, kForwardBlockQ, dvp, kBlockK, true);
     else  // inf / NaN in V: only visible pairs may add (0 * NaN is NaN)
-      visible_product(O, dvp, S, kBlockK, false, V, dvp, kBlockQ, dvp, kBlockK,
+      visible_product(O, dvp, S, kBlockK, false, V, dvp, kForwardBlockQ, dvp, kBlockK,
                       [&](int64_t r, int64_t j) { return mask.visible(r, j); });
   }
 
@@ -625,7 +629,7 @@ void attention_forward(const AttentionParams& p) {
       float* lse = static_cast<float*>(p.lse.data);
       std::fill(lse, lse + stat_rows(p), kNegInf);
     }
-    parallel_for(p.batch * p.heads_q * shape.q_tiles,
+    parallel_for(p.batch * p.heads_q * shape.forward_q_tiles,
                  [&](int64_t task) { forward_tile<T>(p, shape, task); });
   });
 }
