@@ -15,9 +15,14 @@
 namespace flashjax::cpu {
 namespace {
 
-constexpr int64_t kBlockQ = 64;  // query rows per tile (multiple of 4)
-constexpr int64_t kBlockK = 64;  // keys per tile (multiple of 16)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Tile sizes: a 128 x 128 score tile (64 KB) and the Q / K / V / O tiles of
+// head_dim 64 (32 KB each) stay in L2.
+constexpr int64_t kBlockQ = 128;  // query rows per tile (multiple of 4)
+// The forward's query tiles are taller: each K / V tile loaded and K transposed
+// then serves 256 rows (the backward reuses its key tiles over all query tiles).
+constexpr int64_t kForwardBlockQ = 256;
+constexpr int64_t kBlockK = 128;  // keys per tile (multiple of kRowAlign)
+constexpr float kNegInf = kNegInfinity;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -45,17 +50,18 @@ HeadRows key_rows(const TensorRef& ref, const SeqlenInfo& seq, int64_t h) {
   return {ref, seq, h, true};
 }
 
-// Copies `rows` rows of `dim` elements into a float tile of `ld` columns and
-// `pad_rows` rows; the padding is zero so that it contributes nothing.
+// Copies `rows` rows of `dim` elements, times `scale`, into a float tile of
+// `ld` columns and `pad_rows` rows; the padding is zero so that it contributes
+// nothing.
 template <class T>
 void load_tile(float* tile, int64_t ld, int64_t pad_rows, HeadRows src_rows, int64_t row0,
-               int64_t rows, int64_t dim) {
+               int64_t rows, int64_t dim, float scale = 1.0f) {
   for (int64_t r = 0; r < pad_rows; ++r) {
     float* dst = tile + r * ld;
     int64_t filled = 0;
     if (r < rows) {
       const T* src = src_rows.row<const T>(row0 + r);
-      for (int64_t c = 0; c < dim; ++c) dst[c] = to_float(src[c]);
+      for (int64_t c = 0; c < dim; ++c) dst[c] = to_float(src[c]) * scale;
       filled = dim;
     }
     std::fill(dst + filled, dst + ld, 0.0f);
@@ -89,103 +95,81 @@ class TileSegments {
   IdRange q_, k_;
 };
 
-// Turns raw q.k products into scores: scale, softcap, then -inf outside the
-// visible window, beyond the `cols` valid keys of the tile and, with segment
-// ids, between different segments.
-FJ_MULTIVERSION
-void finish_scores(float* S, const AttentionParams& p, const SeqlenInfo& seq,
-                   const SegmentIds& segments, int64_t q0, int64_t rows, int64_t k0,
-                   int64_t cols, bool needs_mask, bool needs_segment_mask) {
-  const float scale = p.softmax_scale, cap = p.softcap;
-  for (int64_t r = 0; r < rows; ++r) {
+// Which (row, key) pairs of a tile pair are visible: inside the row's key
+// window, among the tile's `cols` valid keys and, with segment ids, in the
+// row's segment. The one definition both the score mask and the careful
+// products below use.
+struct TileMask {
+  const SeqlenInfo& seq;
+  const SegmentIds& segments;
+  int64_t q0, rows, k0, cols;
+  bool needs_mask, needs_segment_mask;
+
+  // Visible columns [lo, hi) of row r before segment ids.
+  void window(int64_t r, int64_t& lo, int64_t& hi) const {
+    lo = 0, hi = cols;
+    if (!needs_mask) return;
+    lo = std::clamp<int64_t>(seq.first_key(q0 + r) - k0, 0, cols);
+    hi = std::clamp<int64_t>(seq.last_key(q0 + r) + 1 - k0, lo, cols);
+  }
+  bool visible(int64_t r, int64_t j) const {
+    if (r >= rows) return false;
+    int64_t lo, hi;
+    window(r, lo, hi);
+    return lo <= j && j < hi && (!needs_segment_mask || segments.visible(q0 + r, k0 + j));
+  }
+};
+
+// Turns q.k products (q pre-scaled) into scores: softcap, then -inf where the
+// mask hides a pair. seen[r] (when given) is set for rows that see a key here.
+void mask_scores(float* S, float softcap, const TileMask& mask, bool* seen) {
+  for (int64_t r = 0; r < mask.rows; ++r) {
     float* s = S + r * kBlockK;
-    if (cap > 0.0f) {
-      for (int64_t j = 0; j < kBlockK; ++j) s[j] = cap * std::tanh(s[j] * scale / cap);
-    } else {
-      for (int64_t j = 0; j < kBlockK; ++j) s[j] *= scale;
-    }
-    int64_t lo = 0, hi = cols;  // visible columns [lo, hi)
-    if (needs_mask) {
-      lo = std::clamp<int64_t>(seq.first_key(q0 + r) - k0, 0, cols);
-      hi = std::clamp<int64_t>(seq.last_key(q0 + r) + 1 - k0, lo, cols);
-    }
-    for (int64_t j = 0; j < lo; ++j) s[j] = kNegInf;
-    for (int64_t j = hi; j < kBlockK; ++j) s[j] = kNegInf;
-    if (needs_segment_mask)
-      for (int64_t j = lo; j < hi; ++j)
-        if (!segments.visible(q0 + r, k0 + j)) s[j] = kNegInf;
-  }
-}
-
-// One online-softmax step: S (scores) becomes P = exp(S - m_new), row maxima m
-// and sums l are updated and O is rescaled by exp(m_old - m_new).
-FJ_MULTIVERSION
-void online_softmax(float* S, int64_t rows, float* m, float* l, float* O, int64_t ldo) {
-  for (int64_t r = 0; r < kBlockQ; ++r) {
-    float* s = S + r * kBlockK;
-    if (r >= rows) {
-      std::fill(s, s + kBlockK, 0.0f);
-      continue;
-    }
-    const float m_new = std::max(m[r], row_max(s, kBlockK));
-    if (m_new == kNegInf) {  // nothing visible yet in this row
-      std::fill(s, s + kBlockK, 0.0f);
-      continue;
-    }
-    for (int64_t j = 0; j < kBlockK; ++j) s[j] = exp_approx(s[j] - m_new);
-    const float sum = row_sum(s, kBlockK);
-    const float alpha = exp_approx(m[r] - m_new);
-    if (alpha != 1.0f) {
-      float* o = O + r * ldo;
-      for (int64_t c = 0; c < ldo; ++c) o[c] *= alpha;
-    }
-    l[r] = l[r] * alpha + sum;
-    m[r] = m_new;
-  }
-}
-
-// P = exp(S - lse) for the backward (0 where masked, in padding rows, or in rows
-// that saw nothing).
-FJ_MULTIVERSION
-void probabilities(float* P, const float* S, int64_t rows, const float* lse) {
-  for (int64_t r = 0; r < kBlockQ; ++r) {
-    float* pr = P + r * kBlockK;
-    const float* s = S + r * kBlockK;
-    if (r >= rows || lse[r] == kNegInf) {
-      std::fill(pr, pr + kBlockK, 0.0f);
-      continue;
-    }
-    for (int64_t j = 0; j < kBlockK; ++j) pr[j] = exp_approx(s[j] - lse[r]);
-  }
-}
-
-// dP becomes dS = dL/d(scaled q.k): P * (dP - D), times the softcap derivative.
-FJ_MULTIVERSION
-void score_gradient(float* dP, const float* P, const float* S, const float* D, float cap) {
-  for (int64_t r = 0; r < kBlockQ; ++r) {
-    float* g = dP + r * kBlockK;
-    const float* pr = P + r * kBlockK;
-    const float* s = S + r * kBlockK;
-    for (int64_t j = 0; j < kBlockK; ++j) {
-      float ds = pr[j] * (g[j] - D[r]);
-      if (cap > 0.0f) {
-        const float t = pr[j] > 0.0f ? s[j] / cap : 0.0f;
-        ds *= 1.0f - t * t;
+    if (softcap > 0.0f)
+      for (int64_t j = 0; j < kBlockK; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+    int64_t lo, hi;
+    mask.window(r, lo, hi);
+    std::fill(s, s + lo, kNegInf);
+    std::fill(s + hi, s + kBlockK, kNegInf);
+    bool any = lo < hi;
+    if (mask.needs_segment_mask) {
+      any = false;
+      for (int64_t j = lo; j < hi; ++j) {
+        if (mask.segments.visible(mask.q0 + r, mask.k0 + j))
+          any = true;
+        else
+          s[j] = kNegInf;
       }
-      g[j] = ds;
     }
+    if (seen && any) seen[r] = true;
   }
+}
+
+// C[M][N] += A B over the pairs visible(i, k) only (A given as A[i][k], or as
+// A[k][i] with trans_a): the exact IEEE sum when B holds inf or NaN, so that a
+// hidden pair adds nothing (not 0 * NaN). Rare, so plain loops.
+template <class Visible>
+void visible_product(float* C, int64_t ldc, const float* A, int64_t lda, bool trans_a,
+                     const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                     Visible visible) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; ++k) {
+      if (!visible(i, k)) continue;
+      const float a = trans_a ? A[k * lda + i] : A[i * lda + k];
+      for (int64_t n = 0; n < N; ++n) C[i * ldc + n] += a * B[k * ldb + n];
+    }
 }
 
 // Per-call geometry shared by forward and backward.
 struct Shape {
   int64_t dp, dvp;  // padded head dims
-  int64_t q_tiles, k_tiles;
+  int64_t q_tiles, k_tiles, forward_q_tiles;
   explicit Shape(const AttentionParams& p)
       : dp(round_up(p.head_dim, kRowAlign)),
         dvp(round_up(p.head_dim_v, kRowAlign)),
         q_tiles(ceil_div(p.seqlen_q, kBlockQ)),
-        k_tiles(ceil_div(p.seqlen_k, kBlockK)) {}
+        k_tiles(ceil_div(p.seqlen_k, kBlockK)),
+        forward_q_tiles(ceil_div(p.seqlen_q, kForwardBlockQ)) {}
 };
 
 // Does every row of [q0, q0+rows) see every key of [k0, k0+cols)?
@@ -221,32 +205,36 @@ float sink_logit(const AttentionParams& p, int64_t b, int64_t h) {
 
 template <class T>
 void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
-  const auto [b, h, qt] = Task(task, shape.q_tiles, p.heads_q);
+  const auto [b, h, qt] = Task(task, shape.forward_q_tiles, p.heads_q);
   const SeqlenInfo seq(p, b);
-  const int64_t q0 = qt * kBlockQ;
+  const int64_t q0 = qt * kForwardBlockQ;
   if (q0 >= seq.q_slot) return;
-  const int64_t rows = std::min(kBlockQ, seq.q_slot - q0);
+  const int64_t rows = std::min(kForwardBlockQ, seq.q_slot - q0);
   const int64_t used = used_rows(seq.seqlen_q, q0, rows);
   const int64_t hk = h / p.group_size();
   const int64_t dp = shape.dp, dvp = shape.dvp;
   const SegmentIds segments(p, b);
 
+  const TileKernels& kernels = tile_kernels();
   thread_local Scratch scratch;
-  float* Q = scratch.get(kBlockQ * dp + 2 * dp * kBlockK + kBlockK * dvp +
-                         kBlockQ * kBlockK + kBlockQ * dvp + 2 * kBlockQ);
-  float* Kt = Q + kBlockQ * dp;
+  float* Q = scratch.get(kForwardBlockQ * dp + 2 * dp * kBlockK + kBlockK * dvp +
+                         kForwardBlockQ * kBlockK + kForwardBlockQ * dvp + 3 * kForwardBlockQ);
+  float* Kt = Q + kForwardBlockQ * dp;
   float* Kr = Kt + dp * kBlockK;
   float* V = Kr + dp * kBlockK;
   float* S = V + kBlockK * dvp;
-  float* O = S + kBlockQ * kBlockK;
-  float* m = O + kBlockQ * dvp;
-  float* l = m + kBlockQ;
-  std::fill(O, O + kBlockQ * dvp, 0.0f);
-  std::fill(m, m + kBlockQ, kNegInf);
-  std::fill(l, l + kBlockQ, 0.0f);
+  float* O = S + kForwardBlockQ * kBlockK;
+  float* m = O + kForwardBlockQ * dvp;
+  float* l = m + kForwardBlockQ;
+  bool* seen = reinterpret_cast<bool*>(l + kForwardBlockQ);  // the row saw a key
+  std::fill(O, O + kForwardBlockQ * dvp, 0.0f);
+  std::fill(m, m + kForwardBlockQ, kNegInf);
+  std::fill(l, l + kForwardBlockQ, 0.0f);
+  std::fill(seen, seen + kForwardBlockQ, false);
 
   const HeadRows k_rows = key_rows(p.k, seq, hk), v_rows = key_rows(p.v, seq, hk);
-  load_tile<T>(Q, dp, kBlockQ, query_rows(p.q, seq, h), q0, used, p.head_dim);
+  load_tile<T>(Q, dp, kForwardBlockQ, query_rows(p.q, seq, h), q0, used, p.head_dim,
+               p.softmax_scale);
 
   const KeySpan keys(seq, q0, used);
   for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
@@ -256,26 +244,31 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
     load_tile<T>(Kr, dp, kBlockK, k_rows, k0, cols, p.head_dim);
     transpose(Kt, kBlockK, Kr, dp, kBlockK, dp);
     load_tile<T>(V, dvp, kBlockK, v_rows, k0, cols, p.head_dim_v);
-    std::fill(S, S + kBlockQ * kBlockK, 0.0f);
-    matmul_acc(S, kBlockK, Q, dp, Kt, kBlockK, kBlockQ, kBlockK, dp);
-    finish_scores(S, p, seq, segments, q0, used, k0, cols,
-                  tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform());
-    online_softmax(S, used, m, l, O, dvp);
-    matmul_acc(O, dvp, S, kBlockK, V, dvp, kBlockQ, dvp, kBlockK);
+    const TileMask mask{seq, segments, q0, used, k0, cols,
+                        tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform()};
+    kernels.gemm(S, kBlockK, Q, dp, false, Kt, kBlockK, kForwardBlockQ, kBlockK, dp, false);
+    mask_scores(S, p.softcap, mask, seen);
+    kernels.softmax_step(S, kBlockK, used, kForwardBlockQ, kBlockK, m, l, O, dvp);
+    if (kernels.all_finite(V, kBlockK * dvp))
+      kernels.gemm(O, dvp, S, kBlockK, false, V, dvp, kForwardBlockQ, dvp, kBlockK, true);
+    else  // inf / NaN in V: only visible pairs may add (0 * NaN is NaN)
+      visible_product(O, dvp, S, kBlockK, false, V, dvp, kForwardBlockQ, dvp, kBlockK,
+                      [&](int64_t r, int64_t j) { return mask.visible(r, j); });
   }
 
-  // Fold in the sink, normalise, and write out and lse; the slot's unused
-  // rows get 0 and -inf.
+  // Fold in the sink, normalise, and write out and lse. The slot's unused rows
+  // and rows that saw no key (without a sink) get 0 and -inf; a row whose
+  // visible scores are all -inf gets NaN, as exp(-inf - -inf) does.
   const float sink = sink_logit(p, b, h);
   float* lse = p.lse.at<float>(seq.batch, seq.q_row(q0), h);
   for (int64_t r = 0; r < rows; ++r) {
-    const float m_final = r < used ? std::max(m[r], sink) : kNegInf;
     float* o = O + r * dvp;
-    if (m_final == kNegInf) {  // the row saw no key and has no sink
+    if (r >= used || (!seen[r] && sink == kNegInf)) {
       std::fill(o, o + dvp, 0.0f);
       lse[r] = kNegInf;
       continue;
     }
+    const float m_final = nan_max(m[r], sink);
     const float keys_scale = std::exp(m[r] - m_final);
     const float total = l[r] * keys_scale + std::exp(sink - m_final);
     const float factor = keys_scale / total;
@@ -288,13 +281,18 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
 // ---------------------------------------------------------------- backward
 
 // Tiles one backward task works on: Q/dO rows and K/V columns as floats.
+// Q is pre-scaled by softmax_scale, as in the forward. The *_finite flags say
+// whether the loaded rows hold no inf / NaN (else the products that sum over
+// masked pairs take the careful path).
 struct BackwardTiles {
-  float *Q, *dO, *Kr, *Kt, *Vr, *Vt, *S, *P, *dS, *T;  // T: transposed P or dS
+  float *Q, *dO, *Kr, *Kt, *Vr, *Vt, *S, *P, *dS;
   float *lse, *D;
+  bool rows_finite = true, keys_finite = true;
+  int64_t rows = 0;  // used rows of the loaded Q / dO tile (the rest is padding)
   BackwardTiles(Scratch& scratch, const Shape& s) {
     const int64_t tile = kBlockQ * kBlockK;
     Q = scratch.get(kBlockQ * s.dp + kBlockQ * s.dvp + 2 * kBlockK * s.dp +
-                    2 * s.dvp * kBlockK + 4 * tile + 2 * kBlockQ);
+                    2 * s.dvp * kBlockK + 3 * tile + 2 * kBlockQ);
     dO = Q + kBlockQ * s.dp;
     Kr = dO + kBlockQ * s.dvp;
     Kt = Kr + kBlockK * s.dp;
@@ -303,8 +301,7 @@ struct BackwardTiles {
     S = Vt + s.dvp * kBlockK;
     P = S + tile;
     dS = P + tile;
-    T = dS + tile;
-    lse = T + tile;
+    lse = dS + tile;
     D = lse + kBlockQ;
   }
 };
@@ -321,8 +318,13 @@ struct BackwardHead {
 
   // Loads used query rows [q0, q0 + rows).
   void load_rows(BackwardTiles& t, int64_t q0, int64_t rows) const {
-    load_tile<T>(t.Q, shape.dp, kBlockQ, query_rows(p.q, seq, h), q0, rows, p.head_dim);
+    load_tile<T>(t.Q, shape.dp, kBlockQ, query_rows(p.q, seq, h), q0, rows, p.head_dim,
+                 p.softmax_scale);
     load_tile<T>(t.dO, shape.dvp, kBlockQ, query_rows(p.dout, seq, h), q0, rows, p.head_dim_v);
+    t.rows = rows;
+    const TileKernels& kernels = tile_kernels();
+    t.rows_finite = kernels.all_finite(t.Q, kBlockQ * shape.dp) &&
+                    kernels.all_finite(t.dO, kBlockQ * shape.dvp);
     load_stats(t, q0, rows);
   }
 
@@ -339,6 +341,7 @@ struct BackwardHead {
   void load_keys(BackwardTiles& t, int64_t k0, int64_t cols) const {
     const int64_t hk = h / p.group_size();
     load_tile<T>(t.Kr, shape.dp, kBlockK, key_rows(p.k, seq, hk), k0, cols, p.head_dim);
+    t.keys_finite = tile_kernels().all_finite(t.Kr, kBlockK * shape.dp);
     transpose(t.Kt, kBlockK, t.Kr, shape.dp, kBlockK, shape.dp);
     load_tile<T>(t.Vr, shape.dvp, kBlockK, key_rows(p.v, seq, hk), k0, cols, p.head_dim_v);
     transpose(t.Vt, kBlockK, t.Vr, shape.dvp, kBlockK, shape.dvp);
@@ -349,17 +352,36 @@ struct BackwardHead {
   bool gradients(BackwardTiles& t, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
     const TileSegments tile_segments(segments, q0, rows, k0, cols);
     if (!tile_segments.meet()) return false;
-    std::fill(t.S, t.S + kBlockQ * kBlockK, 0.0f);
-    matmul_acc(t.S, kBlockK, t.Q, shape.dp, t.Kt, kBlockK, kBlockQ, kBlockK, shape.dp);
-    finish_scores(t.S, p, seq, segments, q0, rows, k0, cols,
-                  tile_needs_mask(seq, q0, rows, k0, cols), !tile_segments.uniform());
-    probabilities(t.P, t.S, rows, t.lse);
-    std::fill(t.dS, t.dS + kBlockQ * kBlockK, 0.0f);
-    matmul_acc(t.dS, kBlockK, t.dO, shape.dvp, t.Vt, kBlockK, kBlockQ, kBlockK, shape.dvp);
-    score_gradient(t.dS, t.P, t.S, t.D, p.softcap);
+    const TileKernels& kernels = tile_kernels();
+    const TileMask mask{seq, segments, q0, rows, k0, cols,
+                        tile_needs_mask(seq, q0, rows, k0, cols), !tile_segments.uniform()};
+    kernels.gemm(t.S, kBlockK, t.Q, shape.dp, false, t.Kt, kBlockK, kBlockQ, kBlockK, shape.dp,
+                 false);
+    mask_scores(t.S, p.softcap, mask, nullptr);
+    kernels.gemm(t.dS, kBlockK, t.dO, shape.dvp, false, t.Vt, kBlockK, kBlockQ, kBlockK,
+                 shape.dvp, false);
+    kernels.backward_scores(t.S, t.P, t.dS, kBlockK, rows, kBlockQ, kBlockK, t.lse, t.D,
+                            p.softcap);
     return true;
   }
 };
+
+// C += A B for one of the products that sum over tile pairs (P^T dO, dS^T Q,
+// dS K). With inf / NaN in B only pairs the mask lets through add (masked
+// pairs have S = -inf; padding rows are not pairs: their S is not masked), so
+// nothing leaks into rows / keys that never see it.
+// A is P or dS, laid out like S (queries x keys), read transposed with trans_a.
+void pair_product(const BackwardTiles& t, bool b_finite, float* C, int64_t ldc, const float* A,
+                  bool trans_a, const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K) {
+  if (b_finite) {
+    tile_kernels().gemm(C, ldc, A, kBlockK, trans_a, B, ldb, M, N, K, true);
+    return;
+  }
+  visible_product(C, ldc, A, kBlockK, trans_a, B, ldb, M, N, K, [&](int64_t i, int64_t k) {
+    const int64_t row = trans_a ? k : i, key = trans_a ? i : k;
+    return row < t.rows && t.S[row * kBlockK + key] != kNegInf;
+  });
+}
 
 // A query tile's share of dsinks[b, h]: d lse_i / d sink = p_sink_i and
 // dL / d lse_i = -D_i.
@@ -414,16 +436,17 @@ void key_tile_gradients(const AttentionParams& p, const Shape& shape, const Tens
       const int64_t rows = std::min(kBlockQ, queries.end - q0);
       head.load_rows(t, q0, rows);
       if (!head.gradients(t, q0, rows, k0, used_cols)) continue;
-      transpose(t.T, kBlockQ, t.P, kBlockK, kBlockQ, kBlockK);
-      matmul_acc(dV, shape.dvp, t.T, kBlockQ, t.dO, shape.dvp, kBlockK, shape.dvp, kBlockQ);
-      transpose(t.T, kBlockQ, t.dS, kBlockK, kBlockQ, kBlockK);
-      matmul_acc(dK, shape.dp, t.T, kBlockQ, t.Q, shape.dp, kBlockK, shape.dp, kBlockQ);
+      pair_product(t, t.rows_finite, dV, shape.dvp, t.P, true, t.dO, shape.dvp, kBlockK,
+                   shape.dvp, kBlockQ);
+      pair_product(t, t.rows_finite, dK, shape.dp, t.dS, true, t.Q, shape.dp, kBlockK, shape.dp,
+                   kBlockQ);
       if (dQ)
-        matmul_acc(dQ + ((h - first_head) * rows_padded + q0) * shape.dp, shape.dp, t.dS, kBlockK,
-                   t.Kr, shape.dp, kBlockQ, shape.dp, kBlockK);
+        pair_product(t, t.keys_finite, dQ + ((h - first_head) * rows_padded + q0) * shape.dp,
+                     shape.dp, t.dS, false, t.Kr, shape.dp, kBlockQ, shape.dp, kBlockK);
     }
   }
-  store_tile<T>(key_rows(p.dk, seq, hk), k0, cols, p.head_dim, dK, shape.dp, p.softmax_scale);
+  // (Q was pre-scaled: dK carries softmax_scale already.)
+  store_tile<T>(key_rows(p.dk, seq, hk), k0, cols, p.head_dim, dK, shape.dp, 1.0f);
   store_tile<T>(key_rows(p.dv, seq, hk), k0, cols, p.head_dim_v, dV, shape.dvp, 1.0f);
 }
 
@@ -467,7 +490,8 @@ void backward_query_tile(const AttentionParams& p, const Shape& shape, const Ten
     const int64_t cols = std::min(kBlockK, keys.end - k0);
     head.load_keys(t, k0, cols);
     if (!head.gradients(t, q0, used, k0, cols)) continue;
-    matmul_acc(dQ, shape.dp, t.dS, kBlockK, t.Kr, shape.dp, kBlockQ, shape.dp, kBlockK);
+    pair_product(t, t.keys_finite, dQ, shape.dp, t.dS, false, t.Kr, shape.dp, kBlockQ, shape.dp,
+                 kBlockK);
   }
   store_tile<T>(query_rows(p.dq, seq, h), q0, rows, p.head_dim, dQ, shape.dp, p.softmax_scale);
 
@@ -605,7 +629,7 @@ void attention_forward(const AttentionParams& p) {
       float* lse = static_cast<float*>(p.lse.data);
       std::fill(lse, lse + stat_rows(p), kNegInf);
     }
-    parallel_for(p.batch * p.heads_q * shape.q_tiles,
+    parallel_for(p.batch * p.heads_q * shape.forward_q_tiles,
                  [&](int64_t task) { forward_tile<T>(p, shape, task); });
   });
 }

@@ -1,39 +1,64 @@
 #include "tile_math.h"
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace flashjax::cpu {
-FJ_MULTIVERSION
-void matmul_acc(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
-                int64_t ldb, int64_t M, int64_t N, int64_t K) {
-  // 4 rows x 16 columns of C live in 8 vector registers across the K loop.
-  for (int64_t i = 0; i < M; i += 4) {
-    const float* a0 = A + i * lda;
-    const float* a1 = a0 + lda;
-    const float* a2 = a1 + lda;
-    const float* a3 = a2 + lda;
-    for (int64_t j = 0; j < N; j += 16) {
-      float* c = C + i * ldc + j;
-      v8f c00 = load8(c), c01 = load8(c + 8);
-      v8f c10 = load8(c + ldc), c11 = load8(c + ldc + 8);
-      v8f c20 = load8(c + 2 * ldc), c21 = load8(c + 2 * ldc + 8);
-      v8f c30 = load8(c + 3 * ldc), c31 = load8(c + 3 * ldc + 8);
-      const float* b = B + j;
-      for (int64_t k = 0; k < K; ++k, b += ldb) {
-        const v8f b0 = load8(b), b1 = load8(b + 8);
-        const v8f x0 = v8f{} + a0[k], x1 = v8f{} + a1[k];
-        const v8f x2 = v8f{} + a2[k], x3 = v8f{} + a3[k];
-        c00 += x0 * b0; c01 += x0 * b1;
-        c10 += x1 * b0; c11 += x1 * b1;
-        c20 += x2 * b0; c21 += x2 * b1;
-        c30 += x3 * b0; c31 += x3 * b1;
-      }
-      store8(c, c00); store8(c + 8, c01);
-      store8(c + ldc, c10); store8(c + ldc + 8, c11);
-      store8(c + 2 * ldc, c20); store8(c + 2 * ldc + 8, c21);
-      store8(c + 3 * ldc, c30); store8(c + 3 * ldc + 8, c31);
-    }
-  }
+
+// One copy of the kernels per instruction set. The register block fills the
+// vector registers: 8 rows x 2 vectors of accumulators with 32 zmm registers,
+// 6 x 2 with 16 ymm, 4 x 2 with 16 xmm.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FJ_HAVE_ISA_CLONES 1
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+#define FJ_ISA avx512
+#define FJ_VEC_WIDTH 16
+#define FJ_GEMM_ROWS 8
+#include "tile_kernels.inc"
+#undef FJ_ISA
+#undef FJ_VEC_WIDTH
+#undef FJ_GEMM_ROWS
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+#define FJ_ISA avx2
+#define FJ_VEC_WIDTH 8
+#define FJ_GEMM_ROWS 6
+#include "tile_kernels.inc"
+#undef FJ_ISA
+#undef FJ_VEC_WIDTH
+#undef FJ_GEMM_ROWS
+#pragma GCC pop_options
+#endif
+
+#define FJ_ISA baseline
+#define FJ_VEC_WIDTH 4
+#define FJ_GEMM_ROWS 4
+#include "tile_kernels.inc"
+#undef FJ_ISA
+#undef FJ_VEC_WIDTH
+#undef FJ_GEMM_ROWS
+
+namespace {
+const TileKernels& select_kernels() {
+  const char* forced = std::getenv("FLASHJAX_CPU_ISA");
+  auto allowed = [&](const char* name) { return !forced || std::strcmp(forced, name) == 0; };
+#ifdef FJ_HAVE_ISA_CLONES
+  __builtin_cpu_init();
+  if (allowed("avx512") && __builtin_cpu_supports("x86-64-v4")) return avx512::kKernels;
+  if (allowed("avx2") && __builtin_cpu_supports("x86-64-v3")) return avx2::kKernels;
+#endif
+  (void)allowed;
+  return baseline::kKernels;
+}
+}  // namespace
+
+const TileKernels& tile_kernels() {
+  static const TileKernels& kernels = select_kernels();
+  return kernels;
 }
 
 void transpose(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows,

@@ -33,6 +33,12 @@ FLOPs follow the FlashAttention convention: fwd = 2*b*h*sq*sk*(d + d_v), which i
 Each time is the median over ``--iters`` runs after compilation and ``--warmup`` runs;
 every run is blocked with ``block_until_ready`` and timed with ``time.perf_counter``.
 A case that fails (unsupported by cuDNN, out of memory, ...) shows ``n/a`` and a reason.
+
+On the CPU the rates are GFLOP/s, and a float32 GEMM is timed in the same process (a
+jitted ``jnp.dot`` of two 2048x2048 matrices, median after warm-up) before and after
+every measurement: each cell shows that GEMM rate (the mean of the two) and its own rate
+as a fraction of it ("x GEMM"), which stays meaningful on a machine whose speed
+(sharing, clocks) moves between and within runs.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ FA3_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 FA3_HEAD_DIMS = (64, 128, 256)
 
 REASON_CHARS = 60
+GEMM_SIZE = 2048  # the CPU's reference GEMM: two float32 GEMM_SIZE x GEMM_SIZE matrices
+GEMM_ITERS = 5
 
 
 class Unsupported(Exception):
@@ -100,12 +108,23 @@ class Result:
     impl: str
     ms: float | None = None
     error: str | None = None
+    gemm_gflops: float | None = None  # CPU: the float32 GEMM rate around this measurement
 
     @property
     def tflops(self) -> float | None:
         if self.ms is None:
             return None
         return self.case.fwd_flops() * MODE_FLOP_FACTOR[self.mode] / (self.ms * 1e-3) / 1e12
+
+    @property
+    def gflops(self) -> float | None:
+        return None if self.tflops is None else self.tflops * 1e3
+
+    @property
+    def gemm_fraction(self) -> float | None:
+        if self.gflops is None or not self.gemm_gflops:
+            return None
+        return self.gflops / self.gemm_gflops
 
 
 # --------------------------------------------------------------------------- implementations
@@ -236,6 +255,16 @@ def median_ms(step: Callable, args, warmup: int, iters: int) -> float:
         jax.block_until_ready(step(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def gemm_gflops(iters: int = GEMM_ITERS) -> float:
+    """This process's float32 GEMM rate in GFLOP/s: a jitted ``jnp.dot`` of two
+    GEMM_SIZE x GEMM_SIZE matrices, median of `iters` runs after warm-up."""
+    ka, kb = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(ka, (GEMM_SIZE, GEMM_SIZE), jnp.float32)
+    b = jax.random.normal(kb, (GEMM_SIZE, GEMM_SIZE), jnp.float32)
+    ms = median_ms(jax.jit(jnp.dot), (a, b), warmup=1, iters=iters)
+    return 2.0 * GEMM_SIZE ** 3 / (ms * 1e-3) / 1e9
 
 
 def short_reason(error: Exception) -> str:
@@ -379,12 +408,15 @@ def device_info() -> dict:
 def result_record(result: Result, info: dict) -> dict:
     return {**info, **dataclasses.asdict(result.case), "impl": result.impl,
             "mode": result.mode, "ms": result.ms, "tflops": result.tflops,
-            "error": result.error}
+            "gemm_gflops": result.gemm_gflops, "error": result.error}
 
 
 def format_cell(result: Result) -> str:
     if result.ms is None:
         return f"n/a ({result.error})"
+    if result.gemm_gflops is not None:  # CPU
+        return (f"{result.ms:.1f} ms, {result.gflops:.1f} GFLOP/s, "
+                f"{result.gemm_fraction:.2f}x GEMM")
     return f"{result.ms:.3f} ms, {result.tflops:.2f} TFLOP/s"
 
 
@@ -418,17 +450,24 @@ def group_results(results: list[Result]) -> dict[tuple[Case, str], dict[str, Res
 
 
 def results_table(results: list[Result], impls: list[str]) -> str:
-    """One row per (shape, mode), two columns (ms, TFLOP/s) per impl; n/a reasons as notes."""
+    """One row per (shape, mode), two columns (ms, TFLOP/s) per impl; n/a reasons as notes.
+    On the CPU (results carry a GEMM rate) four per impl: ms, GFLOP/s, the GEMM's GFLOP/s
+    around that measurement and the fraction of it."""
     notes: dict[str, int] = {}
+    cpu = any(r.gemm_gflops is not None for r in results)
 
     def cells(r: Result) -> list[str]:
         if r.ms is None:
-            return [f"n/a [{notes.setdefault(r.error, len(notes) + 1)}]", ""]
+            return [f"n/a [{notes.setdefault(r.error, len(notes) + 1)}]"] + [""] * (1 + 2 * cpu)
+        if cpu:
+            return [f"{r.ms:.1f}", f"{r.gflops:.1f}", f"{r.gemm_gflops:.1f}",
+                    f"{r.gemm_fraction:.2f}"]
         return [f"{r.ms:.3f}", f"{r.tflops:.2f}"]
 
     header = list(CASE_COLUMNS.values())
     for impl in impls:
-        header += [f"{impl} ms", f"{impl} TFLOP/s"]
+        header += ([f"{impl} ms", f"{impl} GFLOP/s", "GEMM GFLOP/s", f"{impl} x GEMM"] if cpu
+                   else [f"{impl} ms", f"{impl} TFLOP/s"])
     rows = [case_cells(case, mode) + [c for impl in impls for c in cells(by_impl[impl])]
             for (case, mode), by_impl in group_results(results).items()]
     return "\n".join([format_table(header, rows),
@@ -452,6 +491,8 @@ def speedup_table(results: list[Result], impls: list[str]) -> str | None:
 
 
 def plot(results: list[Result], impls: list[str], path: str, title: str) -> None:
+    cpu = any(r.gemm_gflops is not None for r in results)
+    unit, scale = ("GFLOP/s", 1e3) if cpu else ("TFLOP/s", 1.0)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -465,7 +506,7 @@ def plot(results: list[Result], impls: list[str], path: str, title: str) -> None
         for col, (head_dim, causal) in enumerate(panels):
             ax = axes[row][col]
             for impl in impls:
-                points = sorted((r.case.seqlen_q, r.tflops) for r in results
+                points = sorted((r.case.seqlen_q, r.tflops * scale) for r in results
                                 if r.impl == impl and r.mode == mode and r.tflops is not None
                                 and (r.case.head_dim, r.case.causal) == (head_dim, causal))
                 if points:
@@ -476,7 +517,7 @@ def plot(results: list[Result], impls: list[str], path: str, title: str) -> None
             ax.set_xticks(seqlens, [f"{s // 1024}k" if s % 1024 == 0 else str(s)
                                     for s in seqlens])
             ax.set_xlabel("seqlen")
-            ax.set_ylabel("TFLOP/s")
+            ax.set_ylabel(unit)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="small")
     fig.suptitle(title)
@@ -506,16 +547,24 @@ def run(args: argparse.Namespace) -> list[Result]:
           f"median of {args.iters} runs after {args.warmup} warm-up runs", flush=True)
     check_flashjax(args.impl)
     json_file = open(args.json, "w") if args.json else None
+    cpu = not _on_gpu()
     results = []
     try:
         for n, case in enumerate(cases, 1):
             inputs = make_inputs(case)
+            # CPU: the GEMM rate before and after each measurement (the speed of a shared
+            # machine moves within a run)
+            gemm_before = gemm_gflops() if cpu else None
             for mode in args.mode:
                 for impl in args.impl:
                     print(f"[{n}/{len(cases)}] {mode:6s} {impl:8s} {case.label()} ...",
                           end=" ", flush=True)
                     result = measure(case, mode, impl, inputs, args.warmup, args.iters,
                                      args.loop)
+                    if cpu:
+                        gemm_after = gemm_gflops()
+                        result.gemm_gflops = (gemm_before + gemm_after) / 2
+                        gemm_before = gemm_after
                     print(format_cell(result).strip(), flush=True)
                     results.append(result)
                     if json_file:
@@ -540,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_decode.main(args)
     args = resolve_defaults(args, _on_gpu())
     results = run(args)
-    print("\nResults (median time, TFLOP/s in the FlashAttention convention)")
+    unit = "TFLOP/s" if _on_gpu() else "GFLOP/s and fraction of the float32 GEMM rate"
+    print(f"\nResults (median time, {unit} in the FlashAttention convention)")
     print(results_table(results, args.impl))
     speedups = speedup_table(results, args.impl)
     if speedups:
