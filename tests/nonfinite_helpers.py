@@ -164,3 +164,62 @@ def _visibility(case: Case, extra):
         used = np.asarray(extra["seqused_k"])
         mask = mask & (np.arange(case.seqlen_k)[None, None, :] < used[:, None, None])
     return mask
+
+
+def check_varlen_nonfinite(causal, device=None, dtype="float32", head_dim=16):
+    """Packed sequences (flash_attention_varlen): a NaN key element in sequence 1 and an
+    +inf value row in sequence 2 reach their own sequences' rows only (as the
+    reference says), and sequence 0's gradients are those without them."""
+    cu = np.array([0, 20, 45, 70], np.int32)
+    q, k, v = (rand(i, (70, 2, head_dim), dtype) for i in range(3))
+    k = k.at[30, 1, 3].set(jnp.nan)  # sequence 1
+    v = v.at[60, 0].set(jnp.inf)     # sequence 2, the whole row
+    q, k, v = jax.device_put((q, k, v), device)
+    options = dict(causal=causal, return_lse=True)
+    run = lambda q, k, v: flashjax.flash_attention_varlen(q, k, v, cu, cu, 25, 25, **options)
+    out, lse = jax.jit(run)(q, k, v)
+    hi = [to_cpu(x, jnp.float64) for x in (q, k, v)]
+    want_out, want_lse = reference.attention_varlen(*hi, cu, cu, 25, 25,
+                                                    compute_dtype=jnp.float64, **options)
+    assert_same_nonfinite(out.astype(jnp.float32), want_out, dtype, "varlen out")
+    assert_same_nonfinite(lse, want_lse, jnp.float32, "varlen lse")
+    assert np.isfinite(np.asarray(want_out)[:20]).all() and np.isnan(want_out).any()
+
+    ct = jax.device_put(rand(9, out.shape, dtype), device)
+    loss = lambda q, k, v: jnp.sum(run(q, k, v)[0].astype(jnp.float32) * ct.astype(jnp.float32))
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    clean = [x.at[20:].set(0) for x in hi]  # sequence 0 cannot depend on the others
+    ct_hi = to_cpu(ct, jnp.float64)
+    ref_loss = lambda q, k, v: jnp.sum(reference.attention_varlen(
+        q, k, v, cu, cu, 25, 25, compute_dtype=jnp.float64, causal=causal) * ct_hi)
+    want = jax.grad(ref_loss, argnums=(0, 1, 2))(*clean)
+    tol = 10 * tolerance(dtype)
+    for name, g, w in zip("qkv", got, want):
+        g, w = np.asarray(g.astype(jnp.float32))[:20], np.asarray(w)[:20]
+        assert np.isfinite(g).all(), f"d{name} of sequence 0 is not finite"
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol, err_msg=f"d{name}")
+
+
+def check_kvcache_nonfinite(device=None, dtype="float32", head_dim=16, seqlen_q=3,
+                            causal=False):
+    """flash_attention_with_kvcache: NaN in cache rows past cache_seqlens is never read;
+    a NaN value element inside entry 1's keys reaches that column of entry 1 only."""
+    batch, cache, hq, hk = 2, 64, 4, 2
+    q = rand(0, (batch, seqlen_q, hq, head_dim), dtype)
+    k_cache = rand(1, (batch, cache, hk, head_dim), dtype)
+    v_cache = rand(2, (batch, cache, hk, head_dim), dtype)
+    seqlens = jnp.asarray([40, 64], jnp.int32)
+    k_cache = k_cache.at[0, 50].set(jnp.nan)        # past entry 0's length: never read
+    v_cache = v_cache.at[0, 45, 1, 2].set(jnp.nan)  # likewise
+    v_cache = v_cache.at[1, 10, 0, 5].set(jnp.nan)  # read by entry 1, heads 0-1, column 5
+    q, k_cache, v_cache = jax.device_put((q, k_cache, v_cache), device)
+    out, lse = flashjax.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                     causal=causal, return_lse=True)
+    hi = [to_cpu(x, jnp.float64) for x in (q, k_cache, v_cache)]
+    want_out, want_lse = reference.attention(*hi, seqused_k=seqlens, causal=causal,
+                                             return_lse=True, compute_dtype=jnp.float64)
+    assert_same_nonfinite(out.astype(jnp.float32), want_out, dtype, "kvcache out")
+    assert_same_nonfinite(lse, want_lse, jnp.float32, "kvcache lse")
+    want_out = np.asarray(want_out)
+    assert np.isfinite(want_out[0]).all() and np.isnan(want_out[1, -1, :2, 5]).all()
+    assert np.isfinite(np.delete(want_out[1], 5, axis=-1)).all()

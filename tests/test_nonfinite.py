@@ -19,7 +19,8 @@ import pytest
 import flashjax
 from flashjax import reference, xla_attention
 from helpers import Case, case_inputs, ids, rand, run_on_host_devices, use_implementation
-from nonfinite_helpers import VALUES, Placement, assert_same_nonfinite, check_nonfinite
+from nonfinite_helpers import (VALUES, Placement, check_kvcache_nonfinite, check_nonfinite,
+                               check_varlen_nonfinite)
 
 IMPLEMENTATIONS = [None, "xla"]
 
@@ -114,55 +115,14 @@ def test_seqused_keys_past_the_end_are_never_read(implementation):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_nan_stays_in_its_sequence(causal, implementation):
-    cu = np.array([0, 20, 45, 70], np.int32)
-    q, k, v = (rand(i, (70, 2, 16)) for i in range(3))
-    k = k.at[30, 1, 3].set(jnp.nan)  # sequence 1
-    v = v.at[60, 0].set(jnp.inf)     # sequence 2, the whole row
-    options = dict(causal=causal, return_lse=True)
-    run = lambda q, k, v: flashjax.flash_attention_varlen(q, k, v, cu, cu, 25, 25, **options)
-    out, lse = jax.jit(run)(q, k, v)
-    hi = [x.astype(jnp.float64) for x in (q, k, v)]
-    want_out, want_lse = reference.attention_varlen(*hi, cu, cu, 25, 25, compute_dtype=jnp.float64,
-                                                    **options)
-    assert_same_nonfinite(out, want_out, jnp.float32, "varlen out")
-    assert_same_nonfinite(lse, want_lse, jnp.float32, "varlen lse")
-    assert np.isfinite(np.asarray(want_out)[:20]).all() and np.isnan(want_out).any()
-
-    # Gradients: sequence 0 is untouched by the others (they cannot leak into it).
-    ct = rand(9, out.shape)
-    loss = lambda q, k, v: jnp.sum(run(q, k, v)[0] * ct)
-    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    clean = [x.at[20:].set(0) for x in hi]
-    ref_loss = lambda q, k, v: jnp.sum(reference.attention_varlen(
-        q, k, v, cu, cu, 25, 25, compute_dtype=jnp.float64, causal=causal) * ct)
-    want = jax.grad(ref_loss, argnums=(0, 1, 2))(*clean)
-    for name, g, w in zip("qkv", got, want):
-        g, w = np.asarray(g)[:20], np.asarray(w)[:20]
-        assert np.isfinite(g).all(), f"d{name} of sequence 0 is not finite"
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
+    check_varlen_nonfinite(causal)
 
 
 # ----------------------------------------------------------------------------- KV cache
 
 
 def test_kvcache_nan_past_cache_seqlens_is_never_read(implementation):
-    batch, cache, hq, hk, d = 2, 64, 4, 2, 16
-    q = rand(0, (batch, 3, hq, d))
-    k_cache, v_cache = rand(1, (batch, cache, hk, d)), rand(2, (batch, cache, hk, d))
-    seqlens = jnp.asarray([40, 64], jnp.int32)
-    k_cache = k_cache.at[0, 50].set(jnp.nan)        # past entry 0's length: never read
-    v_cache = v_cache.at[0, 45, 1, 2].set(jnp.nan)  # likewise
-    v_cache = v_cache.at[1, 10, 0, 5].set(jnp.nan)  # read by entry 1, heads 0-1, column 5
-    out, lse = flashjax.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                     return_lse=True)
-    hi = [x.astype(jnp.float64) for x in (q, k_cache, v_cache)]
-    want_out, want_lse = reference.attention(*hi, seqused_k=seqlens, return_lse=True,
-                                             compute_dtype=jnp.float64)
-    assert_same_nonfinite(out, want_out, jnp.float32, "kvcache out")
-    assert_same_nonfinite(lse, want_lse, jnp.float32, "kvcache lse")
-    want_out = np.asarray(want_out)
-    assert np.isfinite(want_out[0]).all() and np.isnan(want_out[1, :, :2, 5]).all()
-    assert np.isfinite(np.delete(want_out[1], 5, axis=-1)).all()
+    check_kvcache_nonfinite()
 
 
 # ----------------------------------------------------------------------------- ring attention

@@ -32,7 +32,8 @@ namespace {
 
 constexpr int kStages = 2;
 // Named barriers: 1 + c is consumer c's turn to issue; kClearBarrier + c
-// orders consumer c's zeroing of a V tile before its product (kVarlen).
+// orders consumer c's zeroing of a V tile before its product (kVarlen), and ors
+// its threads' checks of a masked tile's V for non-finite values.
 constexpr int kMaxConsumers = 3;
 constexpr int kClearBarrier = 1 + kMaxConsumers;
 // GQA packing is compiled for head dims up to 128 (at 256 its row arithmetic
@@ -212,11 +213,48 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
                              k_major_desc<kBlockN>(k_tile, kk), kk > 0);
       wgmma_commit();
     };
+    // Whether key tile it needs the positional mask; masked also by segment ids
+    // (uniform over the CTA).
+    auto needs_mask = [&](int64_t it) {
+      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
+      return RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN, w.keys.key_begin,
+                                         w.keys.key_end);
+    };
+    auto tile_masked = [&](int64_t it) {
+      return needs_mask(it) || kLayouts == Layouts::kSegments;
+    };
     // O += P_j V_j; the caller waits for it.
     auto issue_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it) {
       const int64_t g = kv + it;
       const unsigned char* v_tile = sV + (g % kStages) * Cfg::kKVBytes;
       mbar_wait(&v_full[g % kStages], (g / kStages) & 1);
+      // A masked tile whose V holds NaN or inf takes the exact product
+      // (fragment_softmax.cuh says why); the warpgroup checks masked tiles only.
+      if (tile_masked(it) &&
+          named_sync_or(kClearBarrier + consumer, 128,
+                        tile_has_nonfinite<T>(v_tile, Cfg::kKVBytes / 2, threadIdx.x % 128, 128))) {
+        // The hidden pairs as bits, 64 keys (32 fragment elements) at a time:
+        // registers are scarce here.
+        const int64_t k0 = w.keys.tile_begin + it * kBlockN;
+        static_assert(kBlockN % 64 == 0, "whole 64-key words (segment-id tiles)");
+        constexpr int kWords = kBlockN / 64;
+        uint32_t hidden[kWords];
+#pragma unroll
+        for (int word = 0; word < kWords; ++word) {
+          float h[32] = {};
+          softmax.mask<8>(h, w.seq, k0 + 64 * word);
+          segments.template mask<8>(h, k0 + 64 * word);
+          hidden[word] = 0;
+#pragma unroll
+          for (int i = 0; i < 32; ++i) hidden[word] |= static_cast<uint32_t>(h[i] == kNegInf) << i;
+        }
+        gemm_ab_masked_of<T, kHeadDim, kBlockN>(
+            o, [&](int i) { return unpacked_p<T, kKeyTiles>(pa, i); },
+            [&](int i) { return (hidden[i / 32] >> (i % 32)) & 1; },
+            SwizzledTmaRows<T, kBlockN>{v_tile});
+        wgmma_commit();  // an empty group: the callers' waits count groups
+        return;
+      }
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -250,9 +288,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     };
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
       const int64_t k0 = w.keys.tile_begin + it * kBlockN;
-      softmax.scores<kKeyTiles>(s, p, w.seq, k0,
-                                RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
-                                                            w.keys.key_begin, w.keys.key_end));
+      softmax.scores<kKeyTiles>(s, p, w.seq, k0, needs_mask(it));
       segments.template mask<kKeyTiles>(s, k0);
       softmax.exponentiate<kKeyTiles>(s, alpha);
     };
