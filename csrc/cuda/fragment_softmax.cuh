@@ -101,11 +101,17 @@ struct RowSoftmax {
   template <int kKeyTiles>
   __device__ void mask(float (&s)[kKeyTiles * 4], const SeqlenInfo& seq, int64_t k0) const {
     int lo[2], hi[2];
+    visible_range(seq, k0, kKeyTiles * 8, lo, hi);
+    mask_columns<kKeyTiles>(s, lo, hi);
+  }
+
+  // The columns [lo[r], hi[r]] of the tile of `cols` keys from k0 that row half r sees.
+  __device__ void visible_range(const SeqlenInfo& seq, int64_t k0, int cols, int (&lo)[2],
+                                int (&hi)[2]) const {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       visible_columns(seq.first_key(query(row + 8 * r)), seq.last_key(query(row + 8 * r)), k0,
-                      kKeyTiles * 8, lo[r], hi[r]);
-    mask_columns<kKeyTiles>(s, lo, hi);
+                      cols, lo[r], hi[r]);
   }
 
   __device__ int64_t query(int64_t tile_row) const {
@@ -363,6 +369,7 @@ struct FragmentSegments {
   __device__ int64_t next_tile(int64_t c0, int64_t, int) const { return c0; }
   template <int kTiles>
   __device__ void mask(float (&)[kTiles * 4], int64_t) const {}
+  __device__ bool sees(int, int64_t) const { return true; }
 };
 
 template <>
@@ -394,6 +401,8 @@ struct FragmentSegments<Layouts::kSegments> {
     while (c0 < end && !row_tile.meets(col_tiles[c0 / SegmentTiles::kRows])) c0 += n;
     return c0;
   }
+  // Whether row half r's id equals that of column c (one pair: gemm_ab_masked_of).
+  __device__ bool sees(int r, int64_t c) const { return c < cols_used && col_ids[c] == row_id[r]; }
   // -inf where a row's id differs from the id of column c0 + col (c0 a
   // multiple of SegmentTiles::kRows; the columns may span several such tiles).
   template <int kTiles>
@@ -460,19 +469,20 @@ __device__ __forceinline__ bool tile_has_nonfinite(const void* tile, int element
   return found;
 }
 
+// A NaN payload that arithmetic never produces (its NaNs are 0x7fffffff): marks
+// a pair hidden by the mask in the values gemm_ab_masked_of takes.
+constexpr uint32_t kHiddenPairBits = 0xffbadbadu;
+
 // acc(16 x kHeadDim) += P(16 x kK) V summed over the visible pairs only, each
 // adding p * v as IEEE arithmetic does (NaN, inf, 0 * inf = NaN where p
-// underflowed): prob(i) is element i of P's fragment (as the product rounds
-// it), hidden(i) whether the mask hides that element's pair, and v_at(j, c)
-// reads V[j][c] as float. Also the backward's P^T dO, dS^T Q and
-// dS K, whose masked tiles hide pairs the same way. Scalar and slow: only for
-// the rare tiles that need it.
-template <class T, int kHeadDim, int kK, class Prob, class Hidden, class VAt>
-__device__ void gemm_ab_masked_of(float (&acc)[kHeadDim / 2], Prob&& prob, Hidden&& hidden,
+// underflowed): offer(i) is element i of P's fragment (as the product rounds
+// it), or kHiddenPairBits where the mask hides that pair; sees(r, j) whether
+// row half r sees key j (the pairs no offer hides); v_at(j, c) reads V[j][c]
+// as float. Also the backward's P^T dO, dS^T Q and dS K, whose masked tiles
+// hide pairs the same way. Scalar and slow: only for the rare tiles that need it.
+template <class T, int kHeadDim, int kK, class Offer, class Sees, class VAt>
+__device__ void gemm_ab_masked_of(float (&acc)[kHeadDim / 2], Offer&& offer, Sees&& sees,
                                   VAt&& v_at) {
-  // A NaN payload that arithmetic never produces (its NaNs are 0x7fffffff).
-  constexpr uint32_t kHiddenBits = 0xffbadbadu;
-  const float kHidden = __uint_as_float(kHiddenBits);
   const int lane = threadIdx.x % 32, t = lane % 4;
 #pragma unroll 1
   for (int j = 0; j < kK; ++j) {
@@ -481,7 +491,7 @@ __device__ void gemm_ab_masked_of(float (&acc)[kHeadDim / 2], Prob&& prob, Hidde
     // dynamic one would move the fragment to local memory), then takes its
     // quad's by shuffle.
     const int n = j / 8, e = j % 2, src = (lane & ~3) | ((j % 8) / 2);
-    float mine[2] = {kHidden, kHidden};
+    float mine[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int nn = 0; nn < kK / 8; ++nn)
 #pragma unroll
@@ -489,13 +499,12 @@ __device__ void gemm_ab_masked_of(float (&acc)[kHeadDim / 2], Prob&& prob, Hidde
 #pragma unroll
         for (int ee = 0; ee < 2; ++ee) {
           const int idx = 4 * nn + 2 * r + ee;
-          if (nn == n && ee == e)
-            mine[r] = hidden(idx) ? kHidden : prob(idx);
+          if (nn == n && ee == e) mine[r] = offer(idx);
         }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float pij = __shfl_sync(0xffffffffu, mine[r], src);
-      if (__float_as_uint(pij) == kHiddenBits) continue;
+      if (__float_as_uint(pij) == kHiddenPairBits || !sees(r, j)) continue;
 #pragma unroll
       for (int c = 0; c < kHeadDim / 8; ++c) {
         acc[4 * c + 2 * r] += pij * v_at(j, 8 * c + 2 * t);
@@ -511,8 +520,12 @@ template <class T, int kHeadDim, int kK, class VAt>
 __device__ void gemm_ab_masked(float (&acc)[kHeadDim / 2], const float (&frag)[kK / 2],
                                const float (&hidden)[kK / 2], VAt&& v_at) {
   gemm_ab_masked_of<T, kHeadDim, kK>(
-      acc, [&](int i) { return to_float(from_float<T>(frag[i])); },
-      [&](int i) { return hidden[i] == kNegInf; }, v_at);
+      acc,
+      [&](int i) {
+        return hidden[i] == kNegInf ? __uint_as_float(kHiddenPairBits)
+                                    : to_float(from_float<T>(frag[i]));
+      },
+      [](int, int) { return true; }, v_at);
 }
 
 }  // namespace flashjax::cuda

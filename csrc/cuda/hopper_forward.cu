@@ -223,38 +223,38 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     auto tile_masked = [&](int64_t it) {
       return needs_mask(it) || kLayouts == Layouts::kSegments;
     };
-    // O += P_j V_j; the caller waits for it.
-    auto issue_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it) {
+    // A masked tile whose V holds NaN or inf takes the exact product instead of
+    // issue_values' (fragment_softmax.cuh says why): called where no product is
+    // in flight (registers are scarce), it returns whether it did. The
+    // warpgroup checks masked tiles only.
+    auto exact_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it) {
+      if (!tile_masked(it)) return false;
       const int64_t g = kv + it;
       const unsigned char* v_tile = sV + (g % kStages) * Cfg::kKVBytes;
       mbar_wait(&v_full[g % kStages], (g / kStages) & 1);
-      // A masked tile whose V holds NaN or inf takes the exact product
-      // (fragment_softmax.cuh says why); the warpgroup checks masked tiles only.
-      if (tile_masked(it) &&
-          named_sync_or(kClearBarrier + consumer, 128,
-                        tile_has_nonfinite<T>(v_tile, Cfg::kKVBytes / 2, threadIdx.x % 128, 128))) {
-        // The hidden pairs as bits, 64 keys (32 fragment elements) at a time:
-        // registers are scarce here.
-        const int64_t k0 = w.keys.tile_begin + it * kBlockN;
-        static_assert(kBlockN % 64 == 0, "whole 64-key words (segment-id tiles)");
-        constexpr int kWords = kBlockN / 64;
-        uint32_t hidden[kWords];
-#pragma unroll
-        for (int word = 0; word < kWords; ++word) {
-          float h[32] = {};
-          softmax.mask<8>(h, w.seq, k0 + 64 * word);
-          segments.template mask<8>(h, k0 + 64 * word);
-          hidden[word] = 0;
-#pragma unroll
-          for (int i = 0; i < 32; ++i) hidden[word] |= static_cast<uint32_t>(h[i] == kNegInf) << i;
-        }
-        gemm_ab_masked_of<T, kHeadDim, kBlockN>(
-            o, [&](int i) { return unpacked_p<T, kKeyTiles>(pa, i); },
-            [&](int i) { return (hidden[i / 32] >> (i % 32)) & 1; },
-            SwizzledTmaRows<T, kBlockN>{v_tile});
-        wgmma_commit();  // an empty group: the callers' waits count groups
+      if (!named_sync_or(kClearBarrier + consumer, 128,
+                         tile_has_nonfinite<T>(v_tile, Cfg::kKVBytes / 2, threadIdx.x % 128, 128)))
+        return false;
+      // Visibility pair by pair (no fragment of it: registers are scarce here).
+      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
+      int lo[2], hi[2];
+      softmax.visible_range(w.seq, k0, kBlockN, lo, hi);
+      gemm_ab_masked_of<T, kHeadDim, kBlockN>(
+          o, [&](int i) { return unpacked_p<T, kKeyTiles>(pa, i); },
+          [&](int r, int j) { return j >= lo[r] && j <= hi[r] && segments.sees(r, k0 + j); },
+          SwizzledTmaRows<T, kBlockN>{v_tile});
+      return true;
+    };
+    // O += P_j V_j (nothing if exact_values did it: an empty group, as the
+    // callers' waits count groups); the caller waits for it.
+    auto issue_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it, bool done) {
+      if (done) {
+        wgmma_commit();
         return;
       }
+      const int64_t g = kv + it;
+      const unsigned char* v_tile = sV + (g % kStages) * Cfg::kKVBytes;
+      mbar_wait(&v_full[g % kStages], (g / kStages) & 1);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -318,9 +318,10 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
       for (int64_t it = 1; it < n_tiles; ++it) {
+        const bool exact = exact_values(pa, it - 1);
         wait_turn();
         issue_scores(s, it);
-        issue_values(pa, it - 1);
+        issue_values(pa, it - 1, exact);
         pass_turn();
         wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
         fence_operands(s);
@@ -334,8 +335,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
         for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
       }
       if constexpr (kLayouts != Layouts::kUniform) clear_values_past_end(n_tiles - 1);
+      const bool exact = exact_values(pa, n_tiles - 1);
       wait_turn();
-      issue_values(pa, n_tiles - 1);
+      issue_values(pa, n_tiles - 1, exact);
       if (consumer != kConsumers - 1) pass_turn();  // balanced arrivals at the item's end
       wgmma_wait<0>();
       fence_operands(o);
