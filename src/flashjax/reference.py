@@ -11,7 +11,8 @@ small shapes. Same signature and semantics as `flashjax.flash_attention`
   is the yardstick for low-precision kernels (FlashAttention's test rule).
 
 Differentiable with jax.grad / jax.vjp, including rows that see no key (their
-gradients are 0, never NaN). This module must not import flashjax.attention.
+gradients are 0, never NaN). NaN and inf propagate as docs/api.md ("Non-finite
+values") states: row i's result is the IEEE evaluation over the keys row i sees. This module must not import flashjax.attention.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from . import _nonfinite
 
 __all__ = ["attention", "attention_varlen", "visible_mask"]
 
@@ -122,25 +125,34 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     if q_segment_ids is not None:
         same = jnp.asarray(q_segment_ids)[:, :, None] == jnp.asarray(kv_segment_ids)[:, None, :]
         mask = mask & same[:, None]
+    mask = jnp.broadcast_to(mask, scores.shape)
     scores = jnp.where(mask, scores, -jnp.inf)
 
-    row_max = jnp.max(scores, axis=-1, keepdims=True)  # -inf for rows that see no key
+    # Rows that see no key and have no sink (or are past seqused_q): out 0, lse -inf,
+    # whatever q holds (no score is formed). Decided by the mask, never by the values:
+    # a NaN row must stay NaN (docs/api.md, "Non-finite values").
+    nonempty = jnp.any(mask, axis=-1, keepdims=True)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)  # NaN if a visible score is NaN
     if sinks is not None:
         sink = jnp.asarray(sinks).astype(dtype)[:, None, None]  # (heads_q, 1, 1)
         row_max = jnp.maximum(row_max, sink)
-    # The shift cancels out (mathematically), so no gradient flows through it; rows
-    # with nothing visible and no sink shift by 0 so that exp(-inf - 0) = 0, not NaN.
-    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0))
-    weights = jnp.exp(scores - row_max)  # masked entries: exactly 0, gradient 0
+        nonempty = jnp.ones_like(nonempty)
+    if row_used is not None:  # rows past seqused_q: out 0 and lse -inf, sink or not
+        nonempty = nonempty & row_used[:, None, :, None]
+    # The shift cancels out (mathematically), so no gradient flows through it; empty
+    # rows shift by 0 so that exp(-inf - 0) = 0. Other rows shift by their maximum as
+    # IEEE would: a NaN or +-inf maximum makes the row NaN.
+    row_max = jax.lax.stop_gradient(jnp.where(nonempty, row_max, 0))
+    weights = jnp.where(mask, jnp.exp(scores - row_max), 0)  # masked: 0, gradient 0
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + jnp.exp(sink - row_max)
-    nonempty = denom > 0
-    if row_used is not None:  # rows past seqused_q: out 0 and lse -inf, sink or not
-        nonempty = nonempty & row_used[:, None, :, None]
     safe = jnp.where(nonempty, denom, 1)  # the where trick: no 0/0 in value or gradient
     probs = jnp.where(nonempty, weights / safe, 0)
-    out = jnp.einsum("...hqk,...khd->...qhd", probs, v).astype(out_dtype)
+    # Masked probabilities must not meet a non-finite v (0 * NaN): masked_sum.
+    out = _nonfinite.masked_sum(probs, mask, v,
+                                lambda p, x: jnp.einsum("...hqk,...khd->...qhd", p, x))
+    out = out.astype(out_dtype)
     if not return_lse:
         return out
     lse = jnp.where(nonempty, jnp.log(safe) + row_max, -jnp.inf)[..., 0]

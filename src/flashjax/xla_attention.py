@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _calls
+from . import _calls, _nonfinite
 from ._calls import Config, Layout
 
 __all__ = ["attention_core", "no_work_attention"]
@@ -392,6 +392,28 @@ def _apply_mask(x, mask, plan: _Plan, fill):
     return x.reshape(h, m, k)
 
 
+def _apply_mask_like(mask, plan: _Plan, like):
+    """The (bq, bk) mask as a bool array shaped like the scores (heads_kv, group*bq, bk)."""
+    h, m, k = like.shape
+    return jnp.broadcast_to(mask[None, None], (h, plan.group, plan.bq, k)).reshape(h, m, k)
+
+
+def _rows_of(row_flags, plan: _Plan):
+    """(bq,) per-row flags of a query block as (heads_kv, group*bq)."""
+    return jnp.broadcast_to(row_flags, (plan.heads_kv, plan.group, plan.bq)).reshape(
+        plan.heads_kv, plan.group * plan.bq)
+
+
+def _masked_dot(spec, w, visible, x, signed=False):
+    """_dot(spec, w, x) of a masked block, w 0 at the masked entries: the masked entries
+    must not meet a non-finite x (0 * NaN); only blocks whose x has one pay for the
+    exact sum (_nonfinite.masked_sum)."""
+    dot = functools.partial(_dot, spec)
+    return lax.cond(_nonfinite.any_nonfinite(x),
+                    lambda: _nonfinite.masked_sum(w, visible, x, dot, signed=signed),
+                    lambda: dot(w, x))
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -416,29 +438,41 @@ def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozen
         schedule = _schedule(*plan.pairs(b, qb=qb))
 
         def step(masked, carry, kb):
-            mx, l, acc = carry
+            mx, l, acc, seen = carry
             kf = kb_[b, kb].astype(jnp.float32)
             vf = vb_[b, kb].astype(jnp.float32)
             s, _ = _scores(qs, kf, cfg)
             if masked:
-                s = _apply_mask(s, plan.mask(b, qb, kb), plan, -jnp.inf)
-            m_new = jnp.maximum(mx, jnp.max(s, axis=-1))
+                mask = plan.mask(b, qb, kb)
+                s = _apply_mask(s, mask, plan, -jnp.inf)
+                seen = seen | _rows_of(jnp.any(mask, axis=-1), plan)
+            else:
+                seen = jnp.ones_like(seen)
+            m_new = jnp.maximum(mx, jnp.max(s, axis=-1))  # NaN-propagating
             shift = m_new
             if masked and not cfg.has_sinks:  # rows with nothing yet: shift by 0, not -inf
                 shift = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(mx - shift)
             l = l * alpha + jnp.sum(p, axis=-1)
-            acc = acc * alpha[..., None] + _dot("hmk,hkd->hmd", p, vf)
-            return m_new, l, acc
+            if masked:  # NaN rows give NaN p at masked entries: zero them, and keep them
+                p = _apply_mask(p, mask, plan, jnp.float32(0))  # from a non-finite v
+                pv = _masked_dot("hmk,hkd->hmd", p, _apply_mask_like(mask, plan, p), vf)
+            else:
+                pv = _dot("hmk,hkd->hmd", p, vf)
+            acc = acc * alpha[..., None] + pv
+            return m_new, l, acc, seen
 
-        init = tuple(_vary(x, axes) for x in (m0, l0, jnp.zeros((h, m, dv), jnp.float32)))
-        mx, l, acc = _visit(schedule, step, plan.needs_mask, init)
+        init = tuple(_vary(x, axes) for x in (m0, l0, jnp.zeros((h, m, dv), jnp.float32),
+                                               jnp.zeros((h, m), bool)))
+        mx, l, acc, seen = _visit(schedule, step, plan.needs_mask, init)
         valid = jnp.broadcast_to(plan.q_valid[b, qb], (h, plan.group, plan.bq)).reshape(h, m)
-        used = valid & (l > 0)
-        safe = jnp.where(used, l, jnp.float32(1))
-        out = jnp.where(used[..., None], acc / safe[..., None], jnp.float32(0))
-        lse = jnp.where(used, mx + jnp.log(safe), -jnp.inf)
+        # Rows that see no key (and no sink) are told apart by the mask, never by the
+        # values: a NaN row stays NaN (docs/api.md, "Non-finite values").
+        used = valid & (seen | cfg.has_sinks)
+        out = jnp.where(used[..., None], acc / l[..., None], jnp.float32(0))
+        # l == 0 on a used row: every visible score is -inf (exp(-inf - -inf) is NaN).
+        lse = jnp.where(used, jnp.where(l == 0, jnp.nan, mx + jnp.log(l)), -jnp.inf)
         return None, (out, lse)
 
     bs = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), nq)
@@ -472,18 +506,30 @@ def _backward_blocks(qb_, kb_, vb_, dob_, lseb_, deltab_, plan: _Plan, cfg: Conf
             do = dob_[b, qb].astype(jnp.float32)
             s, t = _scores(qs, kf, cfg)
             p = jnp.exp(s - lseb_[b, qb][..., None])  # lse +inf for rows without keys: 0
-            if masked:
-                p = _apply_mask(p, plan.mask(b, qb, kb), plan, jnp.float32(0))
-            dvv = dvv + _dot("hmk,hmd->hkd", p, do)
             dp = _dot("hmd,hkd->hmk", do, vf)
             ds = p * (dp - deltab_[b, qb][..., None])
             if t is not None:
                 ds = ds * (1 - t * t)
-            dk = dk + _dot("hmk,hmd->hkd", ds, qf)
+            if masked:
+                # Masked (i, j) get P = dS = 0 (with a where: a NaN there stays out), and
+                # the products over i and j must not meet a non-finite row they mask.
+                mask = plan.mask(b, qb, kb)
+                visible = _apply_mask_like(mask, plan, p)
+                p = _apply_mask(p, mask, plan, jnp.float32(0))
+                ds = _apply_mask(ds, mask, plan, jnp.float32(0))
+                t_visible = jnp.swapaxes(visible, -1, -2)
+                dvv = dvv + _masked_dot("hkm,hmd->hkd", jnp.swapaxes(p, -1, -2), t_visible, do)
+                dk = dk + _masked_dot("hkm,hmd->hkd", jnp.swapaxes(ds, -1, -2), t_visible, qf,
+                                      signed=True)
+                dq_add = _masked_dot("hmk,hkd->hmd", ds, visible, kf, signed=True)
+            else:
+                dvv = dvv + _dot("hmk,hmd->hkd", p, do)
+                dk = dk + _dot("hmk,hmd->hkd", ds, qf)
+                dq_add = _dot("hmk,hkd->hmd", ds, kf)
             zero = jnp.zeros((), jnp.int32)
             at = (b, qb, zero, zero, zero)
             dq_blk = lax.dynamic_slice(dq, at, (1, 1) + dq.shape[2:])
-            dq_blk = dq_blk + _dot("hmk,hkd->hmd", ds, kf)[None, None]
+            dq_blk = dq_blk + dq_add[None, None]
             return dk, dvv, lax.dynamic_update_slice(dq, dq_blk, at)
 
         init = (_vary(jnp.zeros((h, bk, d), jnp.float32), axes),
