@@ -94,24 +94,13 @@ struct RowSoftmax {
   __device__ void scores(float (&s)[kKeyTiles * 4], const AttentionParams& p,
                          const SeqlenInfo& seq, int64_t k0, bool needs_mask) const {
     scores_log2(s, p);
-    if (needs_mask) mask<kKeyTiles>(s, seq, k0);
-  }
-
-  // -inf where the thread's rows do not see key k0 + column (positions, windows, seqused).
-  template <int kKeyTiles>
-  __device__ void mask(float (&s)[kKeyTiles * 4], const SeqlenInfo& seq, int64_t k0) const {
+    if (!needs_mask) return;
     int lo[2], hi[2];
-    visible_range(seq, k0, kKeyTiles * 8, lo, hi);
-    mask_columns<kKeyTiles>(s, lo, hi);
-  }
-
-  // The columns [lo[r], hi[r]] of the tile of `cols` keys from k0 that row half r sees.
-  __device__ void visible_range(const SeqlenInfo& seq, int64_t k0, int cols, int (&lo)[2],
-                                int (&hi)[2]) const {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       visible_columns(seq.first_key(query(row + 8 * r)), seq.last_key(query(row + 8 * r)), k0,
-                      cols, lo[r], hi[r]);
+                      kKeyTiles * 8, lo[r], hi[r]);
+    mask_columns<kKeyTiles>(s, lo, hi);
   }
 
   __device__ int64_t query(int64_t tile_row) const {
@@ -197,9 +186,7 @@ struct RowSoftmax {
       const float m_row = used ? m[r] : kNegInf;
       const float m_final = fmaxf(m_row, sink);
       float factor = 0.0f, lse = kNegInf;  // no key and no sink: out 0, lse -inf
-      // A NaN score leaves m alone (fmaxf) but makes the sum NaN: such a row has
-      // seen keys and ends NaN (out and lse), even when every score was NaN.
-      if (m_final != kNegInf || (used && total != 0.0f)) {
+      if (m_final != kNegInf) {
         const float keys_scale = fast_exp2(m_row - m_final);
         const float denom = total * keys_scale + fast_exp2(sink - m_final);
         factor = keys_scale / denom;
@@ -369,7 +356,6 @@ struct FragmentSegments {
   __device__ int64_t next_tile(int64_t c0, int64_t, int) const { return c0; }
   template <int kTiles>
   __device__ void mask(float (&)[kTiles * 4], int64_t) const {}
-  __device__ bool sees(int, int64_t) const { return true; }
 };
 
 template <>
@@ -401,8 +387,6 @@ struct FragmentSegments<Layouts::kSegments> {
     while (c0 < end && !row_tile.meets(col_tiles[c0 / SegmentTiles::kRows])) c0 += n;
     return c0;
   }
-  // Whether row half r's id equals that of column c (one pair: gemm_ab_masked_of).
-  __device__ bool sees(int r, int64_t c) const { return c < cols_used && col_ids[c] == row_id[r]; }
   // -inf where a row's id differs from the id of column c0 + col (c0 a
   // multiple of SegmentTiles::kRows; the columns may span several such tiles).
   template <int kTiles>
@@ -427,105 +411,5 @@ struct FragmentSegments<Layouts::kSegments> {
     }
   }
 };
-
-// ----------------------------------------------------------------------------- non-finite V
-// docs/api.md ("Non-finite values"): a row's result sums p * v over the keys it
-// sees only. In a tile whose mask hides some (row, key) pairs, the matrix
-// products (gemm_ab, wgmma) compute 0 * v for them, which is NaN when v is NaN or inf: a
-// non-finite value would reach rows that do not see it. Masked tiles therefore
-// check their V tile (tile_has_nonfinite: cheap, masked tiles only) and, in the
-// rare case it holds one, take the exact scalar product gemm_ab_masked.
-
-// The backward's masked tiles: x (P or dS) exactly 0 where the mask hid the pair
-// (s == -inf), also when the row's lse or the pair's dP is NaN (exp2(-inf - NaN),
-// 0 * NaN), so that nothing reaches a key or row through a pair it does not see.
-template <int kN>
-__device__ __forceinline__ void zero_hidden(float (&x)[kN], const float (&s)[kN]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i)
-    if (s[i] == kNegInf) x[i] = 0.0f;
-}
-
-// Whether a 16-bit value of x (two packed halves) is NaN or inf: all exponent bits set.
-template <class T>
-__device__ __forceinline__ bool nonfinite_pair(uint32_t x) {
-  constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x7C00u : 0x7F80u;
-  return (x & kExp) == kExp || ((x >> 16) & kExp) == kExp;
-}
-
-// This thread's share (`thread` of `threads`) of the check of `elements`
-// 16-bit values from `tile` (16-byte aligned, elements % 8 == 0); the callers
-// combine the shares (__syncthreads_or, __any_sync, a named barrier's or).
-template <class T>
-__device__ __forceinline__ bool tile_has_nonfinite(const void* tile, int elements, int thread,
-                                                   int threads) {
-  const uint4* chunks = static_cast<const uint4*>(tile);
-  bool found = false;
-  for (int i = thread; i < elements / 8; i += threads) {
-    const uint4 c = chunks[i];
-    found |= nonfinite_pair<T>(c.x) | nonfinite_pair<T>(c.y) | nonfinite_pair<T>(c.z) |
-             nonfinite_pair<T>(c.w);
-  }
-  return found;
-}
-
-// A NaN payload that arithmetic never produces (its NaNs are 0x7fffffff): marks
-// a pair hidden by the mask in the values gemm_ab_masked_of takes.
-constexpr uint32_t kHiddenPairBits = 0xffbadbadu;
-
-// acc(16 x kHeadDim) += P(16 x kK) V summed over the visible pairs only, each
-// adding p * v as IEEE arithmetic does (NaN, inf, 0 * inf = NaN where p
-// underflowed): offer(i) is element i of P's fragment (as the product rounds
-// it), or kHiddenPairBits where the mask hides that pair; sees(r, j) whether
-// row half r sees key j (the pairs no offer hides); v_at(j, c) reads V[j][c]
-// as float. Also the backward's P^T dO, dS^T Q and dS K, whose masked tiles
-// hide pairs the same way. Scalar and slow: only for the rare tiles that need it.
-template <class T, int kHeadDim, int kK, class Offer, class Sees, class VAt>
-__device__ void gemm_ab_masked_of(float (&acc)[kHeadDim / 2], Offer&& offer, Sees&& sees,
-                                  VAt&& v_at) {
-  const int lane = threadIdx.x % 32, t = lane % 4;
-#pragma unroll 1
-  for (int j = 0; j < kK; ++j) {
-    // Key j is element 4 * (j / 8) + 2 * r + (j % 2) of lane (lane & ~3) + (j % 8) / 2;
-    // every lane offers its own element at that index (static indices: a
-    // dynamic one would move the fragment to local memory), then takes its
-    // quad's by shuffle.
-    const int n = j / 8, e = j % 2, src = (lane & ~3) | ((j % 8) / 2);
-    float mine[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int nn = 0; nn < kK / 8; ++nn)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int ee = 0; ee < 2; ++ee) {
-          const int idx = 4 * nn + 2 * r + ee;
-          if (nn == n && ee == e) mine[r] = offer(idx);
-        }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float pij = __shfl_sync(0xffffffffu, mine[r], src);
-      if (__float_as_uint(pij) == kHiddenPairBits || !sees(r, j)) continue;
-#pragma unroll
-      for (int c = 0; c < kHeadDim / 8; ++c) {
-        acc[4 * c + 2 * r] += pij * v_at(j, 8 * c + 2 * t);
-        acc[4 * c + 2 * r + 1] += pij * v_at(j, 8 * c + 2 * t + 1);
-      }
-    }
-  }
-}
-
-// gemm_ab_masked_of with P a float fragment (rounded to T as gemm_ab rounds it)
-// and `hidden` a fragment like it, -inf where the mask hides the pair.
-template <class T, int kHeadDim, int kK, class VAt>
-__device__ void gemm_ab_masked(float (&acc)[kHeadDim / 2], const float (&frag)[kK / 2],
-                               const float (&hidden)[kK / 2], VAt&& v_at) {
-  gemm_ab_masked_of<T, kHeadDim, kK>(
-      acc,
-      [&](int i) {
-        return hidden[i] == kNegInf ? __uint_as_float(kHiddenPairBits)
-                                    : to_float(from_float<T>(frag[i]));
-      },
-      [](int, int) { return true; }, v_at);
-}
 
 }  // namespace flashjax::cuda

@@ -160,40 +160,6 @@ __device__ __forceinline__ void zero_tile_rows(unsigned char* tile, int first_ro
   fence_proxy_async();
   named_sync(barrier, 128);
 }
-// Named barrier `id` of `threads` threads that also ors `pred` over them.
-__device__ __forceinline__ bool named_sync_or(int id, int threads, bool pred) {
-  uint32_t result;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
-      " bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
-      : "=r"(result)
-      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(threads)
-      : "memory");
-  return result != 0;
-}
-
-// gemm_ab_masked's v_at for a TMA tile of kRows rows in the 128-byte swizzle:
-// blocks of kSwizzleCols columns kRows * 128 bytes apart, 128-byte rows whose
-// 16-byte chunks are XOR-ed with row % 8 (the tile is 1024-byte aligned).
-template <class T, int kRows>
-struct SwizzledTmaRows {
-  const unsigned char* tile;
-  __device__ float operator()(int row, int col) const {
-    const int chunk = (col % kSwizzleCols) / 8 ^ (row % 8);
-    return to_float(*reinterpret_cast<const T*>(tile + (col / kSwizzleCols) * kRows * 128 +
-                                                row * 128 + chunk * 16 + (col % 8) * 2));
-  }
-};
-
-// Element i of the float fragment that p_fragment packed into a[i / 8][(i % 8) / 2].
-template <class T, int kKeyTiles>
-__device__ __forceinline__ float unpacked_p(const uint32_t (&a)[kKeyTiles / 2][4], int i) {
-  const uint32_t pair = a[i / 8][(i % 8) / 2];
-  const unsigned short bits = static_cast<unsigned short>(i % 2 ? pair >> 16 : pair & 0xFFFFu);
-  if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(bits));
-  else return __bfloat162float(__ushort_as_bfloat16(bits));
-}
-
 __device__ __forceinline__ void named_arrive(int id) {
   asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }

@@ -32,8 +32,7 @@ namespace {
 
 constexpr int kStages = 2;
 // Named barriers: 1 + c is consumer c's turn to issue; kClearBarrier + c
-// orders consumer c's zeroing of a V tile before its product (kVarlen), and ors
-// its threads' checks of a masked tile's V for non-finite values.
+// orders consumer c's zeroing of a V tile before its product (kVarlen).
 constexpr int kMaxConsumers = 3;
 constexpr int kClearBarrier = 1 + kMaxConsumers;
 // GQA packing is compiled for head dims up to 128 (at 256 its row arithmetic
@@ -213,45 +212,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
                              k_major_desc<kBlockN>(k_tile, kk), kk > 0);
       wgmma_commit();
     };
-    // Whether key tile it needs the positional mask; masked also by segment ids
-    // (uniform over the CTA).
-    auto needs_mask = [&](int64_t it) {
-      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
-      return RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN, w.keys.key_begin,
-                                         w.keys.key_end);
-    };
-    auto tile_masked = [&](int64_t it) {
-      return needs_mask(it) || kLayouts == Layouts::kSegments;
-    };
-    // A masked tile whose V holds NaN or inf takes the exact product instead of
-    // issue_values' (fragment_softmax.cuh says why): called where no product is
-    // in flight (registers are scarce), it returns whether it did. The
-    // warpgroup checks masked tiles only.
-    auto exact_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it) {
-      if (!tile_masked(it)) return false;
-      const int64_t g = kv + it;
-      const unsigned char* v_tile = sV + (g % kStages) * Cfg::kKVBytes;
-      mbar_wait(&v_full[g % kStages], (g / kStages) & 1);
-      if (!named_sync_or(kClearBarrier + consumer, 128,
-                         tile_has_nonfinite<T>(v_tile, Cfg::kKVBytes / 2, threadIdx.x % 128, 128)))
-        return false;
-      // Visibility pair by pair (no fragment of it: registers are scarce here).
-      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
-      int lo[2], hi[2];
-      softmax.visible_range(w.seq, k0, kBlockN, lo, hi);
-      gemm_ab_masked_of<T, kHeadDim, kBlockN>(
-          o, [&](int i) { return unpacked_p<T, kKeyTiles>(pa, i); },
-          [&](int r, int j) { return j >= lo[r] && j <= hi[r] && segments.sees(r, k0 + j); },
-          SwizzledTmaRows<T, kBlockN>{v_tile});
-      return true;
-    };
-    // O += P_j V_j (nothing if exact_values did it: an empty group, as the
-    // callers' waits count groups); the caller waits for it.
-    auto issue_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it, bool done) {
-      if (done) {
-        wgmma_commit();
-        return;
-      }
+    // O += P_j V_j; the caller waits for it.
+    auto issue_values = [&](const uint32_t (&pa)[kBlockN / 16][4], int64_t it) {
       const int64_t g = kv + it;
       const unsigned char* v_tile = sV + (g % kStages) * Cfg::kKVBytes;
       mbar_wait(&v_full[g % kStages], (g / kStages) & 1);
@@ -288,7 +250,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     };
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
       const int64_t k0 = w.keys.tile_begin + it * kBlockN;
-      softmax.scores<kKeyTiles>(s, p, w.seq, k0, needs_mask(it));
+      softmax.scores<kKeyTiles>(s, p, w.seq, k0,
+                                RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
+                                                            w.keys.key_begin, w.keys.key_end));
       segments.template mask<kKeyTiles>(s, k0);
       softmax.exponentiate<kKeyTiles>(s, alpha);
     };
@@ -318,10 +282,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
       for (int64_t it = 1; it < n_tiles; ++it) {
-        const bool exact = exact_values(pa, it - 1);
         wait_turn();
         issue_scores(s, it);
-        issue_values(pa, it - 1, exact);
+        issue_values(pa, it - 1);
         pass_turn();
         wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
         fence_operands(s);
@@ -335,9 +298,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
         for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
       }
       if constexpr (kLayouts != Layouts::kUniform) clear_values_past_end(n_tiles - 1);
-      const bool exact = exact_values(pa, n_tiles - 1);
       wait_turn();
-      issue_values(pa, n_tiles - 1, exact);
+      issue_values(pa, n_tiles - 1);
       if (consumer != kConsumers - 1) pass_turn();  // balanced arrivals at the item's end
       wgmma_wait<0>();
       fence_operands(o);

@@ -93,9 +93,7 @@ __global__ void forward_kernel(AttentionParams p) {
   const float sink = p.sinks && used ? p.sinks[r.b * p.heads_q + r.h] : kNegInf;
   const float m_final = fmaxf(m, sink);
   float factor = 0.0f, lse = kNegInf;
-  // No key and no sink: out 0, lse -inf. (A NaN score leaves m alone, fmaxf, but
-  // makes l NaN: such a row has seen keys and ends NaN, out and lse.)
-  if (m_final != kNegInf || (used && l != 0.0f)) {
+  if (m_final != kNegInf) {  // else: no key, no sink -> out 0, lse -inf
     const float keys_scale = expf(m - m_final);
     const float total = l * keys_scale + expf(sink - m_final);
     factor = keys_scale / total;

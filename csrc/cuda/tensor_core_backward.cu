@@ -104,21 +104,14 @@ __global__ void __launch_bounds__(kThreads)
       }
       cp_async_wait_all();
       __syncthreads();
-      const bool needs_mask = q0 < seq.first_query(last_key) ||
-                              q0 + kBlock - 1 > seq.last_query(k0) ||
-                              q0 + kBlock > seq.seqlen_q || last_key - k0 + 1 < kBlock;
-      const bool masked = needs_mask || kLayouts == Layouts::kSegments;  // (uniform)
-      // A masked tile whose Q or dO holds NaN or inf takes the exact products
-      // (fragment_softmax.cuh says why); the check costs masked tiles only.
-      const bool exact =
-          masked && __syncthreads_or(
-                        tile_has_nonfinite<T>(sQ, kBlock * kHeadDim, threadIdx.x, kThreads) ||
-                        tile_has_nonfinite<T>(sdO, kBlock * kHeadDim, threadIdx.x, kThreads));
 
       // S^T: rows are this warp's keys, columns the tile's queries.
       float st[kTiles * 4];
       gemm_abt<T, kHeadDim, kBlock>(st, sK, warp * 16, sQ);
       scores_log2(st, p);
+      const bool needs_mask = q0 < seq.first_query(last_key) ||
+                              q0 + kBlock - 1 > seq.last_query(k0) ||
+                              q0 + kBlock > seq.seqlen_q || last_key - k0 + 1 < kBlock;
       if (needs_mask) {
         int lo[2], hi[2];
 #pragma unroll
@@ -134,18 +127,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < kTiles * 4; ++i) pt[i] = st[i];
       probabilities(pt, [&](int i) { return s_lse[column_of(i)]; });
-      if (masked) zero_hidden(pt, st);
-      if constexpr (kWantDV) {
-        if (exact) gemm_ab_masked<T, kHeadDim, kBlock>(dv, pt, st, SwizzledRows<T, kHeadDim>{sdO});
-        else gemm_ab<T, kHeadDim, kBlock>(dv, pt, sdO);
-      }
+      if constexpr (kWantDV) gemm_ab<T, kHeadDim, kBlock>(dv, pt, sdO);
       if constexpr (kWantDK) {
         float dpt[kTiles * 4];
         gemm_abt<T, kHeadDim, kBlock>(dpt, sV, warp * 16, sdO);
         score_gradient(dpt, pt, st, p, [&](int i) { return s_D[column_of(i)]; });
-        if (masked) zero_hidden(dpt, st);
-        if (exact) gemm_ab_masked<T, kHeadDim, kBlock>(dk, dpt, st, SwizzledRows<T, kHeadDim>{sQ});
-        else gemm_ab<T, kHeadDim, kBlock>(dk, dpt, sQ);
+        gemm_ab<T, kHeadDim, kBlock>(dk, dpt, sQ);
       }
     }
   }
@@ -209,29 +196,21 @@ __global__ void __launch_bounds__(kThreads)
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
-    const bool needs_mask = RowSoftmax::tile_needs_mask(seq, q0, last_row, k0, kBlock,
-                                                        keys.key_begin, keys.key_end);
-    const bool masked = needs_mask || kLayouts == Layouts::kSegments;  // (uniform)
-    // A masked tile whose K holds NaN or inf takes the exact product
-    // (fragment_softmax.cuh says why); the check costs masked tiles only.
-    const bool exact = masked && __syncthreads_or(tile_has_nonfinite<T>(
-                                     sK, kBlock * kHeadDim, threadIdx.x, kThreads));
 
     float s[kTiles * 4];
     gemm_abt<T, kHeadDim, kBlock>(s, sQ, warp * 16, sK);
-    rows.scores<kTiles>(s, p, seq, k0, needs_mask);
+    rows.scores<kTiles>(s, p, seq, k0,
+                        RowSoftmax::tile_needs_mask(seq, q0, last_row, k0, kBlock, keys.key_begin,
+                                                    keys.key_end));
     segments.template mask<kTiles>(s, k0);
     float prob[kTiles * 4];
 #pragma unroll
     for (int i = 0; i < kTiles * 4; ++i) prob[i] = s[i];
     probabilities(prob, [&](int i) { return lse2[(i % 4) / 2]; });
-    if (masked) zero_hidden(prob, s);
     float dp[kTiles * 4];
     gemm_abt<T, kHeadDim, kBlock>(dp, sdO, warp * 16, sV);
     score_gradient(dp, prob, s, p, [&](int i) { return D[(i % 4) / 2]; });
-    if (masked) zero_hidden(dp, s);
-    if (exact) gemm_ab_masked<T, kHeadDim, kBlock>(dq, dp, s, SwizzledRows<T, kHeadDim>{sK});
-    else gemm_ab<T, kHeadDim, kBlock>(dq, dp, sK);
+    gemm_ab<T, kHeadDim, kBlock>(dq, dp, sK);
   }
   store_rows<T, kHeadDim>(seq.q_at<T>(p.dq, 0, h), p.dq.row_stride, seq.q_slot, p.head_dim,
                           q0 + warp * 16, dq, p.softmax_scale);

@@ -78,33 +78,21 @@ __global__ void __launch_bounds__(kThreads)
 
     float s[kKeyTiles * 4];
     gemm_abt<T, kHeadDim, kBlockN>(s, sQ, warp * 16, sK);
-    const bool needs_mask = RowSoftmax::tile_needs_mask(seq, q0, last_row, k0, kBlockN,
-                                                        keys.key_begin, keys.key_end);
-    const bool masked = needs_mask || kLayouts == Layouts::kSegments;  // (uniform)
-    softmax.scores<kKeyTiles>(s, p, seq, k0, needs_mask);
+    softmax.scores<kKeyTiles>(s, p, seq, k0,
+                              RowSoftmax::tile_needs_mask(seq, q0, last_row, k0, kBlockN,
+                                                          keys.key_begin, keys.key_end));
     segments.template mask<kKeyTiles>(s, k0);
     softmax.update<kKeyTiles, kDimTiles>(s, o);
 
     cp_async_wait_all();
     __syncthreads();  // V_j landed; every warp is done with K_j
-    // A masked tile whose V holds NaN or inf takes the exact product (fragment_softmax.cuh
-    // says why); the check costs masked tiles only (uniform over the CTA).
-    const bool exact = masked && __syncthreads_or(tile_has_nonfinite<T>(
-                                     sV, kBlockN * kHeadDim, threadIdx.x, kThreads));
     const int64_t k_next = segments.next_tile(k0 + kBlockN, keys.key_end, kBlockN);
     if (k_next < keys.key_end)
       load_tile<T, kHeadDim, kBlockN>(sK, k_base, p.k.row_stride, k_next, seq.seqlen_k,
                                       p.head_dim);
     cp_async_commit();
 
-    if (exact) {
-      float hidden[kKeyTiles * 4] = {};
-      softmax.mask<kKeyTiles>(hidden, seq, k0);
-      segments.template mask<kKeyTiles>(hidden, k0);
-      gemm_ab_masked<T, kHeadDim, kBlockN>(o, s, hidden, SwizzledRows<T, kHeadDim>{sV});
-    } else {
-      gemm_ab<T, kHeadDim, kBlockN>(o, s, sV);
-    }
+    gemm_ab<T, kHeadDim, kBlockN>(o, s, sV);
     k0 = k_next;
   }
   cp_async_wait_all();

@@ -13,35 +13,11 @@ namespace flashjax::cuda::hopper_bwd {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Masked tiles (docs/api.md, "Non-finite values"): the pairs the mask hid (score
-// -inf) as bits, so that P and dS can be made exactly 0 there after S is
-// overwritten (a NaN lse or dP would otherwise give NaN: exp2(-inf - NaN), 0 * NaN).
-template <int kN>
-__device__ __forceinline__ uint32_t hidden_bits(const float (&s)[kN], bool masked) {
-  static_assert(kN <= 32, "a bit per element");
-  uint32_t bits = 0;
-  if (masked) {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) bits |= static_cast<uint32_t>(s[i] == kNegInf) << i;
-  }
-  return bits;
-}
-template <int kN>
-__device__ __forceinline__ void zero_hidden_pairs(float (&prob)[kN], float (&ds)[kN],
-                                                  uint32_t bits) {
-  if (!bits) return;
-#pragma unroll
-  for (int i = 0; i < kN; ++i)
-    if ((bits >> i) & 1) prob[i] = ds[i] = 0.0f;
-}
-
 // P (in s, from log2 scores) and dS (in dp), in place; lse2/D per element.
-// masked: the tile's mask hid some pairs (their P and dS are made exactly 0).
 template <int kN, class LseOf, class DOf>
 __device__ __forceinline__ void probabilities_and_grad(float (&s)[kN], float (&dp)[kN],
                                                        const AttentionParams& p, LseOf&& lse2,
-                                                       DOf&& d_of, bool masked) {
-  const uint32_t hidden = hidden_bits(s, masked);
+                                                       DOf&& d_of) {
   const float inv_cap_log2 = p.softcap > 0.0f ? 1.0f / (p.softcap * kLog2e) : 0.0f;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
@@ -54,7 +30,6 @@ __device__ __forceinline__ void probabilities_and_grad(float (&s)[kN], float (&d
     s[i] = prob;
     dp[i] = ds;
   }
-  zero_hidden_pairs(s, dp, hidden);
 }
 
 // The same with dP's product still running when it is called (S's done):
@@ -64,21 +39,18 @@ __device__ __forceinline__ void probabilities_and_grad(float (&s)[kN], float (&d
 template <int kN, class LseOf, class DOf, class WaitDp>
 __device__ __forceinline__ void probabilities_then_grad(float (&s)[kN], float (&dp)[kN],
                                                         const AttentionParams& p, LseOf&& lse2,
-                                                        DOf&& d_of, WaitDp&& wait_dp,
-                                                        bool masked) {
+                                                        DOf&& d_of, WaitDp&& wait_dp) {
   if (p.softcap > 0.0f) {
     wait_dp();
-    probabilities_and_grad(s, dp, p, lse2, d_of, masked);
+    probabilities_and_grad(s, dp, p, lse2, d_of);
     return;
   }
-  const uint32_t hidden = hidden_bits(s, masked);
 #pragma unroll
   for (int i = 0; i < kN; ++i) s[i] = fast_exp2(s[i] - lse2(i));
   fence_operands(s);  // (the exponentials are issued before the wait)
   wait_dp();
 #pragma unroll
   for (int i = 0; i < kN; ++i) dp[i] = s[i] * (dp[i] - d_of(i));
-  zero_hidden_pairs(s, dp, hidden);
 }
 
 template <class T, int kK>

@@ -197,13 +197,11 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         const float* lse2 = tile_stats(it);
         const float* D = lse2 + kStreamRows;
         const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
-        const bool masked =
-            kb.needs_mask(p, q0, kStreamRows) || kLayouts == Layouts::kSegments;
         probabilities_then_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
                                 [&](int i) { return D[column(i)]; }, [&] {
                                   wgmma_wait<0>();
                                   fence_operands(dpt);
-                                }, masked);
+                                });
       },
       [&](int64_t it) {
         pack_fragments<T, 4>(pa, st);
@@ -301,13 +299,12 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
         fence_operands(s);
         fence_operands(dp);
         const int64_t k0 = qb.key_tile(it);
-        const bool needs_mask = RowSoftmax::tile_needs_mask(
-            qb.seq, qb.q0, qb.last_row, k0, kStreamRows, qb.keys.key_begin, qb.keys.key_end);
-        rows.scores<8>(s, p, qb.seq, k0, needs_mask);
+        rows.scores<8>(s, p, qb.seq, k0,
+                       RowSoftmax::tile_needs_mask(qb.seq, qb.q0, qb.last_row, k0, kStreamRows,
+                                                   qb.keys.key_begin, qb.keys.key_end));
         segments.template mask<8>(s, k0);
         probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
-                               [&](int i) { return D[(i % 4) / 2]; },
-                               needs_mask || kLayouts == Layouts::kSegments);
+                               [&](int i) { return D[(i % 4) / 2]; });
       },
       [&](int64_t) { pack_fragments<T, 4>(dsa, dp); },
       [&](int64_t it) {  // dQ += dS K_j

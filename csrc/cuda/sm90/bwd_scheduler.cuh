@@ -137,21 +137,16 @@ struct KeyBlock {
     return static_cast<int>(max(seq.seqlen_q - row(it), int64_t(0)));
   }
 
-  // Whether some of the block's keys do not see some of queries col0 + [0, cols).
-  __device__ bool needs_mask(const AttentionParams& p, int64_t col0, int cols) const {
-    const SeqlenInfo seq = sequence(p);
-    return !(col0 >= seq.first_query(last_key) && col0 + cols - 1 <= seq.last_query(k0) &&
-             col0 + cols <= seq.seqlen_q && last_key - k0 + 1 == kRows);
-  }
-
   // Masks a thread's S^T fragment (keys key, key + 8; queries col0 + [0, 8 kTiles))
   // where some of the block's (key, query) pairs are invisible.
   template <int kTiles>
   __device__ void mask(float (&st)[kTiles * 4], const AttentionParams& p, int64_t key,
                        int64_t col0) const {
     constexpr int kCols = kTiles * 8;
-    if (!needs_mask(p, col0, kCols)) return;
     const SeqlenInfo seq = sequence(p);
+    if (col0 >= seq.first_query(last_key) && col0 + kCols - 1 <= seq.last_query(k0) &&
+        col0 + kCols <= seq.seqlen_q && last_key - k0 + 1 == kRows)
+      return;
     int lo[2], hi[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -72,7 +72,7 @@ __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<wide:
                             [&](int i) { return D[column(i)]; }, [&] {
                               wgmma_wait<0>();
                               fence_operands(dpt);
-                            }, kb.needs_mask(p, col0, 32));
+                            });
     uint32_t frag[2][2][4];
     pack_fragments<T, 2>(frag[0], st);
     pack_fragments<T, 2>(frag[1], dpt);
