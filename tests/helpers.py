@@ -395,6 +395,18 @@ def use_implementation(monkeypatch, implementation):
                                                               implementation=implementation))
 
 
+def counting_jit(fn, **jit_options):
+    """(jax.jit(fn), traces): traces grows by one each time fn is traced, i.e. at each
+    compilation (robust where `_cache_size()` is not: the process-wide jit cache may
+    evict entries when a worker has run many tests)."""
+    traces = []
+
+    def traced(*args, **kwargs):
+        traces.append(None)
+        return fn(*args, **kwargs)
+    return jax.jit(traced, **jit_options), traces
+
+
 def ids(cases):
     return [str(c) for c in cases]
 

@@ -23,7 +23,7 @@ import pytest
 import flashjax
 from flashjax import _checks, reference, xla_attention
 from flashjax._calls import Layout
-from helpers import (Case, case_inputs, check_close, check_forward, check_gradients,
+from helpers import (Case, case_inputs, check_close, check_forward, check_gradients, counting_jit,
                      empty_row_cases, gqa_cases, ids, option_cases, position_cases, rand,
                      run_on_host_devices, seqlen_cases)
 from varlen_helpers import (SegmentCase, VarlenCase, check_segments, check_varlen,
@@ -378,9 +378,8 @@ def test_varlen_matches_dense_on_equal_lengths():
 def test_traced_metadata_one_compilation():
     q, k, v = rand(0, (64, 2, 16)), rand(1, (64, 2, 16)), rand(2, (64, 2, 16))
 
-    @jax.jit
-    def f(q, k, v, cu, used, offset):
-        return varlen_xla(q, k, v, cu, cu, 64, 64, seqused_q=used, q_offset=offset, causal=True)
+    f, traces = counting_jit(lambda q, k, v, cu, used, offset: varlen_xla(
+        q, k, v, cu, cu, 64, 64, seqused_q=used, q_offset=offset, causal=True))
 
     for cu, used, offset in (([0, 10, 64], [10, 54], [0, 3]), ([0, 40, 64], [3, 24], [9, -2])):
         cu, used, offset = (jnp.asarray(x, jnp.int32) for x in (cu, used, offset))
@@ -389,7 +388,7 @@ def test_traced_metadata_one_compilation():
                                           causal=True)
         np.testing.assert_allclose(np.asarray(f(q, k, v, cu, used, offset)), np.asarray(want),
                                    rtol=2e-5, atol=2e-5)
-    assert f._cache_size() == 1
+    assert len(traces) == 1
 
 
 def test_vmap_dense_and_packed():
