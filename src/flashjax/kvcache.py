@@ -99,6 +99,8 @@ def gather_rows(cache, logical, page_table=None, batch_idx=None):
 
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
            page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse):
+    """Checks every argument; returns the static options as Python values
+    (rotary_interleaved, return_lse, num_splits)."""
     _checks.check_qkv(q, k_cache, v_cache, 4, (
         "(batch, seqlen_q, heads_q, head_dim)",
         "(batch_cache, seqlen_cache, heads_kv, head_dim) or (num_pages, page_size, heads_kv, "
@@ -160,10 +162,11 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_left
         for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if x.dtype not in (jnp.float32, q.dtype):
                 raise TypeError(f"{name} must be float32 or q's dtype {q.dtype}, got {x.dtype}")
-    _checks.static_flag("rotary_interleaved", rotary_interleaved)
-    _checks.static_flag("return_lse", return_lse)
-    if _checks.static_int("num_splits", num_splits) < 0:
+    num_splits = _checks.static_int("num_splits", num_splits)
+    if num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
+    return (_checks.static_flag("rotary_interleaved", rotary_interleaved),
+            _checks.static_flag("return_lse", return_lse), num_splits)
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
@@ -215,11 +218,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     sequence's keys are at most the capacity's. Not differentiable: gradients
     raise a TypeError.
     """
-    _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-           page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
-    rotary_interleaved = _checks.static_flag("rotary_interleaved", rotary_interleaved)
-    return_lse = _checks.static_flag("return_lse", return_lse)
-    num_splits = _checks.static_int("num_splits", num_splits)
+    rotary_interleaved, return_lse, num_splits = _check(
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+        rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
                               sinks is not None, False, implementation, return_lse)
     static_seqlens = None
