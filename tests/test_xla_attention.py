@@ -230,6 +230,27 @@ def test_very_negative_scores_are_not_lost():
 # ----------------------------------------------------------------------------- seqused, segments
 
 
+def check_options_against_reference(q, k, v, sinks, opts):
+    """dense_xla(..., **opts) (out, lse, and gradients under random cotangents) against the
+    float64 reference; returns (out, lse, grads) as JAX arrays."""
+    (out, lse), pull = jax.vjp(lambda q, k, v, s: dense_xla(q, k, v, sinks=s, **opts),
+                               q, k, v, sinks)
+    hi = [x.astype(jnp.float64) for x in (q, k, v, sinks)]
+    (r_out, r_lse), r_pull = jax.vjp(
+        lambda q, k, v, s: reference.attention(q, k, v, sinks=s, compute_dtype=jnp.float64,
+                                               **opts), *hi)
+    check_close(out, r_out, name="out")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
+    finite = np.isfinite(np.asarray(r_lse))
+    check_close(np.asarray(lse)[finite], np.asarray(r_lse)[finite], name="lse")
+    d_out, d_lse = rand(5, out.shape), rand(6, lse.shape)
+    grads = pull((d_out, d_lse))
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads,
+                          r_pull((d_out.astype(jnp.float64), d_lse.astype(jnp.float64)))):
+        check_close(g, r, name=name)
+    return out, lse, grads
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_seqused_dense(causal):
     """Rows past seqused_q: out 0, lse -inf even with sinks, dq 0; keys past seqused_k
@@ -242,23 +263,9 @@ def test_seqused_dense(causal):
     for positions in ({}, dict(q_offset=jnp.array([3, 0, 40], jnp.int32), kv_offset=7)):
         opts = dict(causal=causal, seqused_q=used_q, seqused_k=used_k, return_lse=True,
                     window_size=(30, -1), **positions)
-        (out, lse), pull = jax.vjp(lambda q, k, v, s: dense_xla(q, k, v, sinks=s, **opts),
-                                   q, k, v, sinks)
-        hi = [x.astype(jnp.float64) for x in (q, k, v, sinks)]
-        (r_out, r_lse), r_pull = jax.vjp(
-            lambda q, k, v, s: reference.attention(q, k, v, sinks=s, compute_dtype=jnp.float64,
-                                                   **opts), *hi)
-        check_close(out, r_out, name="out")
-        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
-        finite = np.isfinite(np.asarray(r_lse))
-        check_close(np.asarray(lse)[finite], np.asarray(r_lse)[finite], name="lse")
+        out, lse, grads = check_options_against_reference(q, k, v, sinks, opts)
         assert np.all(np.asarray(out)[1] == 0) and np.all(np.asarray(out)[2, 33:] == 0)
         assert np.isneginf(np.asarray(lse)[1]).all() and np.isneginf(np.asarray(lse)[2, :, 33:]).all()
-        d_out, d_lse = rand(5, out.shape), rand(6, lse.shape)
-        grads = pull((d_out, d_lse))
-        for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads,
-                              r_pull((d_out.astype(jnp.float64), d_lse.astype(jnp.float64)))):
-            check_close(g, r, name=name)
         dq, dk, dv = (np.asarray(g) for g in grads[:3])
         assert np.all(dq[1] == 0) and np.all(dq[2, 33:] == 0)
         assert np.all(dk[0, 5:] == 0) and np.all(dv[0, 5:] == 0) and np.all(dk[2, 64:] == 0)
@@ -281,20 +288,7 @@ def test_segment_ids_with_seqused_and_positions():
     opts = dict(causal=True, window_size=(25, -1), q_segment_ids=q_ids, kv_segment_ids=k_ids,
                 seqused_q=jnp.array([60, 41], jnp.int32), seqused_k=jnp.array([70, 80], jnp.int32),
                 q_offset=jnp.array([20, 35], jnp.int32), return_lse=True)
-    (out, lse), pull = jax.vjp(lambda q, k, v, s: dense_xla(q, k, v, sinks=s, **opts),
-                               q, k, v, sinks)
-    hi = [x.astype(jnp.float64) for x in (q, k, v, sinks)]
-    (r_out, r_lse), r_pull = jax.vjp(
-        lambda q, k, v, s: reference.attention(q, k, v, sinks=s, compute_dtype=jnp.float64,
-                                               **opts), *hi)
-    check_close(out, r_out, name="out")
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
-    finite = np.isfinite(np.asarray(r_lse))
-    check_close(np.asarray(lse)[finite], np.asarray(r_lse)[finite], name="lse")
-    d_out, d_lse = rand(5, out.shape), rand(6, lse.shape)
-    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), pull((d_out, d_lse)),
-                          r_pull((d_out.astype(jnp.float64), d_lse.astype(jnp.float64)))):
-        check_close(g, r, name=name)
+    check_options_against_reference(q, k, v, sinks, opts)
 
 
 # ----------------------------------------------------------------------------- packed
