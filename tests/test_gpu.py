@@ -19,6 +19,7 @@ import flashjax
 from helpers import (Case, case_inputs, check_empty_vmap, check_forward, check_gradients, empty_row_cases,
                      gqa_cases, head_dim_cases, ids, option_cases, position_cases, seqlen_cases,
                      use_implementation)
+from nonfinite_helpers import Placement, check_nonfinite
 
 pytestmark = pytest.mark.gpu
 
@@ -173,3 +174,48 @@ def test_pure_jax_path_on_the_gpu(case, gpu_device, monkeypatch):
     use_implementation(monkeypatch, "xla")
     check_forward(case, device=gpu_device)
     check_gradients(case, device=gpu_device)
+
+
+# ----------------------------------------------------------------------------- non-finite inputs
+# docs/api.md, "Non-finite values": NaN / +-inf placed inside masked tiles (rows 70
+# and 700: inside the diagonal tiles of every kernel's tiling) reach exactly the rows
+# the reference says (tests/nonfinite_helpers.py). The forward on every path; the
+# gradients on the SIMT path (the tensor-core backwards do not follow it yet).
+
+NONFINITE_CASES = [
+    Case(batch=2, seqlen_q=200, seqlen_k=200, heads_q=4, heads_kv=2, head_dim=64, dtype="bfloat16",
+         causal=True),
+    Case(batch=1, seqlen_q=130, seqlen_k=250, heads_q=2, heads_kv=2, head_dim=128, dtype="float16",
+         window_size=(40, 8), sinks=True),
+    Case(batch=1, seqlen_q=150, seqlen_k=150, heads_q=2, heads_kv=1, head_dim=64, dtype="float32",
+         causal=True, softcap=20.0),
+    Case(batch=1, seqlen_q=333, seqlen_k=333, heads_q=8, heads_kv=2, head_dim=128, dtype="bfloat16",
+         causal=True),
+]
+NONFINITE_PLACEMENTS = [
+    Placement("q", "nan", batch=0, row=70, head=1),
+    Placement("k", "nan", batch=0, row=70, head=0),
+    Placement("v", "nan", batch=0, row=70, head=0),
+    Placement("v", "inf", batch=0, row=70, head=0, column=None),
+    Placement("k", "inf", batch=0, row=70, head=0),
+]
+NONFINITE_LARGE = Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads_q=2, heads_kv=2, head_dim=128,
+                       dtype="bfloat16", causal=True)
+
+
+@pytest.mark.parametrize("placement", NONFINITE_PLACEMENTS, ids=str)
+@pytest.mark.parametrize("case", NONFINITE_CASES, ids=ids(NONFINITE_CASES))
+def test_nonfinite(case, placement, kernel_path, gpu_device):
+    check_nonfinite(case, placement, device=gpu_device)
+
+
+@pytest.mark.parametrize("placement", [Placement(t, "nan", row=700, head=1) for t in "qkv"], ids=str)
+def test_nonfinite_large(placement, kernel_path, gpu_device):
+    check_nonfinite(NONFINITE_LARGE, placement, device=gpu_device)
+
+
+@pytest.mark.parametrize("placement", NONFINITE_PLACEMENTS[:3], ids=str)
+@pytest.mark.parametrize("case", NONFINITE_CASES[::2], ids=ids(NONFINITE_CASES[::2]))
+def test_nonfinite_gradients_simt(case, placement, gpu_device, monkeypatch):
+    use_implementation(monkeypatch, "cuda:simt")
+    check_nonfinite(case, placement, device=gpu_device, gradients=True)

@@ -13,6 +13,7 @@ import pytest
 import flashjax
 from helpers import use_implementation
 from kvcache_helpers import KVCase, check, make_inputs
+from nonfinite_helpers import check_kvcache_nonfinite
 
 pytestmark = pytest.mark.gpu
 
@@ -94,3 +95,15 @@ def test_gpu_donated_decode_step_is_in_place_and_captured():
     out1, kc, vc = step(q, k_cache.copy(), v_cache.copy(), new["k"], new["v"], n)
     out2, _, _ = step(q, k_cache.copy(), v_cache.copy(), new["k"], new["v"], n)
     np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+
+
+@pytest.mark.parametrize("implementation", ["cuda", "cuda:simt"])
+@pytest.mark.parametrize("dtype, head_dim, seqlen_q, causal",
+                         [("bfloat16", 128, 1, False), ("float16", 64, 3, True),
+                          ("float32", 32, 2, True)])
+def test_gpu_nonfinite(dtype, head_dim, seqlen_q, causal, implementation, monkeypatch):
+    """docs/api.md, "Non-finite values": cache rows past cache_seqlens are never read; a
+    NaN value reaches its column of its own entry only (nonfinite_helpers)."""
+    use_implementation(monkeypatch, implementation)
+    check_kvcache_nonfinite(device=jax.devices("gpu")[0], dtype=dtype, head_dim=head_dim,
+                            seqlen_q=seqlen_q, causal=causal)

@@ -11,6 +11,7 @@ import pytest
 
 import flashjax
 from helpers import use_implementation
+from nonfinite_helpers import check_varlen_nonfinite
 from varlen_helpers import (SegmentCase, VarlenCase, check_segments, check_varlen,
                             segment_cases, varlen_cases)
 
@@ -141,3 +142,12 @@ def test_non_finite_rows_outside_a_sequence_do_not_leak_into_gradients(kernel_pa
         assert np.isfinite(d[good]).all(), name
         np.testing.assert_allclose(d[good], c[good], rtol=2e-2, atol=2e-2, err_msg=name)
         assert (d[bad] == 0).all(), name
+
+
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 64), ("float16", 128), ("float32", 32)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nonfinite_stays_in_its_sequence(causal, dtype, head_dim, kernel_path, gpu_device):
+    """docs/api.md, "Non-finite values": NaN / inf in one packed sequence reach that
+    sequence's rows only; gradients checked on the SIMT path (nonfinite_helpers)."""
+    check_varlen_nonfinite(causal, device=gpu_device, dtype=dtype, head_dim=head_dim,
+                           gradients=kernel_path == "cuda:simt")

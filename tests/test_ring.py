@@ -39,6 +39,8 @@ SCRIPT = textwrap.dedent("""
              (False, (0, 9)))
     cases = list(itertools.product(("contiguous", "zigzag"), ("ring", "all_gather"), masks,
                                    (False, True)))
+    if devices == 4:  # a ring of 2: every third case (8 devices run them all)
+        cases = cases[::3]
     for layout, strategy, (causal, window), with_sinks in cases:
         if strategy == "all_gather" and window[0] >= 0 and with_sinks:
             continue  # (fewer compilations; windows and sinks are covered apart)
@@ -66,14 +68,16 @@ SCRIPT = textwrap.dedent("""
         want_out, want_lse = whole(q, k, v, sinks)
         check(restore(out), want_out, what)
         check(restore(lse, 2), want_lse, what + " lse")
+        # one compilation gives the gradients and the HLO checked below
         grad = jax.jit(jax.grad(lambda *a: loss(*sharded(*a)), argnums=(0, 1, 2, 3)))
-        got = grad(*args)
+        compiled = grad.lower(*args).compile()
+        got = compiled(*args)
         want = jax.grad(lambda *a: loss(*whole(*a)), argnums=(0, 1, 2, 3))(q, k, v, sinks)
         for name, g, w in zip("qkv", got[:3], want[:3]):
             check(restore(g), w, what + " d" + name)
         if with_sinks:
             check(got[3], want[3], what + " dsinks")
-        hlo = jax.jit(grad).lower(*args).compile().as_text()
+        hlo = compiled.as_text()
         found = set(re.findall(r"(all-gather|collective-permute|reduce-scatter)", hlo))
         if strategy == "ring":
             assert found == {"collective-permute"}, (what, found)

@@ -80,11 +80,14 @@ JIT_SCRIPT = textwrap.dedent("""
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5,
                                    err_msg=what)
 
-    def collectives(f, *args):
-        return sorted(set(re.findall(COLLECTIVE, f.lower(*args).compile().as_text())))
+    def compiled(f, *args):  # one compilation: the program to run and its HLO text
+        program = f.lower(*args).compile()
+        return program, program.as_text()
 
-    def gathered_heads(f, *args):  # head counts of the rank-4 arrays all-gathered
-        hlo = f.lower(*args).compile().as_text()
+    def collectives(hlo):
+        return sorted(set(re.findall(COLLECTIVE, hlo)))
+
+    def gathered_heads(hlo):  # head counts of the rank-4 arrays all-gathered
         shapes = re.findall(r"= \\w+\\[(\\d+),(\\d+),(\\d+),(\\d+)\\][^ ]* all-gather", hlo)
         return sorted({int(shape[2]) for shape in shapes})
 
@@ -110,34 +113,36 @@ JIT_SCRIPT = textwrap.dedent("""
         args = (jax.device_put(q, NamedSharding(mesh, spec)),
                 jax.device_put(k, kv_sharding), jax.device_put(v, kv_sharding), arrays)
         what = f"{spec} {heads_q}/{heads_kv} {sorted(options)} {sorted(arrays)}"
-        forward = jax.jit(attn)
+        forward, forward_hlo = compiled(jax.jit(attn), *args)
         out = forward(*args)
         check(out, ref(q, k, v, arrays), what)
         if want in ("local", "ring", "gather"):
             padded = lambda p: tuple(p) + (None,) * (4 - len(p))
             assert padded(out.sharding.spec) == padded(spec), (what, out.sharding.spec)
         argnums = (0, 1, 2, 3) if "sinks" in arrays else (0, 1, 2)
-        grad = jax.jit(jax.grad(loss(attn), argnums=argnums, allow_int=True))
+        grad, grad_hlo = compiled(jax.jit(jax.grad(loss(attn), argnums=argnums, allow_int=True)),
+                                  *args)
         got = grad(*args)
         want = jax.grad(loss(ref), argnums=argnums, allow_int=True)(q, k, v, arrays)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             if g.dtype != jax.dtypes.float0:
                 check(g, w, what + " grad")
         sums_sinks = "sinks" in arrays and (spec[0] or want == "ring")
+        found_forward, found_grad = collectives(forward_hlo), collectives(grad_hlo)
         if want == "local":
-            assert collectives(forward, *args) == [], (what, collectives(forward, *args))
+            assert found_forward == [], (what, found_forward)
             expected = ["all-reduce"] if sums_sinks else []
-            assert collectives(grad, *args) == expected, (what, collectives(grad, *args))
+            assert found_grad == expected, (what, found_grad)
         if want == "ring":
             permute = ["collective-permute"]
-            assert collectives(forward, *args) == permute, (what, collectives(forward, *args))
+            assert found_forward == permute, (what, found_forward)
             expected = ["all-reduce"] + permute if sums_sinks else permute
-            assert collectives(grad, *args) == expected, (what, collectives(grad, *args))
+            assert found_grad == expected, (what, found_grad)
         if want == "gather":  # K/V gathered, dK/dV reduce-scattered, q never gathered
-            assert collectives(forward, *args) == ["all-gather"], (what, collectives(forward, *args))
-            assert gathered_heads(forward, *args) == [heads_kv], (what, gathered_heads(forward, *args))
-            assert gathered_heads(grad, *args) == [heads_kv], (what, gathered_heads(grad, *args))
-            assert "collective-permute" not in collectives(grad, *args), what
+            assert found_forward == ["all-gather"], (what, found_forward)
+            assert gathered_heads(forward_hlo) == [heads_kv], (what, gathered_heads(forward_hlo))
+            assert gathered_heads(grad_hlo) == [heads_kv], (what, gathered_heads(grad_hlo))
+            assert "collective-permute" not in found_grad, what
 
     heads = n // 2  # the "model" axis
     case(P("data", None, "model", None), 2 * heads, heads, "local", causal=True)
@@ -171,15 +176,17 @@ JIT_SCRIPT = textwrap.dedent("""
     ref = lambda q, k, v: reference.attention_varlen(q, k, v, np.asarray(cu), np.asarray(cu),
                                                      23, 23, causal=True,
                                                      compute_dtype=jnp.float64)
-    out = jax.jit(varlen)(*args)
+    varlen_program, varlen_hlo = compiled(jax.jit(varlen), *args)
+    out = varlen_program(*args)
     check(out, ref(q, k, v), "varlen")
     assert tuple(out.sharding.spec)[:2] == (None, "model"), out.sharding.spec
-    grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(varlen(*a))), argnums=(0, 1, 2)))
+    grad, grad_hlo = compiled(
+        jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(varlen(*a))), argnums=(0, 1, 2))), *args)
     want = jax.grad(lambda *a: jnp.sum(jnp.sin(ref(*a))), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(grad(*args), want):
         check(g, w, "varlen grad")
-    assert collectives(jax.jit(varlen), *args) == [], collectives(jax.jit(varlen), *args)
-    assert collectives(grad, *args) == [], collectives(grad, *args)
+    assert collectives(varlen_hlo) == [], collectives(varlen_hlo)
+    assert collectives(grad_hlo) == [], collectives(grad_hlo)
     print("ok")
 """)
 

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "exact_rows.cuh"
 #include "flashjax/seqlen.h"
 #include "sequence_layout.h"
 
@@ -94,7 +95,12 @@ struct RowSoftmax {
   __device__ void scores(float (&s)[kKeyTiles * 4], const AttentionParams& p,
                          const SeqlenInfo& seq, int64_t k0, bool needs_mask) const {
     scores_log2(s, p);
-    if (!needs_mask) return;
+    if (needs_mask) mask<kKeyTiles>(s, seq, k0);
+  }
+
+  // -inf where the thread's rows do not see key k0 + column (positions, windows, seqused).
+  template <int kKeyTiles>
+  __device__ void mask(float (&s)[kKeyTiles * 4], const SeqlenInfo& seq, int64_t k0) const {
     int lo[2], hi[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -166,27 +172,36 @@ struct RowSoftmax {
   // Folds in the sink, normalises o and writes out (head_dim_v % 8 == 0) and lse
   // for the rows of sequence b's slot; rows past the used ones get out 0 and
   // lse -inf (whatever o holds, as long as it is finite: see
-  // clear_unused_rows; also with sinks).
+  // clear_unused_rows; also with sinks). Returns whether a used row of the
+  // thread's holds a non-finite value: the caller then has the warp run
+  // recompute_nonfinite_rows (exact_rows.cuh says why), after its main loop.
   // h0: the head of the tile (the group's first head when packed).
   template <class T, int kDimTiles>
-  __device__ void write(const AttentionParams& p, const SeqlenInfo& seq,
+  __device__ bool write(const AttentionParams& p, const SeqlenInfo& seq,
                         const float (&o)[kDimTiles * 4], int64_t b, int64_t h0) const {
     const int t = threadIdx.x % 4;
+    float probe[2] = {0.0f, 0.0f};
+    probe_nonfinite(o, probe);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float total = l[r];
       total += __shfl_xor_sync(0xffffffffu, total, 1);
       total += __shfl_xor_sync(0xffffffffu, total, 2);
       const int64_t tile_row = row + 8 * r, out_row = query(tile_row);
-      const int64_t h = h0 + (packed_rows ? static_cast<int>(tile_row) / packed_rows : 0);
-      if (packed_rows && tile_row >= packed_rows * p.group_size()) continue;
-      if (out_row >= seq.q_slot) continue;
+      const int64_t h = head(h0, tile_row);
+      if (!writes(p, seq, tile_row)) {
+        probe[r] = 0.0f;
+        continue;
+      }
       const bool used = out_row < seq.seqlen_q;
+      if (!used) probe[r] = 0.0f;
       const float sink = p.sinks && used ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
       const float m_row = used ? m[r] : kNegInf;
       const float m_final = fmaxf(m_row, sink);
       float factor = 0.0f, lse = kNegInf;  // no key and no sink: out 0, lse -inf
-      if (m_final != kNegInf) {
+      // A NaN score leaves m alone (fmaxf) but makes the sum NaN: such a row has
+      // seen keys and ends NaN (out and lse), even when every score was NaN.
+      if (m_final != kNegInf || (used && total != 0.0f)) {
         const float keys_scale = fast_exp2(m_row - m_final);
         const float denom = total * keys_scale + fast_exp2(sink - m_final);
         factor = keys_scale / denom;
@@ -202,6 +217,35 @@ struct RowSoftmax {
       }
       if (t == 0) *seq.q_at<float>(p.lse, out_row, h) = lse;
     }
+    return probe[0] != probe[0] || probe[1] != probe[1];
+  }
+
+  // Recomputes pair by pair the used rows of the warp's 16 whose out (written
+  // by write, by this warp) holds a NaN or inf. Call with the whole warp.
+  template <class T>
+  __device__ void recompute_nonfinite_rows(const AttentionParams& p, const SeqlenInfo& seq,
+                                           int64_t b, int64_t h0) const {
+    const int lane = threadIdx.x % 32;
+    const int64_t warp_row0 = row - lane / 4;
+    __syncwarp();  // the warp's stores of out come first
+    for (int r = 0; r < 16; ++r) {
+      const int64_t tile_row = warp_row0 + r, i = query(tile_row), h = head(h0, tile_row);
+      if (!writes(p, seq, tile_row) || i >= seq.seqlen_q) continue;
+      const T* out = seq.q_at<const T>(p.out, i, h);
+      float probe = 0.0f;
+      for (int64_t c = lane; c < p.head_dim_v; c += 32) probe = fmaf(to_float(out[c]), 0.0f, probe);
+      if (__any_sync(0xffffffffu, probe != 0.0f)) exact_forward_row<T>(p, b, h, i, lane);
+    }
+  }
+
+  // The query head of tile row tile_row (h0: the tile's, or its group's first when packed).
+  __device__ int64_t head(int64_t h0, int64_t tile_row) const {
+    return h0 + (packed_rows ? static_cast<int>(tile_row) / packed_rows : 0);
+  }
+  // Whether tile row tile_row is a row of the output (of sequence b's slot).
+  __device__ bool writes(const AttentionParams& p, const SeqlenInfo& seq, int64_t tile_row) const {
+    return !(packed_rows && tile_row >= packed_rows * p.group_size()) &&
+           query(tile_row) < seq.q_slot;
   }
 };
 
@@ -411,5 +455,87 @@ struct FragmentSegments<Layouts::kSegments> {
     }
   }
 };
+
+
+// ------------------------------------------------ non-finite V in a masked KV-cache slice
+// The KV-cache kernel's split products (gemm_ab) compute 0 * v for the pairs a
+// slice's mask hides, NaN when v is NaN or inf (exact_rows.cuh says why that
+// matters). Its rows are not recomputed afterwards (paged caches, splits), so a
+// masked slice checks its V (tile_has_nonfinite: cheap, masked slices only) and
+// in the rare case it holds one takes the exact scalar product gemm_ab_masked.
+
+// Whether one of the two 16-bit values packed in x is NaN or inf (all exponent bits set).
+template <class T>
+__device__ __forceinline__ bool nonfinite_pair(uint32_t x) {
+  constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x7C00u : 0x7F80u;
+  return (x & kExp) == kExp || ((x >> 16) & kExp) == kExp;
+}
+
+// This thread's share (`thread` of `threads`) of the check of `elements`
+// values of T from `tile` (16-byte aligned, elements % 8 == 0); the callers
+// combine the shares (__any_sync, __syncthreads_or). float32 tiles: each
+// 32-bit word is checked as a float.
+template <class T>
+__device__ __forceinline__ bool tile_has_nonfinite(const void* tile, int elements, int thread,
+                                                   int threads) {
+  const uint4* chunks = static_cast<const uint4*>(tile);
+  constexpr int kPerChunk = 16 / sizeof(T);
+  bool found = false;
+  for (int i = thread; i < elements / kPerChunk; i += threads) {
+    const uint4 c = chunks[i];
+    if constexpr (std::is_same_v<T, float>) {
+      found |= !isfinite(__uint_as_float(c.x)) | !isfinite(__uint_as_float(c.y)) |
+               !isfinite(__uint_as_float(c.z)) | !isfinite(__uint_as_float(c.w));
+    } else {
+      found |= nonfinite_pair<T>(c.x) | nonfinite_pair<T>(c.y) | nonfinite_pair<T>(c.z) |
+               nonfinite_pair<T>(c.w);
+    }
+  }
+  return found;
+}
+
+// acc(16 x kHeadDim) += P(16 x kK) V summed over the visible pairs only, each
+// adding p * v as IEEE arithmetic does (NaN, inf, 0 * inf = NaN where p
+// underflowed): frag is P as gemm_ab takes it (rounded to T here as gemm_ab
+// rounds it), `hidden` a fragment like it, -inf where the mask hides the pair;
+// v_at(j, c) reads V[j][c] as float. Scalar and slow: only for the rare slices
+// that need it.
+template <class T, int kHeadDim, int kK, class VAt>
+__device__ void gemm_ab_masked(float (&acc)[kHeadDim / 2], const float (&frag)[kK / 2],
+                               const float (&hidden)[kK / 2], VAt&& v_at) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+#pragma unroll 1
+  for (int j = 0; j < kK; ++j) {
+    // Key j is element 4 * (j / 8) + 2 * r + (j % 2) of lane (lane & ~3) + (j % 8) / 2;
+    // every lane offers its own element at that index (static indices: a
+    // dynamic one would move the fragment to local memory), then takes its
+    // quad's by shuffle.
+    const int n = j / 8, e = j % 2, src = (lane & ~3) | ((j % 8) / 2);
+    float mine[2] = {0.0f, 0.0f};
+    bool mine_hidden[2] = {true, true};
+#pragma unroll
+    for (int nn = 0; nn < kK / 8; ++nn)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int ee = 0; ee < 2; ++ee) {
+          const int idx = 4 * nn + 2 * r + ee;
+          if (nn == n && ee == e) {
+            mine[r] = to_float(from_float<T>(frag[idx]));
+            mine_hidden[r] = hidden[idx] == kNegInf;
+          }
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float pij = __shfl_sync(0xffffffffu, mine[r], src);
+      if (__shfl_sync(0xffffffffu, static_cast<int>(mine_hidden[r]), src)) continue;
+#pragma unroll
+      for (int c = 0; c < kHeadDim / 8; ++c) {
+        acc[4 * c + 2 * r] += pij * v_at(j, 8 * c + 2 * t);
+        acc[4 * c + 2 * r + 1] += pij * v_at(j, 8 * c + 2 * t + 1);
+      }
+    }
+  }
+}
 
 }  // namespace flashjax::cuda

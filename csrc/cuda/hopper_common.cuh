@@ -160,8 +160,8 @@ __device__ __forceinline__ void zero_tile_rows(unsigned char* tile, int first_ro
   fence_proxy_async();
   named_sync(barrier, 128);
 }
-__device__ __forceinline__ void named_arrive(int id) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+__device__ __forceinline__ void named_arrive(int id, int threads = 256) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <int kPending>

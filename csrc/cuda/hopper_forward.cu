@@ -32,9 +32,13 @@ namespace {
 
 constexpr int kStages = 2;
 // Named barriers: 1 + c is consumer c's turn to issue; kClearBarrier + c
-// orders consumer c's zeroing of a V tile before its product (kVarlen).
+// orders consumer c's zeroing of a V tile before its product (kVarlen);
+// kRowsDoneBarrier: every consumer has written its last rows.
 constexpr int kMaxConsumers = 3;
 constexpr int kClearBarrier = 1 + kMaxConsumers;
+constexpr int kRowsDoneBarrier = kClearBarrier + kMaxConsumers;
+// The producer warpgroup's warp that recomputes rows a tile product got wrong.
+constexpr int kRecomputeWarp = 1;
 // GQA packing is compiled for head dims up to 128 (at 256 its row arithmetic
 // makes the kernel spill).
 template <int kHeadDim>
@@ -56,8 +60,10 @@ struct Tiles {
   static constexpr int kQBytes = kBlockM * kPaddedDim * 2;
   static constexpr int kKVBytes = kBlockN * kPaddedDim * 2;
   static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
-  // Q, K ring, V ring, then barriers; +1024 to align the base for the swizzle.
-  static constexpr int kSmemBytes = kBarrierOffset + 8 * (2 + 4 * kStages) + 1024;
+  // Q, K ring, V ring, then barriers and a flag per consumer warp; +1024 to
+  // align the base for the swizzle.
+  static constexpr int kFlagOffset = kBarrierOffset + 8 * (2 + 4 * kStages);
+  static constexpr int kSmemBytes = kFlagOffset + 4 * 4 * kConsumers + 1024;
 };
 
 struct TensorMaps {
@@ -107,12 +113,51 @@ struct WorkItem {
   __device__ int batch() const { return static_cast<int>(seq.batch); }
 };
 
+// The rows of work item w that warp `warp_in_group` of consumer warpgroup
+// `consumer` holds (as lane threadIdx.x % 32); kPacks: GQA packing compiled in.
+template <bool kPacks, int kBlockM, int kBlockN, Layouts kLayouts>
+__device__ __forceinline__ RowSoftmax item_rows(const WorkItem<kLayouts, kBlockM, kBlockN>& w,
+                                                const ScheduleOf<kLayouts>& schedule,
+                                                int consumer, int warp_in_group) {
+  return RowSoftmax{w.q0 + consumer * 64 + warp_in_group * 16 + (threadIdx.x % 32) / 4,
+                    kPacks ? static_cast<int>(schedule.packed_rows) : 0};
+}
+
+// Rare: a row holding NaN or inf may be one a tile product got wrong
+// (exact_rows.cuh). Once every consumer has written its rows, the producer's
+// kRecomputeWarp walks the CTA's items again and recomputes, pair by pair,
+// such rows of the consumer warps that flagged one (flags[4 * consumer +
+// warp]). Done here, not in the consumers, whose main loop would otherwise
+// keep registers for it (the kernel spills).
+template <class T, bool kPacks, Layouts kLayouts, int kBlockM, int kBlockN, int kConsumers>
+__device__ __forceinline__ void recompute_flagged_rows(const AttentionParams& p,
+                                                       const ScheduleOf<kLayouts>& schedule,
+                                                       const SegmentTiles& segment_tiles,
+                                                       const int* flags) {
+  named_sync(kRowsDoneBarrier, 32 + 128 * kConsumers);
+  bool any = false;
+  for (int f = 0; f < 4 * kConsumers; ++f) any |= flags[f] != 0;
+  if (!any) return;
+  const bool packed = kPacks && schedule.packed_rows > 0;
+  QueryTile tile;
+  for (int64_t k = 0;; ++k) {
+    const auto step = schedule.tile(k, tile);
+    if (step == ScheduleStep::kEnd) break;
+    if (step == ScheduleStep::kSkip) continue;
+    const WorkItem<kLayouts, kBlockM, kBlockN> w(p, tile, packed, segment_tiles);
+    for (int f = 0; f < 4 * kConsumers; ++f)
+      if (flags[f])
+        item_rows<kPacks>(w, schedule, f / 4, f % 4)
+            .template recompute_nonfinite_rows<T>(p, w.seq, w.b, w.h);
+  }
+}
+
 // kLayouts: any (sequence_layout.h); kSegments narrows each tile's keys to
 // its segment-id span and masks ids per element where a tile's are not all equal.
 template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
-    hopper_forward_kernel(const AttentionParams p, const __grid_constant__ TensorMaps maps,
-                          const ScheduleOf<kLayouts> schedule,
+    hopper_forward_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ TensorMaps maps,
+                          const __grid_constant__ ScheduleOf<kLayouts> schedule,
                           const __grid_constant__ SegmentTiles segment_tiles) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kConsumers = Cfg::kConsumers;
@@ -130,6 +175,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
   uint64_t* k_empty = k_full + kStages;
   uint64_t* v_full = k_empty + kStages;
   uint64_t* v_empty = v_full + kStages;
+  // Per consumer warp: whether a row it wrote holds NaN or inf (in shared
+  // memory: the main loop has no register to spare for it).
+  int* nonfinite_warps = reinterpret_cast<int*>(smem + Cfg::kFlagOffset);
 
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
@@ -141,6 +189,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       mbar_init(&v_empty[s], 4 * kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int w = 0; w < 4 * kConsumers; ++w) nonfinite_warps[w] = 0;
   }
   __syncthreads();
 
@@ -153,6 +202,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::kProducerRegs));
+    if (threadIdx.x / 32 == kRecomputeWarp)
+      recompute_flagged_rows<T, kPacks, kLayouts, kBlockM, kBlockN, kConsumers>(
+          p, schedule, segment_tiles, nonfinite_warps);
     if (threadIdx.x != 0) return;
     int64_t kv = 0, local = 0;
     QueryTile tile;
@@ -194,8 +246,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     const Item w(p, tile, packed, segment_tiles);
     const int64_t n_tiles = w.n_tiles;
     float o[kDimTiles * 4] = {};
-    RowSoftmax softmax{w.q0 + consumer * 64 + warp_in_group * 16 + lane / 4,
-                       kPacks ? static_cast<int>(schedule.packed_rows) : 0};
+    RowSoftmax softmax = item_rows<kPacks>(w, schedule, consumer, warp_in_group);
     // (kSegments: this consumer's 64 rows are one segment-id tile.)
     const FragmentSegments<kLayouts> segments(p, segment_tiles, w.seq, w.b, FragmentRows::kQueries,
                                               w.q0 + consumer * 64, softmax.row);
@@ -309,15 +360,19 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     }
     kv += n_tiles;
     if constexpr (kLayouts != Layouts::kUniform) softmax.clear_unused_rows<kDimTiles>(o, w.seq);
-    softmax.write<T, kDimTiles>(p, w.seq, o, w.b, w.h);
+    const bool nonfinite = softmax.write<T, kDimTiles>(p, w.seq, o, w.b, w.h);
+    if (__any_sync(0xffffffffu, nonfinite) && lane == 0)
+      nonfinite_warps[consumer * 4 + warp_in_group] = 1;
   }
+  named_arrive(kRowsDoneBarrier, 32 + 128 * kConsumers);  // (recompute_flagged_rows)
 }
 
 #else  // not compiled for sm_90a: never launched (hopper_forward_supports says no)
 
 template <class T, int kHeadDim, Layouts kLayouts>
-__global__ void hopper_forward_kernel(const AttentionParams, const __grid_constant__ TensorMaps,
-                                      const ScheduleOf<kLayouts>, const SegmentTiles) {}
+__global__ void hopper_forward_kernel(const __grid_constant__ AttentionParams, const __grid_constant__ TensorMaps,
+                                      const __grid_constant__ ScheduleOf<kLayouts>,
+                                      const SegmentTiles) {}
 
 #endif
 

@@ -103,7 +103,7 @@ __device__ void write_output(const AttentionParams& p, int64_t b, int64_t i, int
   const float sink2 = p.sinks ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
   const float m = fmaxf(keys_lse2, sink2);
   float weight = 0.0f, lse2 = kNegInf;  // no key and no sink: out 0, lse -inf
-  if (m != kNegInf) {
+  if (m != kNegInf || isnan(keys_lse2)) {  // (a NaN row: fmaxf drops the NaN)
     lse2 = m + __log2f(fast_exp2(keys_lse2 - m) + fast_exp2(sink2 - m));
     weight = fast_exp2(keys_lse2 - lse2);
   }
@@ -246,12 +246,20 @@ __global__ void __launch_bounds__(kThreads)
     if (k0 < keys.key_end && k0 + kKeysPerWarp > keys.key_begin) {
       float s[kKeyTiles * 4];
       gemm_abt<T, kHeadDim, kKeysPerWarp>(s, sQ, 0, sK);
-      softmax.scores<kKeyTiles>(
-          s, p, seq, k0,
-          RowSoftmax::tile_needs_mask(seq, q_first, q_last, k0, kKeysPerWarp, keys.key_begin,
-                                      keys.key_end));
+      const bool masked = RowSoftmax::tile_needs_mask(seq, q_first, q_last, k0, kKeysPerWarp,
+                                                      keys.key_begin, keys.key_end);
+      softmax.scores<kKeyTiles>(s, p, seq, k0, masked);
       softmax.update<kKeyTiles, kDimTiles>(s, o);
-      gemm_ab<T, kHeadDim, kKeysPerWarp>(o, s, sV);
+      // A masked slice whose V holds NaN or inf takes the exact product
+      // (fragment_softmax.cuh says why); the check costs masked slices only.
+      if (masked && __any_sync(0xffffffffu, tile_has_nonfinite<T>(sV, kKeysPerWarp * kHeadDim,
+                                                                  lane, 32))) {
+        float hidden[kKeyTiles * 4] = {};
+        softmax.mask<kKeyTiles>(hidden, seq, k0);
+        gemm_ab_masked<T, kHeadDim, kKeysPerWarp>(o, s, hidden, SwizzledRows<T, kHeadDim>{sV});
+      } else {
+        gemm_ab<T, kHeadDim, kKeysPerWarp>(o, s, sV);
+      }
     }
     __syncthreads();  // every warp is done with the stage before it is refilled
   }
@@ -297,8 +305,10 @@ __global__ void __launch_bounds__(kThreads)
       o0 += a * merge_o[slot * kHeadDim + col];
       o1 += a * merge_o[slot * kHeadDim + col + 1];
     }
-    const float lse2 = l > 0.0f ? base + __log2f(l) : kNegInf;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    // l == 0: no key (out 0, lse -inf); a NaN l (a NaN score) makes the row NaN.
+    const bool seen = l != 0.0f;
+    const float lse2 = seen ? base + __log2f(l) : kNegInf;
+    const float inv = seen ? 1.0f / l : 0.0f;
     const int64_t i = rows.query(packed_row), h = h0 + rows.head(packed_row);
     if (splits == 1) {
       write_output<T>(p, b, i, h, col, lse2, o0 * inv, o1 * inv);
@@ -356,8 +366,11 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float e = lse2 == kNegInf ? 0.0f : fast_exp2(lse2 - (m == kNegInf ? 0.0f : m));
   const float total = cta_reduce<kCombineThreads>(e, [](float x, float y) { return x + y; },
                                                   warp_results);
-  const float keys_lse2 = total > 0.0f ? m + __log2f(total) : kNegInf;
-  if (split < splits) split_weight[split] = total > 0.0f ? e / total : 0.0f;
+  // total == 0: no split saw a key; a NaN split (fmaxf dropped it from m) makes
+  // total, the lse and every weight NaN, as that row's out and lse must be.
+  const bool seen = total != 0.0f;
+  const float keys_lse2 = seen ? m + __log2f(total) : kNegInf;
+  if (split < splits) split_weight[split] = seen ? e / total : 0.0f;
   __syncthreads();
   const int group = threadIdx.x / kGroupThreads, lane = threadIdx.x % kGroupThreads;
   for (int col0 = 0; col0 < p.head_dim_v; col0 += 2 * kGroupThreads) {

@@ -132,4 +132,13 @@ __device__ __forceinline__ void gemm_ab(float (&acc)[kHeadDim / 2], const float 
   }
 }
 
+// gemm_ab_masked's v_at for a swizzled [rows][kHeadDim] tile (load_tile's layout).
+template <class T, int kHeadDim>
+struct SwizzledRows {
+  const T* tile;
+  __device__ float operator()(int row, int col) const {
+    return to_float(tile[swizzled<kHeadDim>(row, col / 8) + col % 8]);
+  }
+};
+
 }  // namespace flashjax::cuda

@@ -34,7 +34,8 @@ static_assert(kBlockM == SegmentTiles::kRows && kBlockN == SegmentTiles::kRows,
 // kLayouts: the sequence layouts this instantiation takes (sequence_layout.h).
 template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void __launch_bounds__(kThreads)
-    forward_kernel(AttentionParams p, const __grid_constant__ SegmentTiles segment_tiles) {
+    forward_kernel(const __grid_constant__ AttentionParams p,
+                   const __grid_constant__ SegmentTiles segment_tiles) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kBlockM * kHeadDim;
@@ -96,7 +97,8 @@ __global__ void __launch_bounds__(kThreads)
     k0 = k_next;
   }
   cp_async_wait_all();
-  softmax.write<T, kDimTiles>(p, seq, o, b, h);
+  const bool nonfinite = softmax.write<T, kDimTiles>(p, seq, o, b, h);
+  if (__any_sync(0xffffffffu, nonfinite)) softmax.template recompute_nonfinite_rows<T>(p, seq, b, h);
 }
 
 template <class T, int kHeadDim, Layouts kLayouts>
