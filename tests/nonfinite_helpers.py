@@ -82,9 +82,9 @@ def assert_same_nonfinite(actual, expected, dtype, name):
                                err_msg=f"{name}: finite entries")
 
 
-def call(case: Case, q, k, v, sinks, extra):
+def call(case: Case, q, k, v, sinks, extra, deterministic=False):
     return flashjax.flash_attention(q, k, v, sinks=sinks, return_lse=True, **case.options(),
-                                    **extra)
+                                    deterministic=deterministic, **extra)
 
 
 def expect(case: Case, q, k, v, sinks, extra):
@@ -95,11 +95,12 @@ def expect(case: Case, q, k, v, sinks, extra):
 
 
 def check_nonfinite(case: Case, placement: Placement, device=None, *, gradients=False,
-                    seed=0, **extra):
+                    seed=0, deterministic=False, **extra):
     """flash_attention on the case's inputs with `placement` applied, against the
-    reference: forward and, if `gradients`, the gradients as the module doc says.
-    extra: more flash_attention arguments (segment ids, seqused). Returns the expected
-    (out, lse) so that callers can check that the value reached something."""
+    reference: forward and, if `gradients`, the gradients (the `deterministic`
+    backward if asked) as the module doc says. extra: more flash_attention arguments
+    (segment ids, seqused). Returns the expected (out, lse) so that callers can check
+    that the value reached something."""
     q, k, v, sinks = case_inputs(case, seed, device)
     q, k, v = placement.place(q, k, v)
     out, lse = jax.jit(lambda *a: call(case, *a, extra))(q, k, v, sinks)
@@ -108,7 +109,8 @@ def check_nonfinite(case: Case, placement: Placement, device=None, *, gradients=
     assert_same_nonfinite(out.astype(jnp.float32), want_out, case.dtype, f"{name}: out")
     assert_same_nonfinite(lse, want_lse, jnp.float32, f"{name}: lse")
     if gradients:
-        _check_gradients(case, placement, (q, k, v, sinks), want_out, want_lse, name, seed, extra)
+        _check_gradients(case, placement, (q, k, v, sinks), want_out, want_lse, name, seed, extra,
+                         deterministic)
     return np.asarray(want_out), np.asarray(want_lse)
 
 
@@ -118,14 +120,15 @@ def reached_rows(want_out, want_lse):
     return ~np.isfinite(np.asarray(want_out)).all(-1) | np.isnan(lse) | np.isposinf(lse)
 
 
-def _check_gradients(case, placement, args, want_out, want_lse, name, seed, extra):
+def _check_gradients(case, placement, args, want_out, want_lse, name, seed, extra,
+                     deterministic):
     q, k, v, sinks = args
     ct = jax.device_put(rand(seed + 1, want_out.shape, q.dtype), q.devices().pop())
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * ct.astype(jnp.float32))
 
-    got = jax.jit(jax.grad(loss(lambda q, k, v: call(case, q, k, v, sinks, extra)),
+    got = jax.jit(jax.grad(loss(lambda q, k, v: call(case, q, k, v, sinks, extra, deterministic)),
                            argnums=(0, 1, 2)))(q, k, v)
     got = [np.asarray(g.astype(jnp.float32), np.float64) for g in got]
     clean = [to_cpu(x, jnp.float64) for x in placement.cleaned(q, k, v)]

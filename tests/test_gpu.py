@@ -179,8 +179,7 @@ def test_pure_jax_path_on_the_gpu(case, gpu_device, monkeypatch):
 # ----------------------------------------------------------------------------- non-finite inputs
 # docs/api.md, "Non-finite values": NaN / +-inf placed inside masked tiles (rows 70
 # and 700: inside the diagonal tiles of every kernel's tiling) reach exactly the rows
-# the reference says (tests/nonfinite_helpers.py). The forward on every path; the
-# gradients on the SIMT path (the tensor-core backwards do not follow it yet).
+# the reference says (tests/nonfinite_helpers.py), forward and gradients, on every path.
 
 NONFINITE_CASES = [
     Case(batch=2, seqlen_q=200, seqlen_k=200, heads_q=4, heads_kv=2, head_dim=64, dtype="bfloat16",
@@ -211,11 +210,17 @@ def test_nonfinite(case, placement, kernel_path, gpu_device):
 
 @pytest.mark.parametrize("placement", [Placement(t, "nan", row=700, head=1) for t in "qkv"], ids=str)
 def test_nonfinite_large(placement, kernel_path, gpu_device):
-    check_nonfinite(NONFINITE_LARGE, placement, device=gpu_device)
+    check_nonfinite(NONFINITE_LARGE, placement, device=gpu_device, gradients=True)
 
 
 @pytest.mark.parametrize("placement", NONFINITE_PLACEMENTS[:3], ids=str)
-@pytest.mark.parametrize("case", NONFINITE_CASES[::2], ids=ids(NONFINITE_CASES[::2]))
-def test_nonfinite_gradients_simt(case, placement, gpu_device, monkeypatch):
-    use_implementation(monkeypatch, "cuda:simt")
+@pytest.mark.parametrize("case", NONFINITE_CASES[::2] + [NONFINITE_CASES[-1]],
+                         ids=ids(NONFINITE_CASES[::2] + [NONFINITE_CASES[-1]]))
+def test_nonfinite_gradients(case, placement, kernel_path, gpu_device):
     check_nonfinite(case, placement, device=gpu_device, gradients=True)
+
+
+@pytest.mark.parametrize("placement", NONFINITE_PLACEMENTS[:3], ids=str)
+def test_nonfinite_gradients_deterministic(placement, kernel_path, gpu_device):
+    check_nonfinite(NONFINITE_CASES[0], placement, device=gpu_device, gradients=True,
+                    deterministic=True)

@@ -148,6 +148,5 @@ def test_non_finite_rows_outside_a_sequence_do_not_leak_into_gradients(kernel_pa
 @pytest.mark.parametrize("causal", [False, True])
 def test_nonfinite_stays_in_its_sequence(causal, dtype, head_dim, kernel_path, gpu_device):
     """docs/api.md, "Non-finite values": NaN / inf in one packed sequence reach that
-    sequence's rows only; gradients checked on the SIMT path (nonfinite_helpers)."""
-    check_varlen_nonfinite(causal, device=gpu_device, dtype=dtype, head_dim=head_dim,
-                           gradients=kernel_path == "cuda:simt")
+    sequence's rows only, forward and gradients (nonfinite_helpers)."""
+    check_varlen_nonfinite(causal, device=gpu_device, dtype=dtype, head_dim=head_dim)

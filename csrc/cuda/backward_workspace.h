@@ -79,6 +79,9 @@ struct BackwardWorkspace {
 
   TensorRef D;             // float32 like lse: rowsum(dO * O) - dlse (used rows only)
   TensorRef dsink_rows;    // float32 like lse: each used row's share of dsinks
+  // Set by a tensor-core kernel that stored a NaN or inf gradient (zeroed by
+  // backward_preprocess; read by recompute_nonfinite_gradients).
+  int* nonfinite = nullptr;
   SegmentTiles segments;   // with segment ids only
   PaddedRows padded;             // the layout of the next three
   float* lse2_padded = nullptr;  // lse in log2 units, +inf past the used rows
@@ -107,6 +110,7 @@ struct BackwardWorkspace {
     };
     D = like_lse(take_floats(floats_like_lse(p)));
     dsink_rows = like_lse(take_floats(floats_like_lse(p)));
+    nonfinite = static_cast<int*>(take(sizeof(int)));
     segments = SegmentTiles(p, take(SegmentTiles::workspace_bytes(p)));
     if (padded_stats) {
       lse2_padded = take_floats(padded_rows);

@@ -167,6 +167,36 @@ __device__ __forceinline__ void exact_query_gradient(const AttentionParams& p, c
   store_lane(seq.q_at<T>(p.dq, i, h), dq, p.head_dim, lane, p.softmax_scale);
 }
 
+// Whether a stored row of dim values holds NaN or inf (the whole warp answers).
+template <class T>
+__device__ __forceinline__ bool row_nonfinite(const T* row, int64_t dim, int lane) {
+  float probe = 0.0f;
+  for (int64_t c = lane; c < dim; c += 32) probe = fmaf(to_float(row[c]), 0.0f, probe);
+  return __any_sync(0xffffffffu, probe != 0.0f);
+}
+
+// Key row j of sequence b (seq), kv head hk: dK and dV again if either stored
+// row holds NaN or inf (D_rows: D laid out like lse). Call with the whole warp.
+template <class T>
+__device__ __forceinline__ void recompute_key_if_nonfinite(const AttentionParams& p,
+                                                           const TensorRef& D_rows,
+                                                           const SeqlenInfo& seq, int64_t b,
+                                                           int64_t hk, int64_t j, int lane) {
+  if (row_nonfinite(seq.k_at<const T>(p.dk, j, hk), p.head_dim, lane) ||
+      row_nonfinite(seq.k_at<const T>(p.dv, j, hk), p.head_dim_v, lane))
+    exact_key_gradients<T>(p, D_rows, b, hk, j, lane);
+}
+
+// Query row i of sequence b (seq), head h: dQ again if the stored row holds NaN or inf.
+template <class T>
+__device__ __forceinline__ void recompute_query_if_nonfinite(const AttentionParams& p,
+                                                             const TensorRef& D_rows,
+                                                             const SeqlenInfo& seq, int64_t b,
+                                                             int64_t h, int64_t i, int lane) {
+  if (row_nonfinite(seq.q_at<const T>(p.dq, i, h), p.head_dim, lane))
+    exact_query_gradient<T>(p, D_rows, b, h, i, lane);
+}
+
 // A tensor-core fragment (fragment_softmax.cuh's layout: a thread holds rows
 // g = lane / 4 and g + 8 of its warp's 16, as elements 4n + 0, 1 and 4n + 2, 3)
 // is probed when it is written: probe[r] becomes NaN when a value of the
@@ -175,6 +205,17 @@ template <int kN>
 __device__ __forceinline__ void probe_nonfinite(const float (&acc)[kN], float (&probe)[2]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) probe[(i % 4) / 2] = fmaf(acc[i], 0.0f, probe[(i % 4) / 2]);
+}
+
+// The backward kernels' side: after storing its accumulators, a thread sets
+// *flag if one of their values is NaN or inf; recompute_nonfinite_gradients
+// (simt_attention.h) then recomputes such rows. (One predicated store: code
+// that recomputes rows inside the tensor-core kernels made ptxas spill.)
+template <class... Accumulators>
+__device__ __forceinline__ void flag_nonfinite(int* flag, const Accumulators&... accs) {
+  float probe[2] = {0.0f, 0.0f};
+  (probe_nonfinite(accs, probe), ...);
+  if (probe[0] != probe[0] || probe[1] != probe[1]) *flag = 1;
 }
 
 }  // namespace flashjax::cuda

@@ -231,10 +231,8 @@ struct RowSoftmax {
     for (int r = 0; r < 16; ++r) {
       const int64_t tile_row = warp_row0 + r, i = query(tile_row), h = head(h0, tile_row);
       if (!writes(p, seq, tile_row) || i >= seq.seqlen_q) continue;
-      const T* out = seq.q_at<const T>(p.out, i, h);
-      float probe = 0.0f;
-      for (int64_t c = lane; c < p.head_dim_v; c += 32) probe = fmaf(to_float(out[c]), 0.0f, probe);
-      if (__any_sync(0xffffffffu, probe != 0.0f)) exact_forward_row<T>(p, b, h, i, lane);
+      if (row_nonfinite(seq.q_at<const T>(p.out, i, h), p.head_dim_v, lane))
+        exact_forward_row<T>(p, b, h, i, lane);
     }
   }
 

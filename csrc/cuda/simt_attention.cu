@@ -1,6 +1,8 @@
 // The SIMT path: one warp per query row (forward, dQ) or key (dK/dV), lanes
 // split the head dimension. Slow but exact for every dtype, head dim and
 // GPU; the tensor-core kernels take over where they apply.
+#include <algorithm>
+
 #include "backward_workspace.h"
 #include "common.cuh"
 #include "dispatch.h"
@@ -47,8 +49,9 @@ __global__ void forward_kernel(AttentionParams p) {
 // index arithmetic.
 template <class T, Layouts kLayouts>
 __global__ void preprocess_kernel(AttentionParams p, const __grid_constant__ TensorRef D,
-                                  int lanes_per_row) {
+                                  int* nonfinite, int lanes_per_row) {
   const int lane = threadIdx.x % 32, lane_in_row = lane % lanes_per_row;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *nonfinite = 0;  // (BackwardWorkspace::nonfinite)
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   const int64_t warp_row = global_warp() * (32 / lanes_per_row);
   if (warp_row >= rows) return;  // (whole warps only: they shuffle below)
@@ -115,6 +118,32 @@ __global__ void dsinks_kernel(AttentionParams p, const __grid_constant__ TensorR
   p.dsinks[bh] = total;
 }
 
+// The rows of dk, dv and dq that hold NaN or inf, recomputed pair by pair,
+// once a tensor-core backward flagged one (BackwardWorkspace::nonfinite: a
+// tile product may have got them wrong, exact_rows.cuh). Otherwise the
+// kernel ends at once. Warps stride over the key rows, then the query rows.
+template <class T>
+__global__ void recompute_gradients_kernel(const __grid_constant__ AttentionParams p,
+                                           const __grid_constant__ TensorRef D,
+                                           const int* nonfinite) {
+  if (*nonfinite == 0) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t keys = p.batch * p.heads_kv * p.seqlen_k;
+  const int64_t rows = keys + p.batch * p.heads_q * p.seqlen_q;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t w = global_warp(); w < rows; w += stride) {
+    if (w < keys) {
+      const RowIndex r(w, p.heads_kv, p.seqlen_k);
+      const SeqlenInfo seq(p, r.b);
+      if (r.i < seq.k_slot) recompute_key_if_nonfinite<T>(p, D, seq, r.b, r.h, r.i, lane);
+    } else {
+      const RowIndex r(w - keys, p.heads_q, p.seqlen_q);
+      const SeqlenInfo seq(p, r.b);
+      if (r.i < seq.q_slot) recompute_query_if_nonfinite<T>(p, D, seq, r.b, r.h, r.i, lane);
+    }
+  }
+}
+
 // Launches kernel over `warps` warps (none if there are none).
 template <class Kernel, class... Args>
 cudaError_t launch_warps(Kernel kernel, int64_t warps, cudaStream_t stream, const Args&... args) {
@@ -133,7 +162,7 @@ cudaError_t simt_forward(const AttentionParams& p, cudaStream_t stream) {
   });
 }
 
-cudaError_t backward_preprocess(const AttentionParams& p, const TensorRef& D,
+cudaError_t backward_preprocess(const AttentionParams& p, const BackwardWorkspace& ws,
                                 cudaStream_t stream) {
   int lanes_per_row = 1;  // about kPreprocessElementsPerLane elements each
   while (lanes_per_row < 32 && lanes_per_row * kPreprocessElementsPerLane < p.head_dim_v)
@@ -143,8 +172,23 @@ cudaError_t backward_preprocess(const AttentionParams& p, const TensorRef& D,
   return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
     return with_layouts(p, [&](auto layouts) {
       return launch_warps(preprocess_kernel<decltype(tag), decltype(layouts)::value>, warps,
-                          stream, p, D, lanes_per_row);
+                          stream, p, ws.D, ws.nonfinite, lanes_per_row);
     });
+  });
+}
+
+cudaError_t recompute_nonfinite_gradients(const AttentionParams& p, const BackwardWorkspace& ws,
+                                          cudaStream_t stream) {
+  // A few waves: the kernel ends at once unless a row was flagged.
+  constexpr int kBlocksPerMultiprocessor = 2;
+  const int64_t warps = p.batch * (p.heads_kv * p.seqlen_k + p.heads_q * p.seqlen_q);
+  const int64_t blocks = std::min<int64_t>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock,
+                                           kBlocksPerMultiprocessor * multiprocessor_count());
+  if (blocks <= 0) return cudaSuccess;
+  return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
+    recompute_gradients_kernel<decltype(tag)>
+        <<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(p, ws.D, ws.nonfinite);
+    return cudaGetLastError();
   });
 }
 
@@ -158,7 +202,7 @@ cudaError_t backward_dsinks(const AttentionParams& p, const TensorRef& dsink_row
 
 cudaError_t simt_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   const BackwardWorkspace ws(p, workspace, false, 0);
-  if (cudaError_t e = backward_preprocess(p, ws.D, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = backward_preprocess(p, ws, stream); e != cudaSuccess) return e;
   cudaError_t status = with_dtype(kAllTypes, p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (cudaError_t e = launch_warps(dkdv_kernel<T>, p.batch * p.heads_kv * p.seqlen_k, stream,

@@ -44,6 +44,7 @@ __device__ __forceinline__ void zero(float (&x)[kN]) {
 
 static_assert(kBlock == SegmentTiles::kRows, "segment-id ranges are kept per tile");
 
+
 // kLayouts (every kernel): the sequence layouts the instantiation takes
 // (sequence_layout.h). D_rows is laid out like lse. (Struct parameters are
 // __grid_constant__: helpers take them by reference, which otherwise copies
@@ -51,7 +52,7 @@ static_assert(kBlock == SegmentTiles::kRows, "segment-id ranges are kept per til
 template <class T, int kHeadDim, Layouts kLayouts, bool kWantDK, bool kWantDV>
 __global__ void __launch_bounds__(kThreads)
     key_kernel(AttentionParams p, const __grid_constant__ TensorRef D_rows,
-               const __grid_constant__ SegmentTiles segment_tiles) {
+               const __grid_constant__ SegmentTiles segment_tiles, int* nonfinite) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kBlock * kHeadDim;
@@ -142,13 +143,15 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kWantDV)
     store_rows<T, kHeadDim>(seq.k_at<T>(p.dv, 0, hk), p.dv.row_stride, seq.k_slot, p.head_dim_v,
                             k0 + warp * 16, dv, 1.0f);
+  if constexpr (kWantDK) flag_nonfinite(nonfinite, dk);  // (exact_rows.cuh)
+  if constexpr (kWantDV) flag_nonfinite(nonfinite, dv);
 }
 
 template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void __launch_bounds__(kThreads)
     query_kernel(AttentionParams p, const __grid_constant__ TensorRef D_rows,
                  const __grid_constant__ TensorRef dsink_rows,
-                 const __grid_constant__ SegmentTiles segment_tiles) {
+                 const __grid_constant__ SegmentTiles segment_tiles, int* nonfinite) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sdO = sQ + kBlock * kHeadDim;
@@ -214,6 +217,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   store_rows<T, kHeadDim>(seq.q_at<T>(p.dq, 0, h), p.dq.row_stride, seq.q_slot, p.head_dim,
                           q0 + warp * 16, dq, p.softmax_scale);
+  flag_nonfinite(nonfinite, dq);  // rows a tile product got wrong (exact_rows.cuh)
   write_dsink_rows(p, seq, b, h, rows.row, lse2, D, dsink_rows);
 }
 
@@ -242,15 +246,17 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (key_blocks > 0) {
     key_kernel<T, kHeadDim, kLayouts, true, kOnePass>
-        <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.segments);
+        <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.segments,
+                                                                          ws.nonfinite);
     if (!kOnePass)
       key_kernel<T, kHeadDim, kLayouts, false, true>
-          <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.segments);
+          <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.segments,
+                                                                          ws.nonfinite);
   }
   if (query_blocks > 0)
     query_kernel<T, kHeadDim, kLayouts>
-        <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.dsink_rows,
-                                                                            ws.segments);
+        <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(
+            p, ws.D, ws.dsink_rows, ws.segments, ws.nonfinite);
   return cudaGetLastError();
 }
 
@@ -263,7 +269,7 @@ bool tensor_core_backward_supports(const AttentionParams& p) {
 cudaError_t tensor_core_backward(const AttentionParams& p, void* workspace,
                                  cudaStream_t stream) {
   const BackwardWorkspace ws(p, workspace, false, 0);
-  if (cudaError_t e = backward_preprocess(p, ws.D, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = backward_preprocess(p, ws, stream); e != cudaSuccess) return e;
   if (p.has_segments()) {
     if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
     if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
@@ -277,6 +283,7 @@ cudaError_t tensor_core_backward(const AttentionParams& p, void* workspace,
     });
   });
   if (status != cudaSuccess) return status;
+  if (cudaError_t e = recompute_nonfinite_gradients(p, ws, stream); e != cudaSuccess) return e;
   return backward_dsinks(p, ws.dsink_rows, stream);
 }
 

@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   consumer_registers();
-  key_consumer<T, kHeadDim, kFusedDq, kLayouts>(sm, kb, p, segment_tiles, warpgroup - 1);
+  key_consumer<T, kHeadDim, kFusedDq, kLayouts>(sm, kb, p, segment_tiles, warpgroup - 1,
+                                                 stats.nonfinite);
 }
 
 // dQ of a block of 128 query rows, and those rows' shares of dsinks.
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper_query_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                         const __grid_constant__ TensorRef D_all,
                         const __grid_constant__ TensorRef dsink_rows, const VarlenWorkList list,
-                        const __grid_constant__ SegmentTiles segment_tiles) {
+                        const __grid_constant__ SegmentTiles segment_tiles, int* nonfinite) {
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
   const QueryBlock<kLayouts> qb(p, list, segment_tiles);
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   consumer_registers();
   query_consumer<T, kHeadDim, kLayouts>(sm, qb, p, segment_tiles, warpgroup - 1, D_all,
-                                        dsink_rows);
+                                        dsink_rows, nonfinite);
 }
 
 // dK, dV and the shares of dQ of a block of 64 keys, head dims 129-256.
@@ -116,7 +117,7 @@ template <class T, int kHeadDim, Layouts kLayouts>
 __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                     const __grid_constant__ TensorRef,
                                     const __grid_constant__ TensorRef, const VarlenWorkList,
-                                    const SegmentTiles) {}
+                                    const SegmentTiles, int*) {}
 template <class T>
 __global__ void hopper_wide_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                        const RowStats, float*) {}

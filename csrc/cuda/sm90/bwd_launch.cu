@@ -115,7 +115,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
           e != cudaSuccess)
         return e;
   }
-  const RowStats stats{ws.lse2_padded, ws.D_padded, ws.padded};
+  const RowStats stats{ws.lse2_padded, ws.D_padded, ws.padded, ws.nonfinite};
   const unsigned elementwise_blocks = 8 * multiprocessor_count();  // grid-stride kernels
   stage_rows_kernel<<<elementwise_blocks, 256, 0, stream>>>(p, ws, fused);
   if (!fused) {  // deterministic: key kernel without dQ, then the query kernel
@@ -129,7 +129,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
       if (query_blocks > 0)
         hopper_query_kernel<T, kHeadDim, kLayouts>
             <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(
-                p, query_maps, ws.D, ws.dsink_rows, ws.query_list, ws.segments);
+                p, query_maps, ws.D, ws.dsink_rows, ws.query_list, ws.segments, ws.nonfinite);
       return cudaGetLastError();
     }
   }
@@ -147,7 +147,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
               p, key_maps, stats, ws.dq_accum, ws.key_list, ws.segments);
   }
   convert_dq_kernel<T, kHeadDim><<<elementwise_blocks, 256, 0, stream>>>(p, ws.dq_accum,
-                                                                         ws.padded);
+                                                                         ws.padded, ws.nonfinite);
   return cudaGetLastError();
 }
 
@@ -178,7 +178,7 @@ BackwardWorkspace hopper_backward_workspace(const AttentionParams& p, void* base
 
 cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   const BackwardWorkspace ws = hopper_backward_workspace(p, workspace);
-  if (cudaError_t e = backward_preprocess(p, ws.D, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = backward_preprocess(p, ws, stream); e != cudaSuccess) return e;
   cudaError_t status = with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
     return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
       constexpr int kHeadDim = decltype(dim)::value;
@@ -193,6 +193,7 @@ cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStrea
     });
   });
   if (status != cudaSuccess) return status;
+  if (cudaError_t e = recompute_nonfinite_gradients(p, ws, stream); e != cudaSuccess) return e;
   return backward_dsinks(p, ws.dsink_rows, stream);
 }
 

@@ -151,7 +151,8 @@ template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
 __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                              const KeyBlock<kOwnRows, kLayouts>& kb,
                                              const AttentionParams& p,
-                                             const SegmentTiles& segment_tiles, int consumer) {
+                                             const SegmentTiles& segment_tiles, int consumer,
+                                             int* nonfinite) {
   using L = Layout<kHeadDim>;
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int64_t my_key = kb.k0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
@@ -248,6 +249,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                            p.head_dim, row0, dk, p.softmax_scale);
   store_block<T, kHeadDim>(seq.template k_at<T>(p.dv, 0, kb.hk), p.dv.row_stride, seq.k_slot,
                            p.head_dim_v, row0, dv, 1.0f);
+  flag_nonfinite(nonfinite, dk, dv);  // rows a tile product may have got wrong (exact_rows.cuh)
 }
 
 // A query-kernel consumer: dQ of its 64 rows over the block's key tiles, then
@@ -257,7 +259,7 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
                                                const AttentionParams& p,
                                                const SegmentTiles& segment_tiles, int consumer,
                                                const TensorRef& D_all,
-                                               const TensorRef& dsink_rows) {
+                                               const TensorRef& dsink_rows, int* nonfinite) {
   using L = Layout<kHeadDim>;
   const int lane = threadIdx.x % 32;
   RowSoftmax rows{qb.q0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4};
@@ -319,6 +321,7 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
   store_block<T, kHeadDim>(qb.seq.template q_at<T>(p.dq, 0, qb.h), p.dq.row_stride,
                            qb.seq.q_slot, p.head_dim, qb.q0 + consumer * 64, dq, p.softmax_scale);
   write_dsink_rows(p, qb.seq, qb.b, qb.h, rows.row, lse2, D, dsink_rows);
+  flag_nonfinite(nonfinite, dq);  // rows a tile product may have got wrong (exact_rows.cuh)
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

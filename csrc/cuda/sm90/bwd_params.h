@@ -16,6 +16,7 @@ struct RowStats {
   const float* lse2 = nullptr;  // null: not streamed (query kernel)
   const float* D = nullptr;
   PaddedRows padded;
+  int* nonfinite = nullptr;  // BackwardWorkspace::nonfinite (flag_nonfinite)
 };
 
 struct BackwardMaps {

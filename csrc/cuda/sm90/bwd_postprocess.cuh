@@ -14,10 +14,11 @@ namespace flashjax::cuda::hopper_bwd {
 // dq = scale * the float32 accumulation (padded rows of kHeadDim columns).
 // Dense and seqused layouts: one thread per element of dq. Packed: one warp
 // per row of dq, which finds its sequence (rows no slot covers are
-// fill_uncovered_rows').
+// fill_uncovered_rows'). A NaN or inf value sets *nonfinite
+// (recompute_nonfinite_gradients redoes such rows: exact_rows.cuh).
 template <class T, int kHeadDim>
 __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum,
-                                  const PaddedRows padded) {
+                                  const PaddedRows padded, int* nonfinite) {
   constexpr int kCols = kDqCols<kHeadDim>;
   const auto accumulated = [&](int64_t padded_start, int64_t i, int64_t c) {
     return dq_accum[dq_block_start<kHeadDim, kCols>(padded_start + i, c / kCols) +
@@ -33,8 +34,9 @@ __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum
       const int64_t h = rest % p.heads_q, bi = rest / p.heads_q;
       const int64_t b = bi / p.seqlen_q, i = bi % p.seqlen_q;
       // (dense dq; rows past seqused accumulated nothing: 0)
-      static_cast<T*>(p.dq.data)[at] =
-          from_float<T>(accumulated(padded.start(SeqlenInfo::uniform(p, b), b, h), i, c));
+      const float value = accumulated(padded.start(SeqlenInfo::uniform(p, b), b, h), i, c);
+      if (fmaf(value, 0.0f, 0.0f) != 0.0f) *nonfinite = 1;  // (NaN or inf)
+      static_cast<T*>(p.dq.data)[at] = from_float<T>(value);
     }
     return;
   }
@@ -47,7 +49,9 @@ __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum
     if (i < 0 || i >= seq.q_slot) continue;
     for (int64_t e = lane; e < p.heads_q * p.head_dim; e += 32) {
       const int64_t h = e / p.head_dim, c = e % p.head_dim;
-      seq.q_at<T>(p.dq, i, h)[c] = from_float<T>(accumulated(padded.start(seq, b, h), i, c));
+      const float value = accumulated(padded.start(seq, b, h), i, c);
+      if (fmaf(value, 0.0f, 0.0f) != 0.0f) *nonfinite = 1;  // (NaN or inf)
+      seq.q_at<T>(p.dq, i, h)[c] = from_float<T>(value);
     }
   }
 }

@@ -129,6 +129,7 @@ __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<wide:
                      dk, p.softmax_scale, 128 * c);
   store_rows<T, 128>(p.dv.at<T>(kb.b, 0, kb.hk), p.dv.row_stride, p.seqlen_k, p.head_dim_v, row0,
                      dv, 1.0f, 128 * c);
+  flag_nonfinite(stats.nonfinite, dk, dv);  // rows a tile product may have got wrong (exact_rows.cuh)
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
