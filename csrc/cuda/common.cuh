@@ -40,6 +40,26 @@ __device__ __forceinline__ float score(const AttentionParams& p, float dot) {
   return p.softcap > 0.0f ? p.softcap * tanhf(s / p.softcap) : s;
 }
 
+// A row's normaliser from its running max m and sum l (of exp_(s - m)) and
+// its sink logit (-inf: none), in the units of exp_ / log_ (e or 2): out =
+// acc * factor. No key and no sink: factor 0, lse -inf. A NaN score leaves m
+// alone (fmaxf) but makes l NaN: such a row has seen keys and ends NaN (out and
+// lse), even when every score was NaN.
+struct RowNormaliser {
+  float factor = 0.0f, lse = kNegInf;
+  template <class Exp, class Log>
+  __device__ __forceinline__ RowNormaliser(float m, float l, float sink, bool used, Exp&& exp_,
+                                           Log&& log_) {
+    const float m_final = fmaxf(m, sink);
+    if (m_final != kNegInf || (used && l != 0.0f)) {
+      const float keys_scale = exp_(m - m_final);
+      const float total = l * keys_scale + exp_(sink - m_final);
+      factor = keys_scale / total;
+      lse = m_final + log_(total);
+    }
+  }
+};
+
 // This CTA's query tile and flat (batch, head) index. One head's tiles are
 // consecutive block indices, so that the CTAs resident together read the
 // same K and V from L2 rather than each streaming its own head's from DRAM;

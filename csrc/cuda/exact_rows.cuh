@@ -91,18 +91,10 @@ __device__ __forceinline__ void exact_forward_row(const AttentionParams& p, int6
   }
   const bool used = i < seq.seqlen_q;
   const float sink = p.sinks && used ? p.sinks[b * p.heads_q + h] : kNegInf;
-  const float m_final = fmaxf(m, sink);
-  float factor = 0.0f, lse = kNegInf;  // no key and no sink: out 0, lse -inf
-  // A NaN score leaves m alone (fmaxf) but makes l NaN: such a row has seen
-  // keys and ends NaN (out and lse), even when every score was NaN.
-  if (m_final != kNegInf || (used && l != 0.0f)) {
-    const float keys_scale = expf(m - m_final);
-    const float total = l * keys_scale + expf(sink - m_final);
-    factor = keys_scale / total;
-    lse = m_final + logf(total);
-  }
-  store_lane(seq.q_at<T>(p.out, i, h), acc, p.head_dim_v, lane, factor);
-  if (lane == 0) *seq.q_at<float>(p.lse, i, h) = lse;
+  const RowNormaliser row(m, l, sink, used, [](float x) { return expf(x); },
+                          [](float x) { return logf(x); });
+  store_lane(seq.q_at<T>(p.out, i, h), acc, p.head_dim_v, lane, row.factor);
+  if (lane == 0) *seq.q_at<float>(p.lse, i, h) = row.lse;
 }
 
 // dK and dV of slot key j of sequence b, kv head hk, summed over the query

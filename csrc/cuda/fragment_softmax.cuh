@@ -196,17 +196,10 @@ struct RowSoftmax {
       const bool used = out_row < seq.seqlen_q;
       if (!used) probe[r] = 0.0f;
       const float sink = p.sinks && used ? p.sinks[b * p.heads_q + h] * kLog2e : kNegInf;
-      const float m_row = used ? m[r] : kNegInf;
-      const float m_final = fmaxf(m_row, sink);
-      float factor = 0.0f, lse = kNegInf;  // no key and no sink: out 0, lse -inf
-      // A NaN score leaves m alone (fmaxf) but makes the sum NaN: such a row has
-      // seen keys and ends NaN (out and lse), even when every score was NaN.
-      if (m_final != kNegInf || (used && total != 0.0f)) {
-        const float keys_scale = fast_exp2(m_row - m_final);
-        const float denom = total * keys_scale + fast_exp2(sink - m_final);
-        factor = keys_scale / denom;
-        lse = (m_final + __log2f(denom)) / kLog2e;
-      }
+      const RowNormaliser normaliser(used ? m[r] : kNegInf, total, sink, used,
+                                     [](float x) { return fast_exp2(x); },
+                                     [](float x) { return __log2f(x); });
+      const float factor = normaliser.factor, lse = normaliser.lse / kLog2e;
       T* dst = seq.q_at<T>(p.out, out_row, h);
 #pragma unroll
       for (int n = 0; n < kDimTiles; ++n) {
