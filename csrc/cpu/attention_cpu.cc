@@ -22,6 +22,9 @@ constexpr int64_t kBlockQ = 128;  // query rows per tile (multiple of 4)
 // then serves 256 rows (the backward reuses its key tiles over all query tiles).
 constexpr int64_t kForwardBlockQ = 256;
 constexpr int64_t kBlockK = 128;  // keys per tile (multiple of kRowAlign)
+// A masked forward tile (the causal diagonal, a sequence's end) computes its
+// products in chunks of rows, each only up to the last key its rows see.
+constexpr int64_t kRaggedChunkRows = 32;
 constexpr float kNegInf = kNegInfinity;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -178,6 +181,16 @@ bool tile_needs_mask(const SeqlenInfo& seq, int64_t q0, int64_t rows, int64_t k0
   return cols < kBlockK || k0 < seq.first_key(q0 + rows - 1) || k0 + cols - 1 > seq.last_key(q0);
 }
 
+// Columns [0, n) of tile keys [k0, k0 + cols) that rows [r0, r0 + rows) of a
+// tile from q0 may see (before windows' left edges and segment ids), n a
+// multiple of kRowAlign: the rest of their scores are masked anyway.
+int64_t ragged_columns(const SeqlenInfo& seq, int64_t q0, int64_t r0, int64_t rows, int64_t k0,
+                       int64_t cols) {
+  if (rows <= 0) return 0;
+  const int64_t last = seq.last_key(q0 + r0 + rows - 1) + 1 - k0;
+  return round_up(std::clamp<int64_t>(last, 0, cols), kRowAlign);
+}
+
 // Rows of [first, first + n) that take part (the rest of a slot only gets zeros).
 int64_t used_rows(int64_t used, int64_t first, int64_t n) {
   return std::clamp<int64_t>(used - first, 0, n);
@@ -246,14 +259,28 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
     load_tile<T>(V, dvp, kBlockK, v_rows, k0, cols, p.head_dim_v);
     const TileMask mask{seq, segments, q0, used, k0, cols,
                         tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform()};
-    kernels.gemm(S, kBlockK, Q, dp, false, Kt, kBlockK, kForwardBlockQ, kBlockK, dp, false);
+    // Masked tiles: ragged, chunks of rows up to their last visible key (the
+    // scores past it are masked, their P exactly 0); others: one product each.
+    const int64_t chunk = mask.needs_mask ? kRaggedChunkRows : kForwardBlockQ;
+    const auto columns = [&](int64_t r0) {
+      return mask.needs_mask ? ragged_columns(seq, q0, r0, std::min(chunk, used - r0), k0, cols)
+                             : kBlockK;
+    };
+    for (int64_t r0 = 0; r0 < used; r0 += chunk)
+      if (const int64_t n = columns(r0); n > 0)
+        kernels.gemm(S + r0 * kBlockK, kBlockK, Q + r0 * dp, dp, false, Kt, kBlockK, chunk, n, dp,
+                     false);
     mask_scores(S, p.softcap, mask, seen);
     kernels.softmax_step(S, kBlockK, used, kForwardBlockQ, kBlockK, m, l, O, dvp);
-    if (kernels.all_finite(V, kBlockK * dvp))
-      kernels.gemm(O, dvp, S, kBlockK, false, V, dvp, kForwardBlockQ, dvp, kBlockK, true);
-    else  // inf / NaN in V: only visible pairs may add (0 * NaN is NaN)
+    if (kernels.all_finite(V, kBlockK * dvp)) {
+      for (int64_t r0 = 0; r0 < used; r0 += chunk)
+        if (const int64_t n = columns(r0); n > 0)
+          kernels.gemm(O + r0 * dvp, dvp, S + r0 * kBlockK, kBlockK, false, V, dvp, chunk, dvp, n,
+                       true);
+    } else {  // inf / NaN in V: only visible pairs may add (0 * NaN is NaN)
       visible_product(O, dvp, S, kBlockK, false, V, dvp, kForwardBlockQ, dvp, kBlockK,
                       [&](int64_t r, int64_t j) { return mask.visible(r, j); });
+    }
   }
 
   // Fold in the sink, normalise, and write out and lse. The slot's unused rows
