@@ -447,7 +447,6 @@ struct FragmentSegments<Layouts::kSegments> {
   }
 };
 
-
 // ------------------------------------------------ non-finite V in a masked KV-cache slice
 // The KV-cache kernel's split products (gemm_ab) compute 0 * v for the pairs a
 // slice's mask hides, NaN when v is NaN or inf (exact_rows.cuh says why that
@@ -463,24 +462,18 @@ __device__ __forceinline__ bool nonfinite_pair(uint32_t x) {
 }
 
 // This thread's share (`thread` of `threads`) of the check of `elements`
-// values of T from `tile` (16-byte aligned, elements % 8 == 0); the callers
-// combine the shares (__any_sync, __syncthreads_or). float32 tiles: each
-// 32-bit word is checked as a float.
+// 16-bit values of T from `tile` (16-byte aligned, elements % 8 == 0); the
+// callers combine the shares (__any_sync).
 template <class T>
 __device__ __forceinline__ bool tile_has_nonfinite(const void* tile, int elements, int thread,
                                                    int threads) {
+  static_assert(sizeof(T) == 2, "the split-KV kernel's fp16 / bf16 tiles");
   const uint4* chunks = static_cast<const uint4*>(tile);
-  constexpr int kPerChunk = 16 / sizeof(T);
   bool found = false;
-  for (int i = thread; i < elements / kPerChunk; i += threads) {
+  for (int i = thread; i < elements / 8; i += threads) {
     const uint4 c = chunks[i];
-    if constexpr (std::is_same_v<T, float>) {
-      found |= !isfinite(__uint_as_float(c.x)) | !isfinite(__uint_as_float(c.y)) |
-               !isfinite(__uint_as_float(c.z)) | !isfinite(__uint_as_float(c.w));
-    } else {
-      found |= nonfinite_pair<T>(c.x) | nonfinite_pair<T>(c.y) | nonfinite_pair<T>(c.z) |
-               nonfinite_pair<T>(c.w);
-    }
+    found |= nonfinite_pair<T>(c.x) | nonfinite_pair<T>(c.y) | nonfinite_pair<T>(c.z) |
+             nonfinite_pair<T>(c.w);
   }
   return found;
 }
