@@ -260,23 +260,30 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
     const TileMask mask{seq, segments, q0, used, k0, cols,
                         tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform()};
     // Masked tiles: ragged, chunks of rows up to their last visible key (the
-    // scores past it are masked, their P exactly 0); others: one product each.
+    // scores past it are masked, their P exactly 0); others: one chunk.
     const int64_t chunk = mask.needs_mask ? kRaggedChunkRows : kForwardBlockQ;
-    const auto columns = [&](int64_t r0) {
-      return mask.needs_mask ? ragged_columns(seq, q0, r0, std::min(chunk, used - r0), k0, cols)
-                             : kBlockK;
+    const auto for_each_chunk = [&](auto&& body) {  // body(first row, columns)
+      for (int64_t r0 = 0; r0 < used; r0 += chunk) {
+        const int64_t n = mask.needs_mask
+                              ? ragged_columns(seq, q0, r0, std::min(chunk, used - r0), k0, cols)
+                              : kBlockK;
+        if (n > 0) body(r0, n);
+      }
     };
-    for (int64_t r0 = 0; r0 < used; r0 += chunk)
-      if (const int64_t n = columns(r0); n > 0)
-        kernels.gemm(S + r0 * kBlockK, kBlockK, Q + r0 * dp, dp, false, Kt, kBlockK, chunk, n, dp,
-                     false);
+    for_each_chunk([&](int64_t r0, int64_t n) {
+      kernels.gemm(S + r0 * kBlockK, kBlockK, Q + r0 * dp, dp, false, Kt, kBlockK, chunk, n, dp,
+                   false);
+    });
     mask_scores(S, p.softcap, mask, seen);
-    kernels.softmax_step(S, kBlockK, used, kForwardBlockQ, kBlockK, m, l, O, dvp);
+    for_each_chunk([&](int64_t r0, int64_t n) {
+      kernels.softmax_step(S + r0 * kBlockK, kBlockK, std::min(chunk, used - r0), chunk, n,
+                           m + r0, l + r0, O + r0 * dvp, dvp);
+    });
     if (kernels.all_finite(V, kBlockK * dvp)) {
-      for (int64_t r0 = 0; r0 < used; r0 += chunk)
-        if (const int64_t n = columns(r0); n > 0)
-          kernels.gemm(O + r0 * dvp, dvp, S + r0 * kBlockK, kBlockK, false, V, dvp, chunk, dvp, n,
-                       true);
+      for_each_chunk([&](int64_t r0, int64_t n) {
+        kernels.gemm(O + r0 * dvp, dvp, S + r0 * kBlockK, kBlockK, false, V, dvp, chunk, dvp, n,
+                     true);
+      });
     } else {  // inf / NaN in V: only visible pairs may add (0 * NaN is NaN)
       visible_product(O, dvp, S, kBlockK, false, V, dvp, kForwardBlockQ, dvp, kBlockK,
                       [&](int64_t r, int64_t j) { return mask.visible(r, j); });
