@@ -237,18 +237,27 @@ def check_empty_vmap(case: Case, device=None):
 
 
 def check_forward(case: Case, device=None, seed=0):
-    """flash_attention (out and lse) against the float64 reference; returns numpy (out, lse)."""
+    """flashjax.flash_attention (out and lse) against the float64 reference; returns numpy (out, lse)."""
     q, k, v, sinks = case_inputs(case, seed, device)
     out, lse = jax.jit(flash(case))(q, k, v, sinks)
+    return check_forward_values(case, out, lse, device, seed)
+
+
+def check_forward_values(case: Case, out, lse, device=None, seed=0):
+    """out and lse (None: not returned) of the case's inputs, computed by the caller, against
+    the float64 reference: shapes, dtypes, device, values, rows with no key exactly 0.
+    Returns numpy (out, lse)."""
     assert out.shape == (case.batch, case.seqlen_q, case.heads_q, case.dv), out.shape
     assert out.dtype == jnp.dtype(case.dtype), out.dtype
     if device is not None:
-        assert out.devices() == {device} and lse.devices() == {device}
-    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+        assert out.devices() == {device} and (lse is None or lse.devices() == {device})
+    out = np.asarray(out.astype(jnp.float32))
 
     ref_out, ref_lse, ref_lo = _forward_references(case, seed)
     check_close(out, ref_out, ref_lo, dtype=case.dtype, name=f"{case}: out")
-    check_lse(lse, ref_lse, case, sinks, name=f"{case}: lse")
+    if lse is not None:
+        lse = np.asarray(lse)
+        check_lse(lse, ref_lse, case, case_inputs(case, seed)[3], name=f"{case}: lse")
 
     empty = ~case.mask().any(axis=1)
     np.testing.assert_array_equal(out[:, empty], 0.0, err_msg=f"{case}: rows with no key must be 0")
@@ -263,11 +272,16 @@ def _cotangents(case: Case, seed):
     return d_out, d_lse
 
 
+def value_and_vjp(fn, args, ct):
+    """(fn(*args), its pullback on ct): fn(q, k, v, sinks) at args (3 or 4 of them;
+    missing sinks = None)."""
+    value, pull = jax.vjp(lambda *diff: fn(*diff, *([None] * (4 - len(diff)))), *args)
+    return value, pull(ct)
+
+
 def vjp(fn, args, ct):
     """Pullback of fn(q, k, v, sinks) at args (3 or 4 of them; missing sinks = None) on ct."""
-    def f(*diff):
-        return fn(*diff, *([None] * (4 - len(diff))))
-    return jax.vjp(f, *args)[1](ct)
+    return value_and_vjp(fn, args, ct)[1]
 
 
 def _cotangent(d_out, d_lse, dtype, return_lse):
@@ -296,20 +310,30 @@ def _gradient_references(case: Case, seed, return_lse):
     return [np.asarray(x) for x in hi], lo
 
 
-def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, deterministic=False):
-    """dq, dk, dv (and dsinks) of flash_attention via jax.vjp with a random cotangent on
-    out (and lse, including rows where it is -inf), against the float64 reference.
-
-    Also checks exact zeros: dq of rows that see no key, dk/dv of keys no row sees.
-    Returns the gradients as numpy arrays.
-    """
+def gradient_inputs(case: Case, device=None, seed=0, return_lse=True):
+    """(args, cotangent) of the gradient checks: (q, k, v[, sinks]) and the cotangent of
+    out (and lse), on `device` (default CPU)."""
     q, k, v, sinks = case_inputs(case, seed, device)
     d_out, d_lse = _cotangents(case, seed)
-    args = _args(case, q, k, v, sinks)
     ct = _cotangent(*jax.device_put((d_out, d_lse), device or cpu()), case.dtype, return_lse)
+    return _args(case, q, k, v, sinks), ct
+
+
+def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, deterministic=False):
+    """dq, dk, dv (and dsinks) of flash_attention via jax.vjp with a random cotangent on
+    out (and lse, including rows where it is -inf), against the float64 reference
+    (check_gradient_values). Returns the gradients as numpy arrays."""
+    args, ct = gradient_inputs(case, device, seed, return_lse)
     ours = flash(case, return_lse=return_lse, deterministic=deterministic)
     grads = jax.jit(functools.partial(vjp, ours))(args, ct)
+    return check_gradient_values(case, grads, seed, return_lse=return_lse)
 
+
+def check_gradient_values(case: Case, grads, seed=0, *, return_lse=True):
+    """Gradients of gradient_inputs(case, seed=seed), computed by the caller, against the
+    float64 reference; also checks exact zeros: dq of rows that see no key, dk/dv of keys
+    no row sees. Returns the gradients as numpy arrays."""
+    args, _ = gradient_inputs(case, seed=seed, return_lse=return_lse)
     hi, lo = _gradient_references(case, seed, return_lse)
 
     result = []
@@ -325,6 +349,18 @@ def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, determi
     for name, g in zip(("dk", "dv"), result[1:3]):
         np.testing.assert_array_equal(g[:, keys], 0.0, err_msg=f"{case}: {name} of keys no row sees")
     return result
+
+
+def check_forward_and_gradients(case: Case, seed=0, *, return_lse=True):
+    """check_forward and check_gradients from one compiled program (the vjp computes the
+    forward): for implementations whose compilation dominates the test time
+    (implementation="xla"). Returns numpy (out, lse or None, gradients)."""
+    args, ct = gradient_inputs(case, seed=seed, return_lse=return_lse)
+    value, grads = jax.jit(functools.partial(value_and_vjp, flash(case, return_lse=return_lse)))(
+        args, ct)
+    out, lse = value if return_lse else (value, None)
+    out, lse = check_forward_values(case, out, lse, seed=seed)
+    return out, lse, check_gradient_values(case, grads, seed, return_lse=return_lse)
 
 
 # ----------------------------------------------------------------------------- shared case lists
