@@ -409,17 +409,22 @@ def empty_row_cases():
             Case(seqlen_q=64, seqlen_k=16, head_dim=40, dtype="float16", causal=True)]
 
 
+# (q_offset, kv_offset) of position_cases: query rows after the keys, keys after the
+# queries (rows with no key), equal starts (top-left), far apart (nothing visible).
+POSITION_STARTS = [(64, 0), (0, 50), (40, 40), (300, 100), (-20, 0), (0, 100_000)]
+
+
 def position_cases(dtypes=("float32",), head_dim=16):
     """q_offset / kv_offset (rows of a longer sequence, e.g. a shard): query rows after
     the keys, keys after the queries (rows with no key), equal starts (top-left), far
     apart (nothing visible); causal, windows, sinks, GQA."""
-    starts = [(64, 0), (0, 50), (40, 40), (300, 100), (-20, 0), (0, 100_000)]
     masks = [(True, (-1, -1)), (False, (16, 4)), (True, (8, -1)), (False, (-1, 0)),
              (False, (-1, -1))]
     return [Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=head_dim,
                  dtype=dt, causal=c, window_size=w, sinks=(i % 3 == 1), q_offset=qo,
                  kv_offset=ko)
-            for dt in dtypes for i, ((qo, ko), (c, w)) in enumerate(itertools.product(starts, masks))
+            for dt in dtypes
+            for i, ((qo, ko), (c, w)) in enumerate(itertools.product(POSITION_STARTS, masks))
             if not (c is False and w == (-1, -1) and i % 2)]
 
 

@@ -184,27 +184,39 @@ def check_lse_rows(lse, ref_lse, name):
 
 def check_varlen(case: VarlenCase, device=None, seed=0, deterministic=False, gradients=True):
     """Forward (out, lse) and, optionally, gradients of flash_attention_varlen on `device`
-    against the float64 per-sequence reference; rows outside every sequence are exactly 0."""
+    against the float64 per-sequence reference (check_varlen_values)."""
     q, k, v, sinks = varlen_inputs(case, seed, device)
     args = _args(case, q, k, v, sinks)
     metadata = [None if x is None else jax.device_put(jnp.asarray(x), device or cpu())
                 for x in case.metadata()]
     fn = flash_varlen(case, metadata, deterministic)
-    ref_out, ref_lse, ref_grads, lo_out, lo_grads = _references(case, seed)
-
     out, lse = jax.jit(fn)(*args)
-    assert out.shape == (case.total_q, case.heads_q, case.dv) and out.dtype == q.dtype
+    grads = None
+    if gradients:
+        _, pull = jax.vjp(fn, *args)
+        grads = jax.jit(lambda ct: pull(ct))(jax.device_put(_cotangents(case, seed), device or cpu()))
+    check_varlen_values(case, out, lse, grads, seed)
+
+
+def varlen_gradient_inputs(case: VarlenCase, seed=0):
+    """(args, cotangent) of the gradient check: (q, k, v[, sinks]) and (d_out, d_lse)."""
+    return _args(case, *varlen_inputs(case, seed)), _cotangents(case, seed)
+
+
+def check_varlen_values(case: VarlenCase, out, lse, grads=None, seed=0):
+    """out, lse and gradients (None: not checked) of varlen_gradient_inputs(case, seed),
+    computed by the caller, against the float64 per-sequence reference; rows outside every
+    sequence (or past seqused) are exactly 0."""
+    args, _ = varlen_gradient_inputs(case, seed)
+    ref_out, ref_lse, ref_grads, lo_out, lo_grads = _references(case, seed)
+    assert out.shape == (case.total_q, case.heads_q, case.dv) and out.dtype == args[0].dtype
     out = np.asarray(out.astype(jnp.float32))
     check_close(out, ref_out, lo_out, dtype=case.dtype, name=f"{case}: out")
     check_lse_rows(lse, ref_lse, f"{case}: lse")
     unused = np.isneginf(ref_lse).all(axis=0) & (np.abs(ref_out).max(axis=(1, 2)) == 0)
     np.testing.assert_array_equal(out[unused], 0.0, err_msg=f"{case}: unused rows must be 0")
-    if not gradients:
+    if grads is None:
         return
-
-    d_out, d_lse = jax.device_put(_cotangents(case, seed), device or cpu())
-    _, pull = jax.vjp(fn, *args)
-    grads = jax.jit(lambda ct: pull(ct))((d_out, d_lse))
     for name, g, x, r, lo in zip(("dq", "dk", "dv", "dsinks"), grads, args, ref_grads, lo_grads):
         assert g.shape == x.shape and g.dtype == x.dtype, f"{case}: {name} {g.shape} {g.dtype}"
         g = np.asarray(g.astype(jnp.float32))
