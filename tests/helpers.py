@@ -243,9 +243,10 @@ def check_forward(case: Case, device=None, seed=0):
     return check_forward_values(case, out, lse, device, seed)
 
 
-def check_forward_values(case: Case, out, lse, device=None, seed=0):
+def check_forward_values(case: Case, out, lse, device=None, seed=0, references=None):
     """out and lse (None: not returned) of the case's inputs, computed by the caller, against
-    the float64 reference: shapes, dtypes, device, values, rows with no key exactly 0.
+    the float64 reference (`references`: _forward_references' value, computed by the
+    caller): shapes, dtypes, device, values, rows with no key exactly 0.
     Returns numpy (out, lse)."""
     assert out.shape == (case.batch, case.seqlen_q, case.heads_q, case.dv), out.shape
     assert out.dtype == jnp.dtype(case.dtype), out.dtype
@@ -253,7 +254,7 @@ def check_forward_values(case: Case, out, lse, device=None, seed=0):
         assert out.devices() == {device} and (lse is None or lse.devices() == {device})
     out = np.asarray(out.astype(jnp.float32))
 
-    ref_out, ref_lse, ref_lo = _forward_references(case, seed)
+    ref_out, ref_lse, ref_lo = references or _forward_references(case, seed)
     check_close(out, ref_out, ref_lo, dtype=case.dtype, name=f"{case}: out")
     if lse is not None:
         lse = np.asarray(lse)
@@ -329,12 +330,13 @@ def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, determi
     return check_gradient_values(case, grads, seed, return_lse=return_lse)
 
 
-def check_gradient_values(case: Case, grads, seed=0, *, return_lse=True):
+def check_gradient_values(case: Case, grads, seed=0, *, return_lse=True, references=None):
     """Gradients of gradient_inputs(case, seed=seed), computed by the caller, against the
-    float64 reference; also checks exact zeros: dq of rows that see no key, dk/dv of keys
-    no row sees. Returns the gradients as numpy arrays."""
+    float64 reference (`references`: _gradient_references' value, computed by the caller);
+    also checks exact zeros: dq of rows that see no key, dk/dv of keys no row sees.
+    Returns the gradients as numpy arrays."""
     args, _ = gradient_inputs(case, seed=seed, return_lse=return_lse)
-    hi, lo = _gradient_references(case, seed, return_lse)
+    hi, lo = references or _gradient_references(case, seed, return_lse)
 
     result = []
     for name, g, x, r, l in zip(("dq", "dk", "dv", "dsinks"), grads, args, hi, lo):
@@ -351,16 +353,40 @@ def check_gradient_values(case: Case, grads, seed=0, *, return_lse=True):
     return result
 
 
+def _compiled_references(case: Case, seed, return_lse):
+    """(_forward_references, _gradient_references) values from one jitted program per
+    precision: for a shape the process has not seen, several times faster than the
+    eager references (which compile each of their ops for every new shape)."""
+    args = _args(case, *case_inputs(case, seed))
+    d_out, d_lse = _cotangents(case, seed)
+    if not return_lse:  # (the lse cotangent is zero then)
+        d_lse = jnp.zeros_like(d_lse)
+
+    def run(compute_dtype, args):
+        fn = functools.partial(value_and_vjp, ref(case, compute_dtype))
+        return jax.jit(fn)(args, _cotangent(d_out, d_lse, compute_dtype, True))
+    (out, lse), hi = run(jnp.float64, _hi(args))
+    lo_out, lo = None, [None] * len(args)
+    if case.lowp:
+        (lo_out, _), lo = run(case.dtype, args)
+        lo_out = np.asarray(lo_out.astype(jnp.float32))
+        lo = [np.asarray(x.astype(jnp.float32)) for x in lo]
+    return (np.asarray(out), np.asarray(lse), lo_out), ([np.asarray(x) for x in hi], lo)
+
+
 def check_forward_and_gradients(case: Case, seed=0, *, return_lse=True):
-    """check_forward and check_gradients from one compiled program (the vjp computes the
-    forward): for implementations whose compilation dominates the test time
-    (implementation="xla"). Returns numpy (out, lse or None, gradients)."""
+    """check_forward and check_gradients, each side from one compiled program (the vjp
+    computes the forward; _compiled_references): for implementations whose compilation
+    dominates the test time (implementation="xla"), on shapes seen once.
+    Returns numpy (out, lse or None, gradients)."""
     args, ct = gradient_inputs(case, seed=seed, return_lse=return_lse)
     value, grads = jax.jit(functools.partial(value_and_vjp, flash(case, return_lse=return_lse)))(
         args, ct)
     out, lse = value if return_lse else (value, None)
-    out, lse = check_forward_values(case, out, lse, seed=seed)
-    return out, lse, check_gradient_values(case, grads, seed, return_lse=return_lse)
+    forward_refs, gradient_refs = _compiled_references(case, seed, return_lse)
+    out, lse = check_forward_values(case, out, lse, seed=seed, references=forward_refs)
+    return out, lse, check_gradient_values(case, grads, seed, return_lse=return_lse,
+                                           references=gradient_refs)
 
 
 # ----------------------------------------------------------------------------- shared case lists

@@ -1,5 +1,5 @@
 """Forward (out and lse) of flashjax.flash_attention against the float64 reference,
-on the default device (the C++ CPU path on a CPU machine)."""
+on the C++ CPU kernels (implementation="cpu": the conftest fixture cpu_kernels)."""
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,8 @@ OPTION_CASES = option_cases() + option_cases(dtypes=("bfloat16", "float16"), seq
                                              windows=[(-1, -1), (10, 5)], head_dim=64)
 EMPTY_ROW_CASES = empty_row_cases()
 POSITION_CASES = position_cases() + position_cases(dtypes=("bfloat16",), head_dim=64)[::4]
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=ids(HEAD_DIM_CASES))

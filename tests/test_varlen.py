@@ -1,6 +1,7 @@
 """Packed (flash_attention_varlen), right-padded (seqused) and segment-id batches on the
-CPU: forward, lse and gradients against float64 references computed sequence by
-sequence / segment by segment; adversarial metadata; jit, vmap and argument errors."""
+C++ CPU kernels (implementation="cpu": the conftest fixture cpu_kernels): forward, lse
+and gradients against float64 references computed sequence by sequence / segment by
+segment; adversarial metadata; jit, vmap and argument errors."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ from varlen_helpers import (SegmentCase, VarlenCase, check_segments, check_varle
 VARLEN_CASES = varlen_cases() + varlen_cases(dtypes=("bfloat16",))[:3] + [
     VarlenCase(dtype="float16", causal=True, sinks=True, seqused_q=(5, 0, 40, 1, 3))]
 SEGMENT_CASES = segment_cases() + segment_cases(dtypes=("bfloat16",))[:1]
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.fixture(params=["one-pass", "two-pass"])
