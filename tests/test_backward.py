@@ -14,7 +14,8 @@ import pytest
 
 import flashjax
 from flashjax import reference
-from helpers import (DTYPES, HEAD_DIMS, Case, case_inputs, check_close, check_gradients,
+from helpers import (HEAD_DIMS, Case, both_paths, case_inputs, check_close,
+                     check_gradients,
                      empty_row_cases, gqa_cases, head_dim_cases, option_cases, position_cases,
                      seqlen_cases)
 
@@ -32,16 +33,10 @@ def cpu_backward_path(path, monkeypatch):
     monkeypatch.setenv("FLASHJAX_CPU_BACKWARD", path)
 
 
-def both_paths(cases, two_pass):
-    """(path, case) parameters: every case one-pass, the `two_pass` ones two-pass too."""
-    return ([pytest.param("one-pass", c, id=f"one-pass-{c}") for c in cases]
-            + [pytest.param("two-pass", c, id=f"two-pass-{c}") for c in two_pass])
-
-
-HEAD_DIM_CASES = head_dim_cases(seqlen=70)
-# Two-pass: each head-dim pair once, the dtypes in turn (cases are dtype-major).
-TWO_PASS_HEAD_DIMS = [c for i, c in enumerate(HEAD_DIM_CASES)
-                      if i % len(HEAD_DIMS) % len(DTYPES) == i // len(HEAD_DIMS)]
+HEAD_DIM_CASES = head_dim_cases(seqlen=70, lowp_in_turn=True)
+# Two-pass: each head-dim pair once, float32 and low precision in turn.
+TWO_PASS_HEAD_DIMS = [HEAD_DIM_CASES[i + (len(HEAD_DIMS) if i % 2 else 0)]
+                      for i in range(len(HEAD_DIMS))]
 SEQLEN_CASES = seqlen_cases(seqlens=[(1, 1), (1, 33), (33, 1), (17, 128), (128, 17), (200, 200)],
                             head_dim=16)
 GQA_CASES = gqa_cases(dtypes=("float32", "bfloat16"))
@@ -62,17 +57,17 @@ TWO_PASS_GQA = GQA_CASES[::3] + GQA_CASES[5::3]
 
 @pytest.mark.parametrize("path, case", both_paths(HEAD_DIM_CASES, TWO_PASS_HEAD_DIMS))
 def test_head_dims(case):
-    check_gradients(case)
+    check_gradients(case, new_shape=True)
 
 
 @pytest.mark.parametrize("path, case", both_paths(SEQLEN_CASES, TWO_PASS_SEQLENS))
 def test_seqlens(case):
-    check_gradients(case)
+    check_gradients(case, new_shape=True)
 
 
 @pytest.mark.parametrize("path, case", both_paths(GQA_CASES, TWO_PASS_GQA))
 def test_gqa_sums_over_group(case):
-    check_gradients(case)
+    check_gradients(case, new_shape=True)
 
 
 @pytest.mark.parametrize("path, case", both_paths(OPTION_CASES, OPTION_CASES[::3]))
@@ -92,7 +87,7 @@ def test_positions(case):
 def test_rows_without_keys(case):
     # check_gradients asserts finite gradients, dq == 0 on rows that see no key and
     # dk == dv == 0 on keys that no row sees; the lse cotangent is nonzero on -inf rows.
-    check_gradients(case)
+    check_gradients(case, new_shape=True)
 
 
 @pytest.mark.parametrize("case", [
@@ -102,7 +97,7 @@ def test_rows_without_keys(case):
 ], ids=str)
 def test_gradient_of_out_only(case):
     # return_lse=False: the backward gets no lse cotangent.
-    check_gradients(case, return_lse=False)
+    check_gradients(case, return_lse=False, new_shape=True)
 
 
 def test_gradient_through_lse_only():

@@ -28,8 +28,8 @@ from flashjax import _checks, reference, xla_attention
 from flashjax._calls import Layout
 from helpers import (POSITION_STARTS, Case, case_inputs, check_close, check_forward,
                      check_forward_and_gradients, check_forward_values, check_gradient_values,
-                     counting_jit, gradient_inputs, ids, rand, run_on_host_devices,
-                     value_and_vjp)
+                     compiled_references, counting_jit, gradient_inputs, ids,
+                     jitted_reference, rand, run_on_host_devices, value_and_vjp)
 from varlen_helpers import (SegmentCase, VarlenCase, check_varlen_values,
                             varlen_gradient_inputs)
 
@@ -185,8 +185,9 @@ def test_positions(case, starts):
     for q_offset, kv_offset in starts:
         at = dataclasses.replace(case, q_offset=q_offset, kv_offset=kv_offset)
         (out, lse), grads = run(args, ct, np.int32(q_offset), np.int32(kv_offset))
-        check_forward_values(at, out, lse)
-        check_gradient_values(at, grads)
+        forward_refs, gradient_refs = compiled_references(at)  # (one program per group too)
+        check_forward_values(at, out, lse, references=forward_refs)
+        check_gradient_values(at, grads, references=gradient_refs)
     assert len(traces) == 1
 
 
@@ -202,7 +203,7 @@ def test_gradient_through_lse_only():
         return jax.grad(loss, argnums=(0, 1, 2, 3))
 
     ours = jax.jit(grads(dense_xla))(q, k, v, s)
-    want = grads(reference.attention, compute_dtype=jnp.float64)(
+    want = jax.jit(grads(reference.attention, compute_dtype=jnp.float64))(
         *(x.astype(jnp.float64) for x in (q, k, v, s)))
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), ours, want):
         check_close(g, w, name=name)
@@ -212,7 +213,7 @@ def test_gradient_through_lse_only():
 def test_large_logits_and_dominating_sinks():
     case = Case(seqlen_q=70, seqlen_k=90, heads_q=2, heads_kv=1, head_dim=32, softmax_scale=8.0,
                 sinks=True)
-    _, lse = check_forward(case)
+    _, lse = check_forward(case, new_shape=True)
     assert np.abs(lse).max() > 88
     # One program (traced sinks): negligible sinks give the plain attention, dominating
     # ones an output of ~0 and lse = the sink.
@@ -254,9 +255,10 @@ def check_options_against_reference(q, k, v, sinks, opts):
     (out, lse), grads = jax.jit(functools.partial(
         value_and_vjp, lambda q, k, v, s: dense_xla(q, k, v, sinks=s, **opts)))((q, k, v, sinks), ct)
     hi = [x.astype(jnp.float64) for x in (q, k, v, sinks)]
-    (r_out, r_lse), r_grads = value_and_vjp(
-        lambda q, k, v, s: reference.attention(q, k, v, sinks=s, compute_dtype=jnp.float64,
-                                               **opts), hi, tuple(x.astype(jnp.float64) for x in ct))
+    (r_out, r_lse), r_grads = jax.jit(functools.partial(
+        value_and_vjp, lambda q, k, v, s: reference.attention(q, k, v, sinks=s,
+                                                              compute_dtype=jnp.float64, **opts)))(
+        hi, tuple(x.astype(jnp.float64) for x in ct))
     check_close(out, r_out, name="out")
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
     finite = np.isfinite(np.asarray(r_lse))
@@ -390,11 +392,10 @@ def test_inconsistent_metadata_is_clamped(cu_q, cu_k, used_q, used_k, max_len):
     assert np.isfinite(np.asarray(out)).all() and not np.isnan(np.asarray(lse)).any()
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
     if np.all(np.diff(cu_q) >= 0) and np.all(np.diff(cu_k) >= 0):
-        want, want_lse = reference.attention_varlen(
-            q.astype(jnp.float64), k.astype(jnp.float64), v.astype(jnp.float64),
-            np.asarray(cu_q), np.asarray(cu_k), max_len, max_len, causal=True,
-            seqused_q=used_q, seqused_k=used_k, sinks=sinks.astype(jnp.float64),
-            return_lse=True, compute_dtype=jnp.float64)
+        want, want_lse = jax.jit(lambda q, k, v, s: reference.attention_varlen(
+            q, k, v, np.asarray(cu_q), np.asarray(cu_k), max_len, max_len, causal=True,
+            seqused_q=used_q, seqused_k=used_k, sinks=s, return_lse=True,
+            compute_dtype=jnp.float64))(*(x.astype(jnp.float64) for x in (q, k, v, sinks)))
         check_close(out, want, name="out")
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
 
@@ -479,7 +480,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
                                rtol=1e-5, atol=1e-5)
     loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
     got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
-    want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     print("ok")
@@ -509,6 +510,6 @@ def test_32k_rows_in_bounded_memory(default_blocks):
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
     rows = 64
     keys = rows + window
-    want = reference.attention(q[:, -rows:], k[:, -keys:], v[:, -keys:], causal=True,
-                               window_size=(window, -1), compute_dtype=jnp.float64)
+    want = jitted_reference(q[:, -rows:], k[:, -keys:], v[:, -keys:], causal=True,
+                            window_size=(window, -1), compute_dtype=jnp.float64)
     check_close(np.asarray(out[:, -rows:]), np.asarray(want), name="out")

@@ -265,7 +265,7 @@ class SegmentCase:
 
     def varlen_view(self):
         """The same documents as a packed varlen batch over the flattened rows."""
-        lengths, padding_starts = [], []
+        lengths = []
         for lengths_b in self.docs:
             used = sum(lengths_b)
             lengths += list(lengths_b) + [self.seqlen - used]  # the padding is one more "document"
@@ -286,9 +286,32 @@ class SegmentCase:
         return s
 
 
+def segment_reference(case: SegmentCase, per_segment=False):
+    """f(q, k, v, sinks=None, compute_dtype=float64) -> (out, lse): the reference of the
+    case's packing, with segment ids (one program), or (`per_segment`) as the varlen
+    reference over the flattened rows, segment by segment (test_varlen checks that they
+    agree)."""
+    ids = case.segment_ids()
+    cu, max_len = case.varlen_view()
+
+    def dense(q, k, v, sinks=None, compute_dtype=jnp.float64):
+        return reference.attention(q, k, v, sinks=sinks, return_lse=True,
+                                   compute_dtype=compute_dtype, q_segment_ids=ids,
+                                   kv_segment_ids=ids, **case.options())
+
+    def segments(q, k, v, sinks=None, compute_dtype=jnp.float64):
+        flat = [x.reshape((-1,) + x.shape[2:]) for x in (q, k, v)]
+        out, lse = reference.attention_varlen(*flat, cu, cu, max_len, max_len, sinks=sinks,
+                                              return_lse=True, compute_dtype=compute_dtype,
+                                              **case.options())
+        lse = lse.reshape(case.heads_q, case.batch, case.seqlen).transpose(1, 0, 2)
+        return out.reshape(q.shape[:-1] + (v.shape[-1],)), lse
+    return segments if per_segment else dense
+
+
 def check_segments(case: SegmentCase, device=None, seed=0, deterministic=False):
-    """flash_attention with segment ids equals attention computed per segment (the
-    varlen reference over the flattened rows, float64), forward and gradients."""
+    """flash_attention with segment ids against the float64 reference with segment ids
+    (segment_reference), forward and gradients."""
     keys = jax.random.split(jax.random.key(seed), 6)
     shape_q = (case.batch, case.seqlen, case.heads_q, case.head_dim)
     shape_k = (case.batch, case.seqlen, case.heads_kv, case.head_dim)
@@ -305,25 +328,16 @@ def check_segments(case: SegmentCase, device=None, seed=0, deterministic=False):
                                         kv_segment_ids=jax.device_put(jnp.asarray(ids), dev),
                                         deterministic=deterministic, **case.options())
 
-    cu, max_len = case.varlen_view()
-
-    def per_segment(q, k, v, sinks=None, compute_dtype=jnp.float64):
-        flat = [x.reshape((-1,) + x.shape[2:]) for x in (q, k, v)]
-        out, lse = reference.attention_varlen(*flat, cu, cu, max_len, max_len, sinks=sinks,
-                                              return_lse=True, compute_dtype=compute_dtype,
-                                              **case.options())
-        lse = lse.reshape(case.heads_q, case.batch, case.seqlen).transpose(1, 0, 2)
-        return out.reshape(shape_q[:-1] + (v.shape[-1],)), lse
-
+    reference_fn = segment_reference(case)
     args = (q, k, v, sinks) if case.sinks else (q, k, v)
     (out, lse), pull = jax.vjp(ours, *jax.device_put(args, dev))
     grads = pull(jax.device_put((d_out, d_lse), dev))
     (r_out, r_lse), r_grads = value_and_pullback(
-        per_segment, [x.astype(jnp.float64) for x in args],
+        reference_fn, [x.astype(jnp.float64) for x in args],
         (d_out.astype(jnp.float64), d_lse.astype(jnp.float64)))
     lo_out, lo_grads = None, [None] * len(args)
     if case.lowp:
-        lo = functools.partial(per_segment, compute_dtype=case.dtype)
+        lo = functools.partial(reference_fn, compute_dtype=case.dtype)
         (lo_out, _), lo_grads = value_and_pullback(lo, args, (d_out, d_lse))
         lo_out = np.asarray(lo_out.astype(jnp.float32))
         lo_grads = [np.asarray(g.astype(jnp.float32)) for g in lo_grads]
