@@ -11,7 +11,7 @@ import pytest
 
 jax.config.update("jax_enable_x64", True)
 
-from helpers import has_gpu, rand  # noqa: E402  (after enabling x64)
+from helpers import has_gpu, rand, use_implementation  # noqa: E402  (after enabling x64)
 
 
 def pytest_configure(config):
@@ -34,6 +34,16 @@ def gpu_device():
     if not has_gpu():
         pytest.skip("no GPU visible to jax")
     return jax.devices("gpu")[0]
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """flashjax's entry points called with implementation="cpu": the C++ kernels that
+    implementation=None runs on the CPU, without tracing the pure-JAX fallback branch
+    that None's platform_dependent also traces (most of a small case's time). The
+    default's dispatch is tested in test_implementation.py and by the files that do not
+    use this fixture."""
+    use_implementation(monkeypatch, "cpu")
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import flashjax
 from flashjax import reference
@@ -39,12 +40,23 @@ def cpu():
     return jax.devices("cpu")[0]
 
 
-def rand(key, shape, dtype=jnp.float32):
-    """Standard normal of `dtype`, on the CPU, with no exact zeros. `key`: int seed or PRNG key."""
+def _seed(key):
+    """An int seed, a jax PRNG key or a legacy uint32 key as numpy seed entropy."""
     if isinstance(key, (int, np.integer)):
-        key = jax.random.key(int(key))
-    x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
-    return jax.device_put(jnp.where(x == 0, jnp.ones((), dtype), x), cpu())
+        return int(key)
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return [int(x) for x in np.asarray(key).ravel()]
+
+
+def rand(key, shape, dtype=jnp.float32):
+    """Standard normal of `dtype`, on the CPU, with no exact zeros. `key`: int seed or PRNG
+    key. Drawn by numpy: jax.random would compile a program for every new shape (a
+    large part of a small test's time)."""
+    x = np.random.default_rng(_seed(key)).standard_normal(shape, dtype=np.float32)
+    x = x.astype(jnp.dtype(dtype))
+    x[x == 0] = 1
+    return jax.device_put(x, cpu())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,19 +219,28 @@ def ref(case: Case, compute_dtype, *, return_lse=True):
     return f
 
 
+# reference.attention as one jitted program per shape and static options: for shapes a
+# process sees once, much faster than its eager ops (each compiled per new shape).
+jitted_reference = jax.jit(reference.attention, static_argnames=(
+    "softmax_scale", "causal", "window_size", "softcap", "return_lse", "compute_dtype"))
+
+
 def _hi(arrays):
     return [to_cpu(x, jnp.float64) for x in arrays]
 
 
 @functools.lru_cache(maxsize=8)
-def _forward_references(case: Case, seed):
+def _forward_references(case: Case, seed, compiled=False):
     """(float64 out, float64 lse, same-precision out or None) as numpy; cached because the
-    GPU tests check several kernel paths against the same references."""
+    GPU tests check several kernel paths against the same references. `compiled`: each
+    reference as one jitted program (see _compiled_references for when that pays)."""
     q, k, v, sinks = case_inputs(case, seed)
-    ref_out, ref_lse = ref(case, jnp.float64)(*_hi((q, k, v, sinks)))
+    run = jax.jit if compiled else (lambda f: f)
+    ref_out, ref_lse = run(ref(case, jnp.float64))(*_hi((q, k, v, sinks)))
     ref_lo = None
     if case.lowp:
-        ref_lo = np.asarray(ref(case, case.dtype, return_lse=False)(q, k, v, sinks).astype(jnp.float32))
+        lo = run(ref(case, case.dtype, return_lse=False))(q, k, v, sinks)
+        ref_lo = np.asarray(lo.astype(jnp.float32))
     return np.asarray(ref_out), np.asarray(ref_lse), ref_lo
 
 
@@ -236,19 +257,32 @@ def check_empty_vmap(case: Case, device=None):
     assert [g.shape for g in grads] == [(0,) + x.shape for x in (q, k, v, sinks)]
 
 
-def check_forward(case: Case, device=None, seed=0):
-    """flash_attention (out and lse) against the float64 reference; returns numpy (out, lse)."""
+def check_forward(case: Case, device=None, seed=0, *, new_shape=False):
+    """flashjax.flash_attention (out and lse) against the float64 reference; returns numpy
+    (out, lse). new_shape: the case lists' shapes are new to the process at each case
+    (head dims, lengths): the references run jitted."""
     q, k, v, sinks = case_inputs(case, seed, device)
     out, lse = jax.jit(flash(case))(q, k, v, sinks)
+    references = _forward_references(case, seed, compiled=new_shape)
+    return check_forward_values(case, out, lse, device, seed, references)
+
+
+def check_forward_values(case: Case, out, lse, device=None, seed=0, references=None):
+    """out and lse (None: not returned) of the case's inputs, computed by the caller, against
+    the float64 reference (`references`: _forward_references' value, computed by the
+    caller): shapes, dtypes, device, values, rows with no key exactly 0.
+    Returns numpy (out, lse)."""
     assert out.shape == (case.batch, case.seqlen_q, case.heads_q, case.dv), out.shape
     assert out.dtype == jnp.dtype(case.dtype), out.dtype
     if device is not None:
-        assert out.devices() == {device} and lse.devices() == {device}
-    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+        assert out.devices() == {device} and (lse is None or lse.devices() == {device})
+    out = np.asarray(out.astype(jnp.float32))
 
-    ref_out, ref_lse, ref_lo = _forward_references(case, seed)
+    ref_out, ref_lse, ref_lo = references or _forward_references(case, seed)
     check_close(out, ref_out, ref_lo, dtype=case.dtype, name=f"{case}: out")
-    check_lse(lse, ref_lse, case, sinks, name=f"{case}: lse")
+    if lse is not None:
+        lse = np.asarray(lse)
+        check_lse(lse, ref_lse, case, case_inputs(case, seed)[3], name=f"{case}: lse")
 
     empty = ~case.mask().any(axis=1)
     np.testing.assert_array_equal(out[:, empty], 0.0, err_msg=f"{case}: rows with no key must be 0")
@@ -263,11 +297,16 @@ def _cotangents(case: Case, seed):
     return d_out, d_lse
 
 
+def value_and_vjp(fn, args, ct):
+    """(fn(*args), its pullback on ct): fn(q, k, v, sinks) at args (3 or 4 of them;
+    missing sinks = None)."""
+    value, pull = jax.vjp(lambda *diff: fn(*diff, *([None] * (4 - len(diff)))), *args)
+    return value, pull(ct)
+
+
 def vjp(fn, args, ct):
     """Pullback of fn(q, k, v, sinks) at args (3 or 4 of them; missing sinks = None) on ct."""
-    def f(*diff):
-        return fn(*diff, *([None] * (4 - len(diff))))
-    return jax.vjp(f, *args)[1](ct)
+    return value_and_vjp(fn, args, ct)[1]
 
 
 def _cotangent(d_out, d_lse, dtype, return_lse):
@@ -296,21 +335,35 @@ def _gradient_references(case: Case, seed, return_lse):
     return [np.asarray(x) for x in hi], lo
 
 
-def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, deterministic=False):
-    """dq, dk, dv (and dsinks) of flash_attention via jax.vjp with a random cotangent on
-    out (and lse, including rows where it is -inf), against the float64 reference.
-
-    Also checks exact zeros: dq of rows that see no key, dk/dv of keys no row sees.
-    Returns the gradients as numpy arrays.
-    """
+def gradient_inputs(case: Case, device=None, seed=0, return_lse=True):
+    """(args, cotangent) of the gradient checks: (q, k, v[, sinks]) and the cotangent of
+    out (and lse), on `device` (default CPU)."""
     q, k, v, sinks = case_inputs(case, seed, device)
     d_out, d_lse = _cotangents(case, seed)
-    args = _args(case, q, k, v, sinks)
     ct = _cotangent(*jax.device_put((d_out, d_lse), device or cpu()), case.dtype, return_lse)
+    return _args(case, q, k, v, sinks), ct
+
+
+def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, deterministic=False,
+                    new_shape=False):
+    """dq, dk, dv (and dsinks) of flash_attention via jax.vjp with a random cotangent on
+    out (and lse, including rows where it is -inf), against the float64 reference
+    (check_gradient_values). new_shape: as in check_forward. Returns the gradients as
+    numpy arrays."""
+    args, ct = gradient_inputs(case, device, seed, return_lse)
     ours = flash(case, return_lse=return_lse, deterministic=deterministic)
     grads = jax.jit(functools.partial(vjp, ours))(args, ct)
+    references = _compiled_references(case, seed, return_lse)[1] if new_shape else None
+    return check_gradient_values(case, grads, seed, return_lse=return_lse, references=references)
 
-    hi, lo = _gradient_references(case, seed, return_lse)
+
+def check_gradient_values(case: Case, grads, seed=0, *, return_lse=True, references=None):
+    """Gradients of gradient_inputs(case, seed=seed), computed by the caller, against the
+    float64 reference (`references`: _gradient_references' value, computed by the caller);
+    also checks exact zeros: dq of rows that see no key, dk/dv of keys no row sees.
+    Returns the gradients as numpy arrays."""
+    args, _ = gradient_inputs(case, seed=seed, return_lse=return_lse)
+    hi, lo = references or _gradient_references(case, seed, return_lse)
 
     result = []
     for name, g, x, r, l in zip(("dq", "dk", "dv", "dsinks"), grads, args, hi, lo):
@@ -327,6 +380,68 @@ def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, determi
     return result
 
 
+@functools.lru_cache(maxsize=32)
+def _reference_program(case: Case, compute_dtype):
+    """jit(value_and_vjp) of the reference for `case` (positions cleared) at compute_dtype,
+    f(args, ct, q_offset, kv_offset), the positions traced (None: no positions): one
+    compilation serves every start of a case."""
+    def run(args, ct, q_offset, kv_offset):
+        positions = {} if q_offset is None else dict(q_offset=q_offset, kv_offset=kv_offset)
+        attention = lambda q, k, v, sinks: reference.attention(
+            q, k, v, sinks=sinks, return_lse=True, compute_dtype=compute_dtype,
+            **case.options(), **positions)
+        return value_and_vjp(attention, args, ct)
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_references(case: Case, seed, return_lse):
+    """(_forward_references, _gradient_references) values from one jitted program per
+    precision (shared by the cases that differ in positions only): for a shape the
+    process has not seen, several times faster than the eager references (which compile
+    each of their ops for every new shape)."""
+    args = _args(case, *case_inputs(case, seed))
+    d_out, d_lse = _cotangents(case, seed)
+    if not return_lse:  # (the lse cotangent is zero then)
+        d_lse = jnp.zeros_like(d_lse)
+    # positions as int64 (jax_enable_x64): starts near the int32 limits stay exact
+    positions = ((np.int64(case.q_offset or 0), np.int64(case.kv_offset or 0))
+                 if case.positional else (None, None))
+    base = dataclasses.replace(case, q_offset=None, kv_offset=None)
+
+    def run(compute_dtype, args):
+        ct = _cotangent(d_out, d_lse, compute_dtype, True)
+        return _reference_program(base, compute_dtype)(args, ct, *positions)
+    (out, lse), hi = run(jnp.float64, _hi(args))
+    lo_out, lo = None, [None] * len(args)
+    if case.lowp:
+        (lo_out, _), lo = run(jnp.dtype(case.dtype), args)
+        lo_out = np.asarray(lo_out.astype(jnp.float32))
+        lo = [np.asarray(x.astype(jnp.float32)) for x in lo]
+    return (np.asarray(out), np.asarray(lse), lo_out), ([np.asarray(x) for x in hi], lo)
+
+
+def compiled_references(case: Case, seed=0, return_lse=True):
+    """(forward, gradient) references of the case for check_forward_values /
+    check_gradient_values, from jitted programs shared across positions."""
+    return _compiled_references(case, seed, return_lse)
+
+
+def check_forward_and_gradients(case: Case, seed=0, *, return_lse=True):
+    """check_forward and check_gradients, each side from one compiled program (the vjp
+    computes the forward; _compiled_references): for implementations whose compilation
+    dominates the test time (implementation="xla"), on shapes seen once.
+    Returns numpy (out, lse or None, gradients)."""
+    args, ct = gradient_inputs(case, seed=seed, return_lse=return_lse)
+    value, grads = jax.jit(functools.partial(value_and_vjp, flash(case, return_lse=return_lse)))(
+        args, ct)
+    out, lse = value if return_lse else (value, None)
+    forward_refs, gradient_refs = _compiled_references(case, seed, return_lse)
+    out, lse = check_forward_values(case, out, lse, seed=seed, references=forward_refs)
+    return out, lse, check_gradient_values(case, grads, seed, return_lse=return_lse,
+                                           references=gradient_refs)
+
+
 # ----------------------------------------------------------------------------- shared case lists
 # Used by test_forward.py / test_backward.py on the default (CPU) device and by
 # test_gpu.py on the GPU.
@@ -338,9 +453,17 @@ SEQLENS = [(1, 1), (1, 17), (17, 1), (17, 17), (128, 128), (1000, 1000), (17, 12
 WINDOWS = [(-1, -1), (16, -1), (-1, 8), (10, 5), (0, 0), (3, 200)]
 
 
-def head_dim_cases(dtypes=DTYPES, seqlen=80):
-    return [Case(seqlen_q=seqlen, seqlen_k=seqlen, head_dim=d, head_dim_v=dv, dtype=dt, causal=True)
-            for dt in dtypes for d, dv in HEAD_DIMS]
+def head_dim_cases(dtypes=DTYPES, seqlen=80, lowp_in_turn=False):
+    """Each HEAD_DIMS pair in each dtype; lowp_in_turn: float32 at every pair, then one
+    low-precision case per pair (bfloat16 for pairs 0, 1, 4, 5, ..., float16 for the
+    others), for kernels that convert every dtype the same way whatever the head dim."""
+    case = lambda dims, dt: Case(seqlen_q=seqlen, seqlen_k=seqlen, head_dim=dims[0],
+                                 head_dim_v=dims[1], dtype=dt, causal=True)
+    if lowp_in_turn:
+        return ([case(dims, "float32") for dims in HEAD_DIMS]
+                + [case(dims, "bfloat16" if i % 4 < 2 else "float16")
+                   for i, dims in enumerate(HEAD_DIMS)])
+    return [case(dims, dt) for dt in dtypes for dims in HEAD_DIMS]
 
 
 def seqlen_cases(seqlens=SEQLENS, head_dim=24):
@@ -373,26 +496,41 @@ def empty_row_cases():
             Case(seqlen_q=64, seqlen_k=16, head_dim=40, dtype="float16", causal=True)]
 
 
+# (q_offset, kv_offset) of position_cases: query rows after the keys, keys after the
+# queries (rows with no key), equal starts (top-left), far apart (nothing visible).
+POSITION_STARTS = [(64, 0), (0, 50), (40, 40), (300, 100), (-20, 0), (0, 100_000)]
+
+
 def position_cases(dtypes=("float32",), head_dim=16):
     """q_offset / kv_offset (rows of a longer sequence, e.g. a shard): query rows after
     the keys, keys after the queries (rows with no key), equal starts (top-left), far
     apart (nothing visible); causal, windows, sinks, GQA."""
-    starts = [(64, 0), (0, 50), (40, 40), (300, 100), (-20, 0), (0, 100_000)]
     masks = [(True, (-1, -1)), (False, (16, 4)), (True, (8, -1)), (False, (-1, 0)),
              (False, (-1, -1))]
     return [Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=head_dim,
                  dtype=dt, causal=c, window_size=w, sinks=(i % 3 == 1), q_offset=qo,
                  kv_offset=ko)
-            for dt in dtypes for i, ((qo, ko), (c, w)) in enumerate(itertools.product(starts, masks))
+            for dt in dtypes
+            for i, ((qo, ko), (c, w)) in enumerate(itertools.product(POSITION_STARTS, masks))
             if not (c is False and w == (-1, -1) and i % 2)]
+
+
+_ENTRY_POINTS = {name: getattr(flashjax, name) for name in
+                 ("flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache")}
+
+
+@functools.lru_cache(maxsize=None)
+def _with_implementation(name, implementation):
+    # One object per (entry point, implementation): checks that cache their compiled
+    # programs by the function they call then share them across tests.
+    return functools.partial(_ENTRY_POINTS[name], implementation=implementation)
 
 
 def use_implementation(monkeypatch, implementation):
     """Every flashjax entry point a test calls runs with `implementation` (the GPU tests
     run each kernel path: "cuda", "cuda:mma", "cuda:simt")."""
-    for name in ("flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"):
-        monkeypatch.setattr(flashjax, name, functools.partial(getattr(flashjax, name),
-                                                              implementation=implementation))
+    for name in _ENTRY_POINTS:
+        monkeypatch.setattr(flashjax, name, _with_implementation(name, implementation))
 
 
 def counting_jit(fn, **jit_options):
@@ -405,6 +543,14 @@ def counting_jit(fn, **jit_options):
         traces.append(None)
         return fn(*args, **kwargs)
     return jax.jit(traced, **jit_options), traces
+
+
+def both_paths(cases, two_pass):
+    """(path, case) parameters of the CPU backward paths (FLASHJAX_CPU_BACKWARD): every case one-pass, the `two_pass` ones two-pass too,
+    right after (so that a worker's cached references serve both)."""
+    return [pytest.param(path, c, id=f"{path}-{c}")
+            for c in cases for path in ("one-pass", "two-pass")
+            if path == "one-pass" or c in two_pass]
 
 
 def ids(cases):

@@ -5,12 +5,14 @@ flashjax.reference.attention per sequence). Shared by the CPU and GPU tests."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import flashjax
-from flashjax import reference
+from helpers import jitted_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +169,7 @@ def expected(case: KVCase, q, k_cache, v_cache, new, extra):
             sink = np.asarray(extra["sinks"], np.float64) if case.sinks else np.full(case.heads_q, -np.inf)
             lses.append(np.repeat(sink[:, None], case.seqlen_q, axis=1))
             continue
-        o, l = reference.attention(
+        o, l = jitted_reference(
             qi[None], keys[None], vals[None], causal=case.causal, window_size=case.window_size,
             softcap=case.softcap, sinks=extra.get("sinks"), return_lse=True,
             compute_dtype=jnp.float64)
@@ -183,10 +185,23 @@ def run(case: KVCase, int_seqlens: bool = False, **options):
     if int_seqlens:
         assert len(set(case.seqlens)) == 1, case.seqlens
         seqlens = case.seqlens[0]
-    result = flashjax.flash_attention_with_kvcache(
-        q, k_cache, v_cache, **new, cache_seqlens=seqlens, causal=case.causal,
-        window_size=case.window_size, softcap=case.softcap, return_lse=True, **extra, **options)
-    return result, expected(case, q, k_cache, v_cache, new, extra)
+    # jitted, as decoding loops are (eagerly, each op of the call's set-up would compile
+    # for every new shape): arrays as arguments, Python values static
+    named = dict(cache_seqlens=seqlens, **new, **extra)
+    arrays = {n: x for n, x in named.items() if isinstance(x, (jax.Array, np.ndarray))}
+    static = {n: x for n, x in named.items() if n not in arrays}
+
+    def call(q, k_cache, v_cache, arrays):
+        return flashjax.flash_attention_with_kvcache(
+            q, k_cache, v_cache, causal=case.causal, window_size=case.window_size,
+            softcap=case.softcap, return_lse=True, **static, **arrays, **options)
+    return jax.jit(call)(q, k_cache, v_cache, arrays), _expected(case)
+
+
+@functools.lru_cache(maxsize=16)
+def _expected(case: KVCase):
+    """expected() on the case's inputs, cached: each case runs on several implementations."""
+    return expected(case, *make_inputs(case))
 
 
 def check(case: KVCase, **options):

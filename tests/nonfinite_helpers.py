@@ -14,14 +14,15 @@ must be non-finite.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import flashjax
-from flashjax import reference
-from helpers import Case, case_inputs, rand, to_cpu
+from flashjax import reference, xla_attention
+from helpers import Case, case_inputs, jitted_reference, rand, to_cpu
 
 VALUES = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
 
@@ -82,16 +83,47 @@ def assert_same_nonfinite(actual, expected, dtype, name):
                                err_msg=f"{name}: finite entries")
 
 
-def call(case: Case, q, k, v, sinks, extra, deterministic=False):
-    return flashjax.flash_attention(q, k, v, sinks=sinks, return_lse=True, **case.options(),
-                                    deterministic=deterministic, **extra)
+@functools.lru_cache(maxsize=None)
+def _compiled(case: Case, attention, blocks, deterministic, gradients):
+    """flash_attention (`attention`: the entry point the test patched in) on the case as
+    one jitted program, f(q, k, v, sinks, extra) -> (out, lse), or with `gradients`
+    f(q, k, v, sinks, extra, ct) -> (dq, dk, dv) of sum(out * ct): cached, so that the
+    placements of a case share one compilation. `blocks`: the pure-JAX path's block
+    sizes (patched by the CPU tests; read when tracing)."""
+    def call(q, k, v, sinks, extra):
+        return attention(q, k, v, sinks=sinks, return_lse=True, **case.options(),
+                         deterministic=deterministic, **extra)
+
+    if not gradients:
+        return jax.jit(call)
+
+    def grads(q, k, v, sinks, extra, ct):
+        loss = lambda q, k, v: jnp.sum(call(q, k, v, sinks, extra)[0].astype(jnp.float32)
+                                       * ct.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(grads)
+
+
+def compiled(case: Case, deterministic=False, gradients=False):
+    blocks = (xla_attention.BLOCK_Q, xla_attention.BLOCK_K)
+    return _compiled(case, flashjax.flash_attention, blocks, deterministic, gradients)
 
 
 def expect(case: Case, q, k, v, sinks, extra):
     q, k, v, sinks = (to_cpu(x, jnp.float64) for x in (q, k, v, sinks))
     extra = {name: to_cpu(x) for name, x in extra.items()}
-    return reference.attention(q, k, v, sinks=sinks, return_lse=True, compute_dtype=jnp.float64,
-                               **case.options(), **extra)
+    return jitted_reference(q, k, v, sinks=sinks, return_lse=True, compute_dtype=jnp.float64,
+                            **case.options(), **extra)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_gradients(case: Case):
+    """(dq, dk, dv) of sum(reference out * ct) in float64, one jitted program per case."""
+    def grads(q, k, v, sinks, extra, ct):
+        loss = lambda q, k, v: jnp.sum(reference.attention(
+            q, k, v, sinks=sinks, compute_dtype=jnp.float64, **case.options(), **extra) * ct)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(grads)
 
 
 def check_nonfinite(case: Case, placement: Placement, device=None, *, gradients=False,
@@ -103,7 +135,7 @@ def check_nonfinite(case: Case, placement: Placement, device=None, *, gradients=
     that the value reached something."""
     q, k, v, sinks = case_inputs(case, seed, device)
     q, k, v = placement.place(q, k, v)
-    out, lse = jax.jit(lambda *a: call(case, *a, extra))(q, k, v, sinks)
+    out, lse = compiled(case)(q, k, v, sinks, extra)
     want_out, want_lse = expect(case, q, k, v, sinks, extra)
     name = f"{case} {placement}"
     assert_same_nonfinite(out.astype(jnp.float32), want_out, case.dtype, f"{name}: out")
@@ -125,19 +157,13 @@ def _check_gradients(case, placement, args, want_out, want_lse, name, seed, extr
     q, k, v, sinks = args
     ct = jax.device_put(rand(seed + 1, want_out.shape, q.dtype), q.devices().pop())
 
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * ct.astype(jnp.float32))
-
-    got = jax.jit(jax.grad(loss(lambda q, k, v: call(case, q, k, v, sinks, extra, deterministic)),
-                           argnums=(0, 1, 2)))(q, k, v)
+    got = compiled(case, deterministic, gradients=True)(q, k, v, sinks, extra, ct)
     got = [np.asarray(g.astype(jnp.float32), np.float64) for g in got]
     clean = [to_cpu(x, jnp.float64) for x in placement.cleaned(q, k, v)]
     hi_sinks = to_cpu(sinks, jnp.float64)
     cpu_extra = {n: to_cpu(x) for n, x in extra.items()}
     ct_hi = to_cpu(ct, jnp.float64)
-    ref_fn = lambda q, k, v: jnp.sum(reference.attention(
-        q, k, v, sinks=hi_sinks, compute_dtype=jnp.float64, **case.options(), **cpu_extra) * ct_hi)
-    want = [np.asarray(g) for g in jax.grad(ref_fn, argnums=(0, 1, 2))(*clean)]
+    want = [np.asarray(g) for g in _reference_gradients(case)(*clean, hi_sinks, cpu_extra, ct_hi)]
 
     rows = reached_rows(want_out, want_lse)  # (batch, seqlen_q, heads_q)
     group = case.heads_q // case.heads_kv
@@ -182,8 +208,8 @@ def check_varlen_nonfinite(causal, device=None, dtype="float32", head_dim=16, gr
     run = lambda q, k, v: flashjax.flash_attention_varlen(q, k, v, cu, cu, 25, 25, **options)
     out, lse = jax.jit(run)(q, k, v)
     hi = [to_cpu(x, jnp.float64) for x in (q, k, v)]
-    want_out, want_lse = reference.attention_varlen(*hi, cu, cu, 25, 25,
-                                                    compute_dtype=jnp.float64, **options)
+    want_out, want_lse = jax.jit(lambda q, k, v: reference.attention_varlen(
+        q, k, v, cu, cu, 25, 25, compute_dtype=jnp.float64, **options))(*hi)
     assert_same_nonfinite(out.astype(jnp.float32), want_out, dtype, "varlen out")
     assert_same_nonfinite(lse, want_lse, jnp.float32, "varlen lse")
     assert np.isfinite(np.asarray(want_out)[:20]).all() and np.isnan(want_out).any()
@@ -197,7 +223,7 @@ def check_varlen_nonfinite(causal, device=None, dtype="float32", head_dim=16, gr
     ct_hi = to_cpu(ct, jnp.float64)
     ref_loss = lambda q, k, v: jnp.sum(reference.attention_varlen(
         q, k, v, cu, cu, 25, 25, compute_dtype=jnp.float64, causal=causal) * ct_hi)
-    want = jax.grad(ref_loss, argnums=(0, 1, 2))(*clean)
+    want = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2)))(*clean)
     tol = 10 * tolerance(dtype)
     for name, g, w in zip("qkv", got, want):
         g, w = np.asarray(g.astype(jnp.float32))[:20], np.asarray(w)[:20]
@@ -221,8 +247,8 @@ def check_kvcache_nonfinite(device=None, dtype="float32", head_dim=16, seqlen_q=
     out, lse = flashjax.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                                      causal=causal, return_lse=True)
     hi = [to_cpu(x, jnp.float64) for x in (q, k_cache, v_cache)]
-    want_out, want_lse = reference.attention(*hi, seqused_k=seqlens, causal=causal,
-                                             return_lse=True, compute_dtype=jnp.float64)
+    want_out, want_lse = jitted_reference(*hi, seqused_k=seqlens, causal=causal,
+                                          return_lse=True, compute_dtype=jnp.float64)
     assert_same_nonfinite(out.astype(jnp.float32), want_out, dtype, "kvcache out")
     assert_same_nonfinite(lse, want_lse, jnp.float32, "kvcache lse")
     want_out = np.asarray(want_out)

@@ -1,7 +1,11 @@
-"""Gradients (the C++ backward behind jax.custom_vjp) against jax.vjp of the float64
-reference: dq, dk, dv, dsinks, with random cotangents on out and on lse. Every test
-runs on both CPU backward paths (one pass per kv-head group, two passes per tile),
-chosen with FLASHJAX_CPU_BACKWARD (read by the library at each call)."""
+"""Gradients (the C++ backward behind jax.custom_vjp, implementation="cpu") against
+jax.vjp of the float64 reference: dq, dk, dv, dsinks, with random cotangents on out and
+on lse. Both CPU backward paths (one pass per kv-head group, two passes per tile) are
+chosen with FLASHJAX_CPU_BACKWARD (read by the library at each call): every case runs
+on the one-pass path; the two-pass path shares its dK/dV tile code and differs in dQ
+(a query tile over its key span) and the dsinks shares, so it runs a subset of each
+case list in which every option, head dim, dtype, mask and position kind still occurs.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -10,16 +14,29 @@ import pytest
 
 import flashjax
 from flashjax import reference
-from helpers import (Case, case_inputs, check_close, check_gradients, empty_row_cases, gqa_cases,
-                     head_dim_cases, ids, option_cases, position_cases, seqlen_cases)
+from helpers import (HEAD_DIMS, Case, both_paths, case_inputs, check_close,
+                     check_gradients,
+                     empty_row_cases, gqa_cases, head_dim_cases, option_cases, position_cases,
+                     seqlen_cases)
 
-@pytest.fixture(autouse=True, params=["one-pass", "two-pass"])
-def cpu_backward_path(request, monkeypatch):
-    monkeypatch.setenv("FLASHJAX_CPU_BACKWARD", request.param)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+
+@pytest.fixture(params=["one-pass", "two-pass"])
+def path(request):
+    """The CPU backward path (tests parametrized over `path` choose their own)."""
     return request.param
 
 
-HEAD_DIM_CASES = head_dim_cases(seqlen=70)
+@pytest.fixture(autouse=True)
+def cpu_backward_path(path, monkeypatch):
+    monkeypatch.setenv("FLASHJAX_CPU_BACKWARD", path)
+
+
+HEAD_DIM_CASES = head_dim_cases(seqlen=70, lowp_in_turn=True)
+# Two-pass: each head-dim pair once, float32 and low precision in turn.
+TWO_PASS_HEAD_DIMS = [HEAD_DIM_CASES[i + (len(HEAD_DIMS) if i % 2 else 0)]
+                      for i in range(len(HEAD_DIMS))]
 SEQLEN_CASES = seqlen_cases(seqlens=[(1, 1), (1, 33), (33, 1), (17, 128), (128, 17), (200, 200)],
                             head_dim=16)
 GQA_CASES = gqa_cases(dtypes=("float32", "bfloat16"))
@@ -31,24 +48,29 @@ EMPTY_ROW_CASES = empty_row_cases() + [
     # Keys that no row sees (window left edge): their dk, dv must be exactly 0.
     Case(seqlen_q=16, seqlen_k=64, head_dim=8, causal=True, window_size=(4, -1), sinks=True),
 ]
+# The two-pass subsets (besides TWO_PASS_HEAD_DIMS; the option and position lists are
+# cut with strides that still meet every mask, seqlen pair and start): each length pair,
+# causal or not in turn; each GQA grouping, the dtypes in turn.
+TWO_PASS_SEQLENS = SEQLEN_CASES[::4] + SEQLEN_CASES[3::4]
+TWO_PASS_GQA = GQA_CASES[::3] + GQA_CASES[5::3]
 
 
-@pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=ids(HEAD_DIM_CASES))
+@pytest.mark.parametrize("path, case", both_paths(HEAD_DIM_CASES, TWO_PASS_HEAD_DIMS))
 def test_head_dims(case):
-    check_gradients(case)
+    check_gradients(case, new_shape=True)
 
 
-@pytest.mark.parametrize("case", SEQLEN_CASES, ids=ids(SEQLEN_CASES))
+@pytest.mark.parametrize("path, case", both_paths(SEQLEN_CASES, TWO_PASS_SEQLENS))
 def test_seqlens(case):
-    check_gradients(case)
+    check_gradients(case, new_shape=True)
 
 
-@pytest.mark.parametrize("case", GQA_CASES, ids=ids(GQA_CASES))
+@pytest.mark.parametrize("path, case", both_paths(GQA_CASES, TWO_PASS_GQA))
 def test_gqa_sums_over_group(case):
-    check_gradients(case)
+    check_gradients(case, new_shape=True)
 
 
-@pytest.mark.parametrize("case", OPTION_CASES, ids=ids(OPTION_CASES))
+@pytest.mark.parametrize("path, case", both_paths(OPTION_CASES, OPTION_CASES[::3]))
 def test_option_matrix(case):
     check_gradients(case)
 
@@ -56,16 +78,16 @@ def test_option_matrix(case):
 POSITION_CASES = position_cases()[::2] + position_cases(dtypes=("bfloat16",), head_dim=32)[1::6]
 
 
-@pytest.mark.parametrize("case", POSITION_CASES, ids=ids(POSITION_CASES))
+@pytest.mark.parametrize("path, case", both_paths(POSITION_CASES, POSITION_CASES[::2]))
 def test_positions(case):
     check_gradients(case)
 
 
-@pytest.mark.parametrize("case", EMPTY_ROW_CASES, ids=ids(EMPTY_ROW_CASES))
+@pytest.mark.parametrize("path, case", both_paths(EMPTY_ROW_CASES, EMPTY_ROW_CASES))
 def test_rows_without_keys(case):
     # check_gradients asserts finite gradients, dq == 0 on rows that see no key and
     # dk == dv == 0 on keys that no row sees; the lse cotangent is nonzero on -inf rows.
-    check_gradients(case)
+    check_gradients(case, new_shape=True)
 
 
 @pytest.mark.parametrize("case", [
@@ -75,7 +97,7 @@ def test_rows_without_keys(case):
 ], ids=str)
 def test_gradient_of_out_only(case):
     # return_lse=False: the backward gets no lse cotangent.
-    check_gradients(case, return_lse=False)
+    check_gradients(case, return_lse=False, new_shape=True)
 
 
 def test_gradient_through_lse_only():

@@ -1,5 +1,5 @@
 """Forward (out and lse) of flashjax.flash_attention against the float64 reference,
-on the default device (the C++ CPU path on a CPU machine)."""
+on the C++ CPU kernels (implementation="cpu": the conftest fixture cpu_kernels)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ from helpers import (DTYPES, Case, case_inputs, check_forward, empty_row_cases, 
                      head_dim_cases, ids, option_cases, position_cases, rel_err,
                      seqlen_cases)
 
-HEAD_DIM_CASES = head_dim_cases()
+HEAD_DIM_CASES = head_dim_cases(lowp_in_turn=True)
 SEQLEN_CASES = seqlen_cases()
 GQA_CASES = gqa_cases()
 OPTION_CASES = option_cases() + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),),
@@ -19,20 +19,22 @@ OPTION_CASES = option_cases() + option_cases(dtypes=("bfloat16", "float16"), seq
 EMPTY_ROW_CASES = empty_row_cases()
 POSITION_CASES = position_cases() + position_cases(dtypes=("bfloat16",), head_dim=64)[::4]
 
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
 
 @pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=ids(HEAD_DIM_CASES))
 def test_head_dims(case):
-    check_forward(case)
+    check_forward(case, new_shape=True)
 
 
 @pytest.mark.parametrize("case", SEQLEN_CASES, ids=ids(SEQLEN_CASES))
 def test_seqlens(case):
-    check_forward(case)
+    check_forward(case, new_shape=True)
 
 
 @pytest.mark.parametrize("case", GQA_CASES, ids=ids(GQA_CASES))
 def test_gqa_mqa(case):
-    check_forward(case)
+    check_forward(case, new_shape=True)
 
 
 @pytest.mark.parametrize("case", OPTION_CASES, ids=ids(OPTION_CASES))
@@ -48,7 +50,7 @@ def test_positions(case):
 @pytest.mark.parametrize("case", EMPTY_ROW_CASES, ids=ids(EMPTY_ROW_CASES))
 def test_rows_without_keys(case):
     # check_forward asserts out == 0 exactly and lse == -inf (or the sink) on those rows.
-    out, lse = check_forward(case)
+    out, lse = check_forward(case, new_shape=True)
     empty = ~case.mask().any(axis=1)
     assert empty.any(), "the case must leave some rows without keys"
     assert np.isfinite(out).all() and not np.isnan(lse).any()

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import flashjax
 from flashjax import reference, xla_attention
 from helpers import Case, case_inputs, ids, rand, run_on_host_devices, use_implementation
 from nonfinite_helpers import (VALUES, Placement, check_kvcache_nonfinite, check_nonfinite,

@@ -29,15 +29,15 @@ def test_per_batch_traced_offsets_forward_and_gradients():
     options = dict(causal=True, window_size=(12, -1))
     ours, traces = counting_jit(lambda q, k, v, qo, ko: flashjax.flash_attention(
         q, k, v, q_offset=qo, kv_offset=ko, **options))
-    ref = lambda q, k, v, qo, ko: reference.attention(q, k, v, q_offset=qo, kv_offset=ko,
-                                                      compute_dtype=jnp.float64, **options)
+    ref = jax.jit(lambda q, k, v, qo, ko: reference.attention(
+        q, k, v, q_offset=qo, kv_offset=ko, compute_dtype=jnp.float64, **options))
     # one compilation serves every value (traced offsets)
     for qo, ko in ((np.array([0, 16, 100], np.int32), np.int32(3)),
                    (np.array([-5, 7, 56], np.int32), np.int32(0))):
         check_close(np.asarray(ours(q, k, v, qo, ko)), np.asarray(ref(q, k, v, qo, ko)),
                     name="out")
         got = jax.grad(_loss(ours), argnums=(0, 1, 2))(q, k, v, qo, ko)
-        want = jax.grad(_loss(ref), argnums=(0, 1, 2))(q, k, v, qo, ko)
+        want = jax.jit(jax.grad(_loss(ref), argnums=(0, 1, 2)))(q, k, v, qo, ko)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
             check_close(np.asarray(g), np.asarray(w), name=name)
     assert len(traces) == 1
@@ -68,8 +68,9 @@ def test_varlen_offsets_per_sequence():
     qo, ko = np.array([3, 0, 90], np.int32), np.array([0, 0, 80], np.int32)
     got = flashjax.flash_attention_varlen(q, k, v, cu, cu, 33, 33, causal=True, q_offset=qo,
                                           kv_offset=ko)
-    want = reference.attention_varlen(q, k, v, cu, cu, 33, 33, causal=True, q_offset=qo,
-                                      kv_offset=ko, compute_dtype=jnp.float64)
+    want = jax.jit(lambda q, k, v: reference.attention_varlen(
+        q, k, v, cu, cu, 33, 33, causal=True, q_offset=qo, kv_offset=ko,
+        compute_dtype=jnp.float64))(q, k, v)
     check_close(np.asarray(got), np.asarray(want), name="varlen out")
 
 
@@ -120,7 +121,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
     got = jax.jit(jax.grad(loss(sharded(True)), argnums=(0, 1, 2)))(q, k, v)
     ref = lambda q, k, v: reference.attention(q, k, v, causal=True, window_size=(20, 0),
                                               compute_dtype=jnp.float64)
-    for g, w in zip(got, jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)):
+    for g, w in zip(got, jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     print("ok")
 """)

@@ -37,13 +37,17 @@ SCRIPT = textwrap.dedent("""
     # (causal, window): windows reach 0..2 neighbouring chunks of 8 (4 with zigzag)
     masks = ((False, (-1, -1)), (True, (-1, -1)), (False, (5, 3)), (True, (11, -1)),
              (False, (0, 9)))
-    cases = list(itertools.product(("contiguous", "zigzag"), ("ring", "all_gather"), masks,
-                                   (False, True)))
-    if devices == 4:  # a ring of 2: every third case (8 devices run them all)
+    # A ring of 4 (8 devices): the ring strategy with each layout x mask, the all-gather
+    # one (one local call on the gathered keys, masked by positions) with the first
+    # three masks; sinks on every other case. A ring of 2 (4 devices): a few of them.
+    combinations = [(layout, strategy, mask) for layout, strategy, mask in itertools.product(
+        ("contiguous", "zigzag"), ("ring", "all_gather"), masks)
+        if strategy == "ring" or mask in masks[:3]]
+    cases = [(layout, strategy, mask, i % 2 == 1)
+             for i, (layout, strategy, mask) in enumerate(combinations)]
+    if devices == 4:
         cases = cases[::3]
     for layout, strategy, (causal, window), with_sinks in cases:
-        if strategy == "all_gather" and window[0] >= 0 and with_sinks:
-            continue  # (fewer compilations; windows and sinks are covered apart)
         options = dict(causal=causal, window_size=window, softcap=3.0)
         what = f"{layout} {strategy} causal={causal} window={window} sinks={with_sinks}"
         order = (lambda x, axis=1: ring.zigzag(x, n, axis)) if layout == "zigzag" else \\
@@ -136,7 +140,8 @@ def test_zigzag_round_trip():
 
 def test_ring_bench_runs_on_host_devices():
     """benchmarks/ring_bench.py (the multi-GPU run's script) as a smoke test on 4 host
-    devices: every implementation produces a time."""
+    devices: every implementation produces a forward time (causal or not; the gradients
+    of each strategy are checked above)."""
     import os
     import pathlib
     import subprocess
@@ -147,8 +152,8 @@ def test_ring_bench_runs_on_host_devices():
                JAX_PLATFORMS="cpu")
     result = subprocess.run(
         [sys.executable, str(script), "--seqlen", "64", "--heads", "4", "2", "--dim", "16",
-         "--dtype", "float32", "--iters", "1"],
+         "--dtype", "float32", "--iters", "1", "--mode", "fwd"],
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("seqlen")]
-    assert len(lines) == 24 and not any("n/a" in line for line in lines), result.stdout
+    assert len(lines) == 12 and not any("n/a" in line for line in lines), result.stdout

@@ -62,7 +62,8 @@ SCRIPT = textwrap.dedent("""
 # sharding and the compiled programs have no collective -- except the all-reduce that
 # sums a replicated sinks' gradient over the shards. Sequence sharded: the outputs
 # keep it; "ring": collective-permutes and no all-gather; "gather" (GQA): K/V are
-# all-gathered (never q), dK/dV reduce-scattered, no collective-permute.
+# all-gathered (never q), dK/dV reduce-scattered, no collective-permute. The batch and
+# head cases run on 4 devices, the sequence ones on 8 (rings of 2 and 4).
 JIT_SCRIPT = textwrap.dedent("""
     import re, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -115,7 +116,7 @@ JIT_SCRIPT = textwrap.dedent("""
         what = f"{spec} {heads_q}/{heads_kv} {sorted(options)} {sorted(arrays)}"
         forward, forward_hlo = compiled(jax.jit(attn), *args)
         out = forward(*args)
-        check(out, ref(q, k, v, arrays), what)
+        check(out, jax.jit(ref)(q, k, v, arrays), what)
         if want in ("local", "ring", "gather"):
             padded = lambda p: tuple(p) + (None,) * (4 - len(p))
             assert padded(out.sharding.spec) == padded(spec), (what, out.sharding.spec)
@@ -123,7 +124,7 @@ JIT_SCRIPT = textwrap.dedent("""
         grad, grad_hlo = compiled(jax.jit(jax.grad(loss(attn), argnums=argnums, allow_int=True)),
                                   *args)
         got = grad(*args)
-        want = jax.grad(loss(ref), argnums=argnums, allow_int=True)(q, k, v, arrays)
+        want = jax.jit(jax.grad(loss(ref), argnums=argnums, allow_int=True))(q, k, v, arrays)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             if g.dtype != jax.dtypes.float0:
                 check(g, w, what + " grad")
@@ -144,49 +145,54 @@ JIT_SCRIPT = textwrap.dedent("""
             assert gathered_heads(grad_hlo) == [heads_kv], (what, gathered_heads(grad_hlo))
             assert "collective-permute" not in found_grad, what
 
-    heads = n // 2  # the "model" axis
-    case(P("data", None, "model", None), 2 * heads, heads, "local", causal=True)
-    case(P("data", None, None, None), 4, 2, "local", window_size=(5, 3), softcap=4.0)
-    case(P(None, None, "model", None), 2 * heads, heads, "local", sinks=True, causal=True)
-    case(P("data", None, "model", None), 4 * heads, heads, "local", sinks=True, segments=True)
-    case(P(("data", "model"), None, None, None) if n == 4 else P("data"), 4, 1, "local",
-         causal=True)
-    # the sequence over "model" (and batch over "data"): a ring, causal or not, sinks,
-    # sliding windows, segment ids + seqused, positions (q_offset / kv_offset)
-    case(P("data", "model", None, None), 4, 2, "ring", causal=True)
-    case(P(None, "model", None, None), 4, 4, "ring", sinks=True, softcap=2.0)
-    case(P(None, "data", None, None), 4, 2, "ring", window_size=(7, 0))
-    case(P(None, "model", None, None), 4, 2, "ring", window_size=(5, 9), sinks=True)
-    case(P(None, "data", None, None), 4, 2, "ring", causal=True, segments=True, seqused_q=True)
-    case(P("data", "model", None, None), 2, 2, "ring", causal=True, offsets=True)
-    # GQA with heads_q >= 4 heads_kv: K/V all-gathered (Llama-3 style), q never
-    case(P(None, "model", None, None), 8, 2, "gather", causal=True, sinks=True)
-    case(P("data", "model", None, None), 4, 1, "gather", segments=True, offsets=True,
-         causal=True)
-    # gathered (correct): one kv head with q heads sharded
-    case(P(None, None, "model", None), 3 * n, 1, "gathered", kv_spec=P(), causal=True)
+    def local_cases():  # batch and / or heads sharded, packed sequences
+        heads = n // 2  # the "model" axis
+        case(P("data", None, "model", None), 2 * heads, heads, "local", causal=True)
+        case(P("data", None, None, None), 4, 2, "local", window_size=(5, 3), softcap=4.0)
+        case(P(None, None, "model", None), 2 * heads, heads, "local", sinks=True, causal=True)
+        case(P("data", None, "model", None), 4 * heads, heads, "local", sinks=True, segments=True)
+        case(P(("data", "model"), None, None, None), 4, 1, "local", causal=True)
+        # gathered (correct): one kv head with q heads sharded
+        case(P(None, None, "model", None), 3 * n, 1, "gathered", kv_spec=P(), causal=True)
+        # flash_attention_varlen with heads sharded: local, no collective
+        cu = jnp.array([0, 5, 17, 40], jnp.int32)
+        q, k, v = normal(40, 2 * heads, 16), normal(40, heads, 16), normal(40, heads, 16)
+        packed = NamedSharding(mesh, P(None, "model", None))
+        args = [jax.device_put(x, packed) for x in (q, k, v)]
+        varlen = lambda q, k, v: flashjax.flash_attention_varlen(q, k, v, cu, cu, 23, 23,
+                                                                 causal=True)
+        ref = lambda q, k, v: reference.attention_varlen(q, k, v, np.asarray(cu), np.asarray(cu),
+                                                         23, 23, causal=True,
+                                                         compute_dtype=jnp.float64)
+        varlen_program, varlen_hlo = compiled(jax.jit(varlen), *args)
+        out = varlen_program(*args)
+        check(out, ref(q, k, v), "varlen")
+        assert tuple(out.sharding.spec)[:2] == (None, "model"), out.sharding.spec
+        grad, grad_hlo = compiled(
+            jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(varlen(*a))), argnums=(0, 1, 2))), *args)
+        want = jax.grad(lambda *a: jnp.sum(jnp.sin(ref(*a))), argnums=(0, 1, 2))(q, k, v)
+        for g, w in zip(grad(*args), want):
+            check(g, w, "varlen grad")
+        assert collectives(varlen_hlo) == [], collectives(varlen_hlo)
+        assert collectives(grad_hlo) == [], collectives(grad_hlo)
 
-    # flash_attention_varlen with heads sharded: local, no collective
-    cu = jnp.array([0, 5, 17, 40], jnp.int32)
-    q, k, v = normal(40, 2 * heads, 16), normal(40, heads, 16), normal(40, heads, 16)
-    packed = NamedSharding(mesh, P(None, "model", None))
-    args = [jax.device_put(x, packed) for x in (q, k, v)]
-    varlen = lambda q, k, v: flashjax.flash_attention_varlen(q, k, v, cu, cu, 23, 23,
-                                                             causal=True)
-    ref = lambda q, k, v: reference.attention_varlen(q, k, v, np.asarray(cu), np.asarray(cu),
-                                                     23, 23, causal=True,
-                                                     compute_dtype=jnp.float64)
-    varlen_program, varlen_hlo = compiled(jax.jit(varlen), *args)
-    out = varlen_program(*args)
-    check(out, ref(q, k, v), "varlen")
-    assert tuple(out.sharding.spec)[:2] == (None, "model"), out.sharding.spec
-    grad, grad_hlo = compiled(
-        jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(varlen(*a))), argnums=(0, 1, 2))), *args)
-    want = jax.grad(lambda *a: jnp.sum(jnp.sin(ref(*a))), argnums=(0, 1, 2))(q, k, v)
-    for g, w in zip(grad(*args), want):
-        check(g, w, "varlen grad")
-    assert collectives(varlen_hlo) == [], collectives(varlen_hlo)
-    assert collectives(grad_hlo) == [], collectives(grad_hlo)
+    def sequence_cases():
+        heads = n // 2
+        # the sequence over "model" (and batch over "data"): a ring, causal or not, sinks,
+        # sliding windows, segment ids + seqused, positions (q_offset / kv_offset)
+        case(P("data", "model", None, None), 4, 2, "ring", causal=True)
+        case(P(None, "model", None, None), 4, 4, "ring", sinks=True, softcap=2.0)
+        case(P(None, "data", None, None), 4, 2, "ring", window_size=(7, 0))
+        case(P(None, "model", None, None), 4, 2, "ring", window_size=(5, 9), sinks=True)
+        case(P(None, "data", None, None), 4, 2, "ring", causal=True, segments=True, seqused_q=True)
+        case(P("data", "model", None, None), 2, 2, "ring", causal=True, offsets=True)
+        # GQA with heads_q >= 4 heads_kv: K/V all-gathered (Llama-3 style), q never
+        case(P(None, "model", None, None), 8, 2, "gather", causal=True, sinks=True)
+        case(P("data", "model", None, None), 4, 1, "gather", segments=True, offsets=True,
+             causal=True)
+
+    # 4 devices: the local cases; 8 devices: a ring of 4 and a gather over 4
+    local_cases() if n == 4 else sequence_cases()
     print("ok")
 """)
 

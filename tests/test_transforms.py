@@ -10,7 +10,7 @@ import pytest
 
 import flashjax
 from flashjax import reference
-from helpers import Case, case_inputs, check_close, check_empty_vmap, rand
+from helpers import Case, case_inputs, check_close, check_empty_vmap, jitted_reference, rand
 
 CASE = Case(batch=2, seqlen_q=40, seqlen_k=48, heads_q=4, heads_kv=2, head_dim=16, sinks=True)
 OPTIONS = dict(causal=True, window_size=(20, -1), softcap=6.0)
@@ -52,7 +52,7 @@ def test_vmap(in_axes, return_lse):
     args = [batched(x, ax) for x, ax in zip((q, k, v, s), in_axes)]
     f = functools.partial(attn, return_lse=return_lse)
     got = jax.jit(jax.vmap(f, in_axes=in_axes))(*args)
-    want = jax.vmap(functools.partial(ref, return_lse=return_lse), in_axes=in_axes)(*args)
+    want = jax.jit(jax.vmap(functools.partial(ref, return_lse=return_lse), in_axes=in_axes))(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.shape == w.shape
         check_close(g, w, dtype=jnp.float32)
@@ -65,7 +65,7 @@ def test_nested_vmap():
     f = lambda g: jax.vmap(jax.vmap(lambda q, s: g(q, k, v, s), in_axes=(0, 0)), in_axes=(0, None))
     got = f(attn)(qs, ss)
     assert got.shape == (3, 2) + q.shape
-    check_close(got, f(ref)(qs, ss))
+    check_close(got, jax.jit(f(ref))(qs, ss))
 
 
 @pytest.mark.parametrize("in_axes", [VMAP_AXES["all"], VMAP_AXES["q_only"], VMAP_AXES["kv_only"],
@@ -78,7 +78,7 @@ def test_grad_of_vmap(in_axes):
     def loss(f):
         return lambda *a: jnp.sum(jax.vmap(f, in_axes=in_axes)(*a) * ct)
     got = jax.jit(jax.grad(loss(attn), argnums=(0, 1, 2, 3)))(*args)
-    want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(*[x.astype(jnp.float64) for x in args])
+    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(*[x.astype(jnp.float64) for x in args])
     for name, g, w, x in zip(("dq", "dk", "dv", "dsinks"), got, want, args):
         assert g.shape == x.shape and g.dtype == x.dtype
         check_close(g, w, name=name)
@@ -89,7 +89,7 @@ def test_vmap_of_grad():
     qs = batched(q, 0)
     grad = lambda f: jax.grad(lambda q, k, v, s: jnp.sum(jnp.sin(f(q, k, v, s))), argnums=(0, 1, 2, 3))
     got = jax.vmap(grad(attn), in_axes=(0, None, None, None))(qs, k, v, s)
-    want = jax.vmap(grad(ref), in_axes=(0, None, None, None))(qs, k, v, s)
+    want = jax.jit(jax.vmap(grad(ref), in_axes=(0, None, None, None)))(qs, k, v, s)
     for g, w in zip(got, want):
         check_close(g, w)
 
@@ -106,7 +106,7 @@ def test_jit_grad_and_checkpoint():
             out, lse = f(q, k, v, s, return_lse=True)
             return jnp.sum(out ** 2) + jnp.sum(jnp.cos(lse))
         return fn
-    want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, s)
+    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(q, k, v, s)
     plain = jax.jit(jax.grad(loss(attn), argnums=(0, 1, 2, 3)))(q, k, v, s)
     remat = jax.jit(jax.grad(jax.checkpoint(loss(attn)), argnums=(0, 1, 2, 3)))(q, k, v, s)
     for g, r, w in zip(plain, remat, want):
@@ -124,7 +124,7 @@ def test_checkpoint_inside_a_layer_stack():
             return f(x @ w, k, v, s) + x, None  # head_dim == head_dim_v
         return jnp.sum(jax.lax.scan(jax.checkpoint(layer), q, weights)[0] ** 2)
     got = jax.jit(jax.grad(functools.partial(model, attn)))(q)
-    check_close(got, jax.grad(functools.partial(model, ref))(q.astype(jnp.float64)))
+    check_close(got, jax.jit(jax.grad(functools.partial(model, ref)))(q.astype(jnp.float64)))
 
 
 def test_eval_shape():
@@ -158,8 +158,8 @@ def test_decode_shapes(dtype, heads_kv):
     step = jax.jit(lambda q, k, v, s: flashjax.flash_attention(q, k, v, sinks=s, causal=True))
     got = step(q, k, v, s)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(flashjax.flash_attention(q, k, v, sinks=s)))
-    hi = reference.attention(q, k, v, sinks=s, compute_dtype=jnp.float64)
-    lo = reference.attention(q, k, v, sinks=s, compute_dtype=dtype)
+    hi = jitted_reference(q, k, v, sinks=s, compute_dtype=jnp.float64)
+    lo = jitted_reference(q, k, v, sinks=s, compute_dtype=jnp.dtype(dtype))
     check_close(got, hi, lo)
 
 
@@ -173,8 +173,8 @@ def test_long_sequence_32k():
     out, lse = np.asarray(out), np.asarray(lse)
     assert out.shape == (1, n, 1, 16) and np.isfinite(out).all() and np.isfinite(lse).all()
     for a, b in [(0, 64), (12345, 12409), (n - 64, n)]:
-        want, want_lse = reference.attention(q[:, a:b], k[:, :b], v[:, :b], causal=True, return_lse=True,
-                                             compute_dtype=jnp.float64)
+        want, want_lse = jitted_reference(q[:, a:b], k[:, :b], v[:, :b], causal=True, return_lse=True,
+                                          compute_dtype=jnp.float64)
         check_close(out[:, a:b], want, dtype=jnp.float32, name=f"out rows {a}:{b}")
         check_close(lse[:, :, a:b], want_lse, dtype=jnp.float32, name=f"lse rows {a}:{b}")
     np.testing.assert_allclose(out[0, 0], np.asarray(v)[0, 0], rtol=1e-6)  # row 0 sees key 0 only

@@ -1,6 +1,7 @@
 """Packed (flash_attention_varlen), right-padded (seqused) and segment-id batches on the
-CPU: forward, lse and gradients against float64 references computed sequence by
-sequence / segment by segment; adversarial metadata; jit, vmap and argument errors."""
+C++ CPU kernels (implementation="cpu": the conftest fixture cpu_kernels): forward, lse
+and gradients against float64 references computed sequence by sequence / segment by
+segment; adversarial metadata; jit, vmap and argument errors."""
 
 import jax
 import jax.numpy as jnp
@@ -9,22 +10,32 @@ import pytest
 
 import flashjax
 from flashjax import reference
-from helpers import Case, case_inputs, check_close, counting_jit, rand
+from helpers import Case, both_paths, case_inputs, check_close, counting_jit, rand
 from varlen_helpers import (SegmentCase, VarlenCase, check_segments, check_varlen,
-                            segment_cases, varlen_cases)
+                            segment_cases, segment_reference, value_and_pullback,
+                            varlen_cases)
 
 VARLEN_CASES = varlen_cases() + varlen_cases(dtypes=("bfloat16",))[:3] + [
     VarlenCase(dtype="float16", causal=True, sinks=True, seqused_q=(5, 0, 40, 1, 3))]
 SEGMENT_CASES = segment_cases() + segment_cases(dtypes=("bfloat16",))[:1]
 
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
 
 @pytest.fixture(params=["one-pass", "two-pass"])
-def cpu_backward_path(request, monkeypatch):
-    monkeypatch.setenv("FLASHJAX_CPU_BACKWARD", request.param)
+def path(request):
+    """The CPU backward path (tests parametrized over `path` choose their own)."""
     return request.param
 
 
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=map(str, VARLEN_CASES))
+@pytest.fixture
+def cpu_backward_path(path, monkeypatch):
+    monkeypatch.setenv("FLASHJAX_CPU_BACKWARD", path)
+    return path
+
+
+# Two-pass (which differs from one-pass in dQ and dsinks only): every other case.
+@pytest.mark.parametrize("path, case", both_paths(VARLEN_CASES, VARLEN_CASES[::2]))
 def test_varlen(case, cpu_backward_path):
     check_varlen(case)
 
@@ -32,6 +43,22 @@ def test_varlen(case, cpu_backward_path):
 @pytest.mark.parametrize("case", SEGMENT_CASES, ids=map(str, SEGMENT_CASES))
 def test_segment_ids(case):
     check_segments(case)
+
+
+def test_segment_reference_is_attention_per_segment():
+    """The reference with segment ids (what check_segments compares to) equals the
+    varlen reference run segment by segment, forward and gradients (float64)."""
+    case = SegmentCase(causal=True, sinks=True, window_size=(9, -1), softcap=4.0, heads_kv=1)
+    q = rand(0, (case.batch, case.seqlen, case.heads_q, case.head_dim), jnp.float64)
+    k, v = (rand(i, (case.batch, case.seqlen, case.heads_kv, case.head_dim), jnp.float64)
+            for i in (1, 2))
+    sinks = rand(3, (case.heads_q,), jnp.float64)
+    ct = (rand(4, q.shape, jnp.float64), rand(5, (case.batch, case.heads_q, case.seqlen),
+                                              jnp.float64))
+    results = [value_and_pullback(segment_reference(case, per_segment), (q, k, v, sinks), ct)
+               for per_segment in (False, True)]
+    for got, want in zip(*(jax.tree.leaves(r) for r in results)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -47,9 +74,9 @@ def test_seqused_dense(causal, cpu_backward_path):
     (out, lse), pull = jax.vjp(
         lambda q, k, v, s: flashjax.flash_attention(q, k, v, sinks=s, **opts), q, k, v, sinks)
     hi = [x.astype(jnp.float64) for x in (q, k, v, sinks)]
-    (r_out, r_lse), r_pull = jax.vjp(
-        lambda q, k, v, s: reference.attention(q, k, v, sinks=s, compute_dtype=jnp.float64, **opts),
-        *hi)
+    ref = lambda q, k, v, s: reference.attention(q, k, v, sinks=s, compute_dtype=jnp.float64,
+                                                 **opts)
+    (r_out, r_lse), r_pull = jax.vjp(jax.jit(ref), *hi)
     check_close(out, r_out, name="out")
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
     finite = np.isfinite(np.asarray(r_lse))
@@ -107,10 +134,10 @@ def test_inconsistent_metadata_is_clamped(cu_q, cu_k, used_q, used_k, max_len):
     grads = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(q, k, v)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
     if np.all(np.diff(cu_q) >= 0) and np.all(np.diff(cu_k) >= 0):
-        want = reference.attention_varlen(
-            q.astype(jnp.float64), k.astype(jnp.float64), v.astype(jnp.float64),
-            np.asarray(cu_q), np.asarray(cu_k), max_len, max_len, causal=True,
-            seqused_q=used_q, seqused_k=used_k, compute_dtype=jnp.float64)
+        want = jax.jit(lambda q, k, v: reference.attention_varlen(
+            q, k, v, np.asarray(cu_q), np.asarray(cu_k), max_len, max_len, causal=True,
+            seqused_q=used_q, seqused_k=used_k, compute_dtype=jnp.float64))(
+            q.astype(jnp.float64), k.astype(jnp.float64), v.astype(jnp.float64))
         check_close(out, want, name="out")
 
 

@@ -1,9 +1,11 @@
 """flashjax.xla_attention (implementation="xla"): the pure-JAX blockwise attention,
 called directly (Layout / Config built here, no FFI) against the float64 reference:
 forward (out, lse) and gradients (dq, dk, dv, dsinks, with cotangents on out and lse)
-for the option matrix, GQA/MQA, sequence lengths, rows without keys, positions,
-seqused, segment ids, packed batches (with adversarial metadata), low precision,
-jit / vmap / shard_map, and a 32k-row run in bounded memory.
+for every option (causal, windows, softcap, sinks, GQA/MQA, head dims, dtypes, sequence
+lengths, rows and keys that see nothing; combined several to a case, since the C++
+matrices of test_forward.py / test_backward.py cross them all), positions (traced,
+near the int32 limits), seqused, segment ids, packed batches (with adversarial
+metadata), jit / vmap / shard_map, and a 32k-row run in bounded memory.
 
 Most tests run with small blocks (BLOCK_Q / BLOCK_K lowered) so that every case has
 several query and key blocks: skipped, unmasked and masked block pairs all occur.
@@ -12,6 +14,7 @@ flash_attention_varlen; here those names are bound to thin wrappers around
 xla_attention.attention_core.
 """
 
+import dataclasses
 import functools
 import textwrap
 
@@ -23,11 +26,12 @@ import pytest
 import flashjax
 from flashjax import _checks, reference, xla_attention
 from flashjax._calls import Layout
-from helpers import (Case, case_inputs, check_close, check_forward, check_gradients, counting_jit,
-                     empty_row_cases, gqa_cases, ids, option_cases, position_cases, rand,
-                     run_on_host_devices, seqlen_cases)
-from varlen_helpers import (SegmentCase, VarlenCase, check_segments, check_varlen,
-                            segment_cases, varlen_cases)
+from helpers import (POSITION_STARTS, Case, case_inputs, check_close, check_forward,
+                     check_forward_and_gradients, check_forward_values, check_gradient_values,
+                     compiled_references, counting_jit, gradient_inputs, ids,
+                     jitted_reference, rand, run_on_host_devices, value_and_vjp)
+from varlen_helpers import (SegmentCase, VarlenCase, check_varlen_values,
+                            varlen_gradient_inputs)
 
 
 # ----------------------------------------------------------------------------- the wrappers
@@ -86,95 +90,105 @@ def default_blocks(monkeypatch):
     monkeypatch.setattr(xla_attention, "BLOCK_K", 512)
 
 
-def check(case):
-    check_forward(case)
-    check_gradients(case)
-
-
 # ----------------------------------------------------------------------------- dense cases
+# The C++ matrices (test_forward.py, test_backward.py) cross every option with every
+# other; this path needs each option, and each interaction with its own code (block
+# pairs skipped / unmasked / masked, rows or keys that see nothing, group-major GQA
+# blocks, padded head dims), once. Compilation dominates (a few seconds per program,
+# small shapes or big), so each case combines several options and is checked forward
+# and backward from one compiled program (check_forward_and_gradients); inputs that
+# differ only in traced metadata share one compilation.
 
-OPTION_CASES = (option_cases(seqlens=((70, 90), (90, 70)),
-                             windows=[(-1, -1), (12, -1), (-1, 5), (7, 3)])
-                + option_cases(dtypes=("bfloat16",), seqlens=((90, 70),),
-                               windows=[(-1, -1), (7, 3)], head_dim=32)[::3])
-GQA_CASES = gqa_cases(dtypes=("float32", "bfloat16"))
-SEQLEN_CASES = seqlen_cases(seqlens=[(1, 1), (1, 33), (33, 1), (17, 128), (128, 17), (200, 200)],
-                            head_dim=16)
-EMPTY_ROW_CASES = empty_row_cases() + [
-    Case(seqlen_q=16, seqlen_k=64, head_dim=8, causal=True, window_size=(4, -1), sinks=True)]
-POSITION_CASES = position_cases()[::2] + position_cases(dtypes=("bfloat16",), head_dim=32)[1::6]
-HEAD_DIM_CASES = [Case(seqlen_q=70, seqlen_k=70, head_dim=d, head_dim_v=dv, causal=True)
-                  for d, dv in [(1, 1), (64, 32), (40, 72), (256, 1)]]
-INT32_EDGE_CASES = [
-    # Positions near the int32 limits: the window bounds saturate instead of wrapping.
-    Case(seqlen_q=40, seqlen_k=50, head_dim=8, window_size=(5, -1), q_offset=0,
-         kv_offset=2**31 - 1, sinks=True),
-    Case(seqlen_q=40, seqlen_k=50, head_dim=8, window_size=(-1, 3), q_offset=2**31 - 1,
-         kv_offset=0),
-    Case(seqlen_q=40, seqlen_k=50, head_dim=8, window_size=(6, 2), q_offset=2**31 - 30,
-         kv_offset=2**31 - 40),
-    Case(seqlen_q=40, seqlen_k=50, head_dim=8, window_size=(2**33, 2**31 + 5),
-         q_offset=-(2**31), kv_offset=0),
-    Case(seqlen_q=40, seqlen_k=50, head_dim=8, causal=True, window_size=(2**31 + 3, -1),
-         q_offset=2**31 - 1, kv_offset=40),
+DENSE_CASES = [
+    # No mask at all (128 keys are whole key blocks): the unmasked loop only; MQA; dv < d.
+    Case(seqlen_q=17, seqlen_k=128, heads_q=4, heads_kv=1, head_dim=64, head_dim_v=32),
+    # Causal with rows that see no key (seqlen_q > seqlen_k), sinks, GQA.
+    Case(seqlen_q=90, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=16, causal=True, sinks=True),
+    # Left window, softcap, GQA 6/3, batch 2.
+    Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=6, heads_kv=3, head_dim=16,
+         window_size=(12, -1), softcap=5.0),
+    # Right window, softcap and sinks, MQA 8/1, dv > d.
+    Case(seqlen_q=90, seqlen_k=70, heads_q=8, heads_kv=1, head_dim=40, head_dim_v=72,
+         window_size=(-1, 5), softcap=5.0, sinks=True),
+    # Both edges, bfloat16, batch 2.
+    Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=32,
+         dtype="bfloat16", window_size=(7, 3), sinks=True),
+    # Causal + left window + softcap, float16, most rows without keys.
+    Case(seqlen_q=64, seqlen_k=16, heads_q=4, heads_kv=2, head_dim=40, dtype="float16",
+         causal=True, window_size=(7, -1), softcap=5.0),
+    # Keys that no row sees (window left edge): dk = dv = 0 there.
+    Case(seqlen_q=16, seqlen_k=64, head_dim=8, causal=True, window_size=(4, -1), sinks=True),
+    # Rows without keys from a two-sided window; MQA, softcap, sinks.
+    Case(seqlen_q=40, seqlen_k=30, heads_q=4, heads_kv=1, head_dim=8, window_size=(2, 1),
+         sinks=True, softcap=3.0),
+    # Head dim 1, one query row; head dims 256 / 1, one key; one row and one key.
+    Case(seqlen_q=1, seqlen_k=33, head_dim=1, causal=True),
+    Case(seqlen_q=33, seqlen_k=1, head_dim=256, head_dim_v=1, window_size=(2, 1)),
+    Case(seqlen_q=1, seqlen_k=1, head_dim=16),
+    # Many blocks (7 x 13): skipped, unmasked and masked pairs.
+    Case(seqlen_q=200, seqlen_k=200, head_dim=16, causal=True),
 ]
 
 
-@pytest.mark.parametrize("case", OPTION_CASES, ids=ids(OPTION_CASES))
-def test_option_matrix(case):
-    check(case)
+@pytest.mark.parametrize("case", DENSE_CASES, ids=ids(DENSE_CASES))
+def test_dense(case):
+    # Checks out == 0 and dq == 0 on rows that see no key, lse == -inf (or the sink),
+    # dk == dv == 0 on keys no row sees (the lse cotangent is nonzero there).
+    check_forward_and_gradients(case)
 
 
-@pytest.mark.parametrize("case", GQA_CASES, ids=ids(GQA_CASES))
-def test_gqa_mqa(case):
-    check(case)
+def test_default_block_sizes(default_blocks):
+    # 2 query blocks x 2 key blocks of the default size; causal + window skip a pair.
+    check_forward_and_gradients(Case(seqlen_q=1100, seqlen_k=700, heads_q=4, heads_kv=2,
+                                     head_dim=16, causal=True, window_size=(400, -1),
+                                     softcap=5.0, sinks=True))
 
 
-@pytest.mark.parametrize("case", SEQLEN_CASES, ids=ids(SEQLEN_CASES))
-def test_seqlens(case):
-    check(case)
+def test_gradient_of_out_only():
+    # return_lse=False: the backward gets no lse cotangent.
+    check_forward_and_gradients(Case(seqlen_q=40, seqlen_k=50, heads_q=4, heads_kv=1,
+                                     head_dim=32, dtype="bfloat16", softcap=5.0),
+                                return_lse=False)
 
 
-@pytest.mark.parametrize("case", EMPTY_ROW_CASES, ids=ids(EMPTY_ROW_CASES))
-def test_rows_without_keys(case):
-    # The checks assert out == 0 and dq == 0 on rows that see no key, lse == -inf (or
-    # the sink), dk == dv == 0 on keys no row sees; the lse cotangent is nonzero there.
-    assert (~case.mask().any(axis=1)).any() or (~case.mask().any(axis=0)).any()
-    check(case)
+INT32_MAX = 2**31 - 1
+POSITION_GROUPS = [
+    # (case without positions, its (q_offset, kv_offset) starts): the starts of
+    # position_cases and ones near the int32 limits, where the window bounds saturate
+    # instead of wrapping; windows beyond int32 (static: one program each).
+    (Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=16, causal=True,
+          sinks=True), POSITION_STARTS + [(INT32_MAX, 40)]),
+    (Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=16,
+          window_size=(16, 4)),
+     POSITION_STARTS + [(INT32_MAX, 0), (INT32_MAX - 29, INT32_MAX - 39)]),
+    (Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=32,
+          dtype="bfloat16", causal=True, window_size=(8, -1), sinks=True),
+     POSITION_STARTS + [(0, INT32_MAX)]),
+    (Case(seqlen_q=40, seqlen_k=50, head_dim=8, window_size=(2**33, 2**31 + 5)),
+     [(-(2**31), 0), (INT32_MAX, 0)]),
+    (Case(seqlen_q=40, seqlen_k=50, head_dim=8, causal=True, window_size=(2**31 + 3, -1),
+          sinks=True), [(INT32_MAX, 40), (0, INT32_MAX)]),
+]
 
 
-@pytest.mark.parametrize("case", POSITION_CASES, ids=ids(POSITION_CASES))
-def test_positions(case):
-    check(case)
+@pytest.mark.parametrize("case, starts", POSITION_GROUPS, ids=[str(c) for c, _ in POSITION_GROUPS])
+def test_positions(case, starts):
+    """Traced q_offset / kv_offset: one compilation checks the case at every start."""
+    args, ct = gradient_inputs(case)
 
-
-@pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=ids(HEAD_DIM_CASES))
-def test_head_dims(case):
-    check(case)
-
-
-@pytest.mark.parametrize("case", INT32_EDGE_CASES, ids=ids(INT32_EDGE_CASES))
-def test_positions_near_int32_limits(case):
-    check(case)
-
-
-@pytest.mark.parametrize("case", [
-    Case(batch=2, seqlen_q=600, seqlen_k=700, heads_q=4, heads_kv=2, head_dim=16, causal=True,
-         sinks=True),
-    Case(seqlen_q=1100, seqlen_k=300, heads_q=2, heads_kv=1, head_dim=16, window_size=(40, 7),
-         softcap=5.0),
-], ids=str)
-def test_default_block_sizes(case, default_blocks):
-    check(case)
-
-
-@pytest.mark.parametrize("case", [
-    Case(seqlen_q=40, seqlen_k=50, heads_q=4, heads_kv=2, head_dim=16, sinks=True, causal=True),
-    Case(seqlen_q=40, seqlen_k=50, heads_q=4, heads_kv=1, head_dim=32, dtype="bfloat16",
-         softcap=5.0),
-], ids=str)
-def test_gradient_of_out_only(case):
-    check_gradients(case, return_lse=False)
+    def run(args, ct, q_offset, kv_offset):
+        attention = lambda q, k, v, s: dense_xla(q, k, v, sinks=s, return_lse=True,
+                                                 q_offset=q_offset, kv_offset=kv_offset,
+                                                 **case.options())
+        return value_and_vjp(attention, args, ct)
+    run, traces = counting_jit(run)
+    for q_offset, kv_offset in starts:
+        at = dataclasses.replace(case, q_offset=q_offset, kv_offset=kv_offset)
+        (out, lse), grads = run(args, ct, np.int32(q_offset), np.int32(kv_offset))
+        forward_refs, gradient_refs = compiled_references(at)  # (one program per group too)
+        check_forward_values(at, out, lse, references=forward_refs)
+        check_gradient_values(at, grads, references=gradient_refs)
+    assert len(traces) == 1
 
 
 def test_gradient_through_lse_only():
@@ -189,7 +203,7 @@ def test_gradient_through_lse_only():
         return jax.grad(loss, argnums=(0, 1, 2, 3))
 
     ours = jax.jit(grads(dense_xla))(q, k, v, s)
-    want = grads(reference.attention, compute_dtype=jnp.float64)(
+    want = jax.jit(grads(reference.attention, compute_dtype=jnp.float64))(
         *(x.astype(jnp.float64) for x in (q, k, v, s)))
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), ours, want):
         check_close(g, w, name=name)
@@ -199,14 +213,16 @@ def test_gradient_through_lse_only():
 def test_large_logits_and_dominating_sinks():
     case = Case(seqlen_q=70, seqlen_k=90, heads_q=2, heads_kv=1, head_dim=32, softmax_scale=8.0,
                 sinks=True)
-    _, lse = check_forward(case)
+    _, lse = check_forward(case, new_shape=True)
     assert np.abs(lse).max() > 88
+    # One program (traced sinks): negligible sinks give the plain attention, dominating
+    # ones an output of ~0 and lse = the sink.
     q, k, v, _ = case_inputs(Case(seqlen_q=40, seqlen_k=40, heads_q=2, heads_kv=2, head_dim=16))
-    plain = np.asarray(dense_xla(q, k, v, causal=True))
-    tiny = dense_xla(q, k, v, causal=True, sinks=jnp.full((2,), -1e4, jnp.float32))
-    np.testing.assert_allclose(np.asarray(tiny), plain, rtol=1e-6, atol=1e-6)
-    huge, lse = dense_xla(q, k, v, causal=True, sinks=jnp.full((2,), 1e3, jnp.float32),
-                          return_lse=True)
+    with_sinks = jax.jit(lambda s: dense_xla(q, k, v, causal=True, sinks=s, return_lse=True))
+    tiny, _ = with_sinks(jnp.full((2,), -1e4, jnp.float32))
+    plain = reference.attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)
+    check_close(tiny, plain, name="negligible sinks")
+    huge, lse = with_sinks(jnp.full((2,), 1e3, jnp.float32))
     assert np.abs(np.asarray(huge)).max() < 1e-30
     np.testing.assert_allclose(np.asarray(lse), 1e3, rtol=1e-6)
 
@@ -219,7 +235,8 @@ def test_very_negative_scores_are_not_lost():
     v = rand(1, (1, 40, 1, 4))
     # (Key blocks of 16: row 3 sees keys 16..18 only, after a masked block it sees none of.)
     for options in (dict(window_size=(1, 1), q_offset=14), dict(causal=True)):
-        out, lse = dense_xla(q, k, v, softmax_scale=1.0, return_lse=True, **options)
+        out, lse = jax.jit(lambda q, k, v: dense_xla(q, k, v, softmax_scale=1.0, return_lse=True,
+                                                     **options))(q, k, v)
         want_out, want_lse = reference.attention(q.astype(jnp.float64), k.astype(jnp.float64),
                                                  v.astype(jnp.float64), softmax_scale=1.0,
                                                  return_lse=True, **options)
@@ -231,52 +248,56 @@ def test_very_negative_scores_are_not_lost():
 
 
 def check_options_against_reference(q, k, v, sinks, opts):
-    """dense_xla(..., **opts) (out, lse, and gradients under random cotangents) against the
-    float64 reference; returns (out, lse, grads) as JAX arrays."""
-    (out, lse), pull = jax.vjp(lambda q, k, v, s: dense_xla(q, k, v, sinks=s, **opts),
-                               q, k, v, sinks)
+    """dense_xla(..., **opts) (out, lse, and gradients under random cotangents; one
+    compiled program) against the float64 reference; returns (out, lse, grads)."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    ct = rand(5, (batch, seqlen_q, heads_q, v.shape[-1])), rand(6, (batch, heads_q, seqlen_q))
+    (out, lse), grads = jax.jit(functools.partial(
+        value_and_vjp, lambda q, k, v, s: dense_xla(q, k, v, sinks=s, **opts)))((q, k, v, sinks), ct)
     hi = [x.astype(jnp.float64) for x in (q, k, v, sinks)]
-    (r_out, r_lse), r_pull = jax.vjp(
-        lambda q, k, v, s: reference.attention(q, k, v, sinks=s, compute_dtype=jnp.float64,
-                                               **opts), *hi)
+    (r_out, r_lse), r_grads = jax.jit(functools.partial(
+        value_and_vjp, lambda q, k, v, s: reference.attention(q, k, v, sinks=s,
+                                                              compute_dtype=jnp.float64, **opts)))(
+        hi, tuple(x.astype(jnp.float64) for x in ct))
     check_close(out, r_out, name="out")
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
     finite = np.isfinite(np.asarray(r_lse))
     check_close(np.asarray(lse)[finite], np.asarray(r_lse)[finite], name="lse")
-    d_out, d_lse = rand(5, out.shape), rand(6, lse.shape)
-    grads = pull((d_out, d_lse))
-    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads,
-                          r_pull((d_out.astype(jnp.float64), d_lse.astype(jnp.float64)))):
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, r_grads):
         check_close(g, r, name=name)
     return out, lse, grads
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_seqused_dense(causal):
+@pytest.mark.parametrize("causal, positions", [(True, False), (False, True)],
+                         ids=["causal", "positions"])
+def test_seqused_dense(causal, positions):
     """Rows past seqused_q: out 0, lse -inf even with sinks, dq 0; keys past seqused_k
-    ignored (dk = dv = 0); causal aligned on the used lengths; with and without positions."""
+    ignored (dk = dv = 0); causal aligned on the used lengths, or positions."""
     case = Case(batch=3, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=24,
                 causal=causal, sinks=True)
     q, k, v, sinks = case_inputs(case)
     used_q = jnp.array([70, 0, 33], jnp.int32)
     used_k = jnp.array([5, 90, 64], jnp.int32)
-    for positions in ({}, dict(q_offset=jnp.array([3, 0, 40], jnp.int32), kv_offset=7)):
-        opts = dict(causal=causal, seqused_q=used_q, seqused_k=used_k, return_lse=True,
-                    window_size=(30, -1), **positions)
-        out, lse, grads = check_options_against_reference(q, k, v, sinks, opts)
-        assert np.all(np.asarray(out)[1] == 0) and np.all(np.asarray(out)[2, 33:] == 0)
-        assert np.isneginf(np.asarray(lse)[1]).all() and np.isneginf(np.asarray(lse)[2, :, 33:]).all()
-        dq, dk, dv = (np.asarray(g) for g in grads[:3])
-        assert np.all(dq[1] == 0) and np.all(dq[2, 33:] == 0)
-        assert np.all(dk[0, 5:] == 0) and np.all(dv[0, 5:] == 0) and np.all(dk[2, 64:] == 0)
+    at = dict(q_offset=jnp.array([3, 0, 40], jnp.int32), kv_offset=7) if positions else {}
+    opts = dict(causal=causal, seqused_q=used_q, seqused_k=used_k, return_lse=True,
+                window_size=(30, -1), **at)
+    out, lse, grads = check_options_against_reference(q, k, v, sinks, opts)
+    assert np.all(np.asarray(out)[1] == 0) and np.all(np.asarray(out)[2, 33:] == 0)
+    assert np.isneginf(np.asarray(lse)[1]).all() and np.isneginf(np.asarray(lse)[2, :, 33:]).all()
+    dq, dk, dv = (np.asarray(g) for g in grads[:3])
+    assert np.all(dq[1] == 0) and np.all(dq[2, 33:] == 0)
+    assert np.all(dk[0, 5:] == 0) and np.all(dv[0, 5:] == 0) and np.all(dk[2, 64:] == 0)
 
 
-SEGMENT_CASES = segment_cases() + segment_cases(dtypes=("bfloat16",))[1:2]
-
-
-@pytest.mark.parametrize("case", SEGMENT_CASES, ids=map(str, SEGMENT_CASES))
-def test_segment_ids(case):
-    check_segments(case)
+def test_segment_ids():
+    """Documents with padding (id -1) in a dense batch, a two-sided window, softcap, MQA."""
+    case = SegmentCase(window_size=(5, 2), softcap=3.0, heads_kv=1, sinks=True)
+    q, k, v, sinks = case_inputs(Case(batch=case.batch, seqlen_q=case.seqlen,
+                                      seqlen_k=case.seqlen, heads_q=case.heads_q,
+                                      heads_kv=case.heads_kv, head_dim=case.head_dim, sinks=True))
+    ids = jnp.asarray(case.segment_ids())
+    check_options_against_reference(q, k, v, sinks, dict(q_segment_ids=ids, kv_segment_ids=ids,
+                                                         return_lse=True, **case.options()))
 
 
 def test_segment_ids_with_seqused_and_positions():
@@ -294,18 +315,51 @@ def test_segment_ids_with_seqused_and_positions():
 # ----------------------------------------------------------------------------- packed
 
 
-VARLEN_CASES = varlen_cases() + varlen_cases(dtypes=("bfloat16",))[2:3] + [
-    VarlenCase(lengths_q=(0, 0, 0), lengths_k=(5, 0, 3), pad_q=4, pad_k=2, sinks=True),
-    VarlenCase(lengths_q=(40, 0, 33), lengths_k=(0, 7, 50), causal=True, sinks=True, pad_q=5),
-    VarlenCase(lengths_q=(90, 20, 61), lengths_k=(80, 33, 61), window_size=(5, 9), pad_k=9,
-               max_seqlen_q=64, max_seqlen_k=70, sinks=True, softcap=3.0),
-    VarlenCase(dtype="float16", causal=True, sinks=True, seqused_q=(5, 0, 40, 1, 3)),
+PACKED_GROUPS = [
+    # Cases of one group differ in traced metadata only (cu_seqlens, seqused, positions):
+    # one compilation runs them all.
+    [VarlenCase(causal=True, sinks=True, pad_q=7, pad_k=3),
+     VarlenCase(lengths_q=(70, 40, 0, 6, 0), lengths_k=(130, 0, 80, 7, 0), causal=True,
+                sinks=True)],
+    # Positions per sequence (chunked prefill), seqused_k, window, softcap.
+    [VarlenCase(window_size=(9, 3), softcap=4.0, sinks=True, q_offset=(0, 3, 30, 1, 500),
+                kv_offset=(5, 0, 0, 2, 400), seqused_k=(9, 2, 64, 1, 100)),
+     VarlenCase(window_size=(9, 3), softcap=4.0, sinks=True, q_offset=(4, 0, 0, 0, 97),
+                kv_offset=(0, 0, 0, 0, 0), seqused_k=(9, 4, 70, 1, 130))],
+    [VarlenCase(lengths_q=(1, 1, 1), lengths_k=(200, 1, 77), heads_q=8, heads_kv=1, causal=True,
+                dtype="bfloat16")],
+    [VarlenCase(lengths_q=(130, 64, 3), lengths_k=(130, 64, 3), head_dim=40, head_dim_v=72,
+                dtype="float16", causal=True, sinks=True, seqused_q=(100, 64, 0),
+                seqused_k=(120, 10, 3))],
+    # Sequences without queries or keys (with sinks: lse = the sink); no used row at all.
+    [VarlenCase(lengths_q=(40, 0, 33), lengths_k=(0, 7, 50), causal=True, sinks=True, pad_q=5),
+     VarlenCase(lengths_q=(0, 0, 0), lengths_k=(5, 0, 3), pad_q=78, pad_k=49, max_seqlen_q=40,
+                max_seqlen_k=50, causal=True, sinks=True)],
+    # Sequences longer than max_seqlen (clamped), padding rows.
+    [VarlenCase(lengths_q=(90, 20, 61), lengths_k=(80, 33, 61), window_size=(5, 9), pad_k=9,
+                max_seqlen_q=64, max_seqlen_k=70, sinks=True, softcap=3.0)],
 ]
 
 
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=map(str, VARLEN_CASES))
-def test_varlen(case):
-    check_varlen(case)
+@pytest.mark.parametrize("cases", PACKED_GROUPS, ids=[str(g[0]) for g in PACKED_GROUPS])
+def test_varlen(cases):
+    first = cases[0]
+
+    def run(args, ct, metadata, q_offset, kv_offset):
+        cu_q, cu_k, used_q, used_k = metadata
+        attention = lambda q, k, v, s: varlen_xla(
+            q, k, v, cu_q, cu_k, *first.max_seqlens(), seqused_q=used_q, seqused_k=used_k,
+            sinks=s, return_lse=True, q_offset=q_offset, kv_offset=kv_offset,
+            **dataclasses.replace(first, q_offset=None, kv_offset=None).options())
+        return value_and_vjp(attention, args, ct)
+    run, traces = counting_jit(run)
+    for case in cases:
+        args, ct = varlen_gradient_inputs(case)
+        positions = [None if x is None else np.asarray(x, np.int32)
+                     for x in (case.q_offset, case.kv_offset)]
+        (out, lse), grads = run(args, ct, case.metadata(), *positions)
+        check_varlen_values(case, out, lse, grads)
+    assert len(traces) == 1
 
 
 ADVERSARIAL = {
@@ -330,16 +384,18 @@ def test_inconsistent_metadata_is_clamped(cu_q, cu_k, used_q, used_k, max_len):
     def f(q, k, v, s):
         return varlen_xla(q, k, v, meta[0], meta[1], max_len, max_len, seqused_q=meta[2],
                           seqused_k=meta[3], causal=True, sinks=s, return_lse=True)
-    out, lse = jax.jit(f)(q, k, v, sinks)
+
+    def value_and_grads(q, k, v, s):  # the gradient of sum(out)
+        (out, lse), pull = jax.vjp(f, q, k, v, s)
+        return out, lse, pull((jnp.ones_like(out), jnp.zeros_like(lse)))
+    out, lse, grads = jax.jit(value_and_grads)(q, k, v, sinks)
     assert np.isfinite(np.asarray(out)).all() and not np.isnan(np.asarray(lse)).any()
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)[0]), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
     if np.all(np.diff(cu_q) >= 0) and np.all(np.diff(cu_k) >= 0):
-        want, want_lse = reference.attention_varlen(
-            q.astype(jnp.float64), k.astype(jnp.float64), v.astype(jnp.float64),
-            np.asarray(cu_q), np.asarray(cu_k), max_len, max_len, causal=True,
-            seqused_q=used_q, seqused_k=used_k, sinks=sinks.astype(jnp.float64),
-            return_lse=True, compute_dtype=jnp.float64)
+        want, want_lse = jax.jit(lambda q, k, v, s: reference.attention_varlen(
+            q, k, v, np.asarray(cu_q), np.asarray(cu_k), max_len, max_len, causal=True,
+            seqused_q=used_q, seqused_k=used_k, sinks=s, return_lse=True,
+            compute_dtype=jnp.float64))(*(x.astype(jnp.float64) for x in (q, k, v, sinks)))
         check_close(out, want, name="out")
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
 
@@ -347,11 +403,12 @@ def test_inconsistent_metadata_is_clamped(cu_q, cu_k, used_q, used_k, max_len):
 def test_no_sequences():
     q, k, v = rand(0, (10, 2, 8)), rand(1, (6, 2, 8)), rand(2, (6, 2, 8))
     cu = jnp.zeros((1,), jnp.int32)
-    f = lambda q, k, v: varlen_xla(q, k, v, cu, cu, 8, 8, sinks=jnp.ones((2,), jnp.float32),
-                                   return_lse=True)
-    (out, lse), pull = jax.vjp(f, q, k, v)
+    f = lambda q, k, v, sinks: varlen_xla(q, k, v, cu, cu, 8, 8, sinks=sinks, return_lse=True)
+    ct = (jnp.ones((10, 2, 8), jnp.float32), jnp.ones((2, 10), jnp.float32))
+    (out, lse), grads = jax.jit(functools.partial(value_and_vjp, f))(
+        (q, k, v, jnp.ones((2,), jnp.float32)), ct)
     assert np.all(np.asarray(out) == 0) and np.isneginf(np.asarray(lse)).all()
-    for g in pull((jnp.ones_like(out), jnp.ones_like(lse))):
+    for g in grads:
         assert np.all(np.asarray(g) == 0)
 
 
@@ -359,9 +416,9 @@ def test_varlen_matches_dense_on_equal_lengths():
     case = Case(batch=3, seqlen_q=80, seqlen_k=80, heads_q=4, heads_kv=2, causal=True)
     q, k, v, _ = case_inputs(case)
     cu = jnp.arange(0, 241, 80, dtype=jnp.int32)
-    packed = varlen_xla(q.reshape(240, 4, 32), k.reshape(240, 2, 32), v.reshape(240, 2, 32), cu,
-                        cu, 80, 80, causal=True)
-    dense = dense_xla(q, k, v, causal=True)
+    packed = jax.jit(lambda q, k, v: varlen_xla(q, k, v, cu, cu, 80, 80, causal=True))(
+        q.reshape(240, 4, 32), k.reshape(240, 2, 32), v.reshape(240, 2, 32))
+    dense = jax.jit(lambda q, k, v: dense_xla(q, k, v, causal=True))(q, k, v)
     np.testing.assert_allclose(np.asarray(packed).reshape(dense.shape), np.asarray(dense),
                                rtol=1e-6, atol=1e-6)
 
@@ -369,42 +426,30 @@ def test_varlen_matches_dense_on_equal_lengths():
 # ----------------------------------------------------------------------------- transforms
 
 
-def test_traced_metadata_one_compilation():
-    q, k, v = rand(0, (64, 2, 16)), rand(1, (64, 2, 16)), rand(2, (64, 2, 16))
-
-    f, traces = counting_jit(lambda q, k, v, cu, used, offset: varlen_xla(
-        q, k, v, cu, cu, 64, 64, seqused_q=used, q_offset=offset, causal=True))
-
-    for cu, used, offset in (([0, 10, 64], [10, 54], [0, 3]), ([0, 40, 64], [3, 24], [9, -2])):
-        cu, used, offset = (jnp.asarray(x, jnp.int32) for x in (cu, used, offset))
-        want = reference.attention_varlen(q, k, v, np.asarray(cu), np.asarray(cu), 64, 64,
-                                          seqused_q=np.asarray(used), q_offset=np.asarray(offset),
-                                          causal=True)
-        np.testing.assert_allclose(np.asarray(f(q, k, v, cu, used, offset)), np.asarray(want),
-                                   rtol=2e-5, atol=2e-5)
-    assert len(traces) == 1
-
-
 def test_vmap_dense_and_packed():
+    """vmap (seqused and positions batched too) equals the unbatched calls: one compiled
+    program each, the batch entries sharing the unbatched one."""
     q, k, v = rand(0, (3, 2, 40, 4, 16)), rand(1, (3, 2, 56, 2, 16)), rand(2, (3, 2, 56, 2, 16))
     used = jnp.array([[40, 7], [1, 0], [13, 40]], jnp.int32)
-    f = lambda q, k, v, u: dense_xla(q, k, v, causal=True, seqused_q=u, q_offset=u)
-    batched = jax.jit(jax.vmap(f))(q, k, v, used)
-    grads = jax.jit(jax.vmap(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))))(
-        q, k, v, used)
+
+    def out_and_grads(q, k, v, u):  # the gradients of sum(out ** 2)
+        out, pull = jax.vjp(lambda q, k, v: dense_xla(q, k, v, causal=True, seqused_q=u,
+                                                      q_offset=u), q, k, v)
+        return out, pull(2 * out)
+    batched, grads = jax.jit(jax.vmap(out_and_grads))(q, k, v, used)
+    single = jax.jit(out_and_grads)
     for i in range(3):
-        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(f(q[i], k[i], v[i], used[i])),
-                                   rtol=1e-6, atol=1e-6)
-        want = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q[i], k[i], v[i], used[i])
-        for g, w in zip(grads, want):
+        want, want_grads = single(q[i], k[i], v[i], used[i])
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(want), rtol=1e-6, atol=1e-6)
+        for g, w in zip(grads, want_grads):
             np.testing.assert_allclose(np.asarray(g[i]), np.asarray(w), rtol=1e-5, atol=1e-6)
 
     qp, kp, vp = q[:, 0], k[:, 0], v[:, 0]
     cu_q, cu_k = jnp.array([0, 15, 40], jnp.int32), jnp.array([0, 45, 56], jnp.int32)
     g = lambda q, k, v: varlen_xla(q, k, v, cu_q, cu_k, 30, 45, causal=True)
-    packed = jax.vmap(g)(qp, kp, vp)
+    packed, single = jax.jit(jax.vmap(g))(qp, kp, vp), jax.jit(g)
     for i in range(3):
-        np.testing.assert_allclose(np.asarray(packed[i]), np.asarray(g(qp[i], kp[i], vp[i])),
+        np.testing.assert_allclose(np.asarray(packed[i]), np.asarray(single(qp[i], kp[i], vp[i])),
                                    rtol=1e-6, atol=1e-6)
 
 
@@ -435,7 +480,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
                                rtol=1e-5, atol=1e-5)
     loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
     got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
-    want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     print("ok")
@@ -465,6 +510,6 @@ def test_32k_rows_in_bounded_memory(default_blocks):
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
     rows = 64
     keys = rows + window
-    want = reference.attention(q[:, -rows:], k[:, -keys:], v[:, -keys:], causal=True,
-                               window_size=(window, -1), compute_dtype=jnp.float64)
+    want = jitted_reference(q[:, -rows:], k[:, -keys:], v[:, -keys:], causal=True,
+                            window_size=(window, -1), compute_dtype=jnp.float64)
     check_close(np.asarray(out[:, -rows:]), np.asarray(want), name="out")

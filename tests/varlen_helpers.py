@@ -184,27 +184,39 @@ def check_lse_rows(lse, ref_lse, name):
 
 def check_varlen(case: VarlenCase, device=None, seed=0, deterministic=False, gradients=True):
     """Forward (out, lse) and, optionally, gradients of flash_attention_varlen on `device`
-    against the float64 per-sequence reference; rows outside every sequence are exactly 0."""
+    against the float64 per-sequence reference (check_varlen_values)."""
     q, k, v, sinks = varlen_inputs(case, seed, device)
     args = _args(case, q, k, v, sinks)
     metadata = [None if x is None else jax.device_put(jnp.asarray(x), device or cpu())
                 for x in case.metadata()]
     fn = flash_varlen(case, metadata, deterministic)
-    ref_out, ref_lse, ref_grads, lo_out, lo_grads = _references(case, seed)
-
     out, lse = jax.jit(fn)(*args)
-    assert out.shape == (case.total_q, case.heads_q, case.dv) and out.dtype == q.dtype
+    grads = None
+    if gradients:
+        _, pull = jax.vjp(fn, *args)
+        grads = jax.jit(lambda ct: pull(ct))(jax.device_put(_cotangents(case, seed), device or cpu()))
+    check_varlen_values(case, out, lse, grads, seed)
+
+
+def varlen_gradient_inputs(case: VarlenCase, seed=0):
+    """(args, cotangent) of the gradient check: (q, k, v[, sinks]) and (d_out, d_lse)."""
+    return _args(case, *varlen_inputs(case, seed)), _cotangents(case, seed)
+
+
+def check_varlen_values(case: VarlenCase, out, lse, grads=None, seed=0):
+    """out, lse and gradients (None: not checked) of varlen_gradient_inputs(case, seed),
+    computed by the caller, against the float64 per-sequence reference; rows outside every
+    sequence (or past seqused) are exactly 0."""
+    args, _ = varlen_gradient_inputs(case, seed)
+    ref_out, ref_lse, ref_grads, lo_out, lo_grads = _references(case, seed)
+    assert out.shape == (case.total_q, case.heads_q, case.dv) and out.dtype == args[0].dtype
     out = np.asarray(out.astype(jnp.float32))
     check_close(out, ref_out, lo_out, dtype=case.dtype, name=f"{case}: out")
     check_lse_rows(lse, ref_lse, f"{case}: lse")
     unused = np.isneginf(ref_lse).all(axis=0) & (np.abs(ref_out).max(axis=(1, 2)) == 0)
     np.testing.assert_array_equal(out[unused], 0.0, err_msg=f"{case}: unused rows must be 0")
-    if not gradients:
+    if grads is None:
         return
-
-    d_out, d_lse = jax.device_put(_cotangents(case, seed), device or cpu())
-    _, pull = jax.vjp(fn, *args)
-    grads = jax.jit(lambda ct: pull(ct))((d_out, d_lse))
     for name, g, x, r, lo in zip(("dq", "dk", "dv", "dsinks"), grads, args, ref_grads, lo_grads):
         assert g.shape == x.shape and g.dtype == x.dtype, f"{case}: {name} {g.shape} {g.dtype}"
         g = np.asarray(g.astype(jnp.float32))
@@ -253,7 +265,7 @@ class SegmentCase:
 
     def varlen_view(self):
         """The same documents as a packed varlen batch over the flattened rows."""
-        lengths, padding_starts = [], []
+        lengths = []
         for lengths_b in self.docs:
             used = sum(lengths_b)
             lengths += list(lengths_b) + [self.seqlen - used]  # the padding is one more "document"
@@ -274,9 +286,32 @@ class SegmentCase:
         return s
 
 
+def segment_reference(case: SegmentCase, per_segment=False):
+    """f(q, k, v, sinks=None, compute_dtype=float64) -> (out, lse): the reference of the
+    case's packing, with segment ids (one program), or (`per_segment`) as the varlen
+    reference over the flattened rows, segment by segment (test_varlen checks that they
+    agree)."""
+    ids = case.segment_ids()
+    cu, max_len = case.varlen_view()
+
+    def dense(q, k, v, sinks=None, compute_dtype=jnp.float64):
+        return reference.attention(q, k, v, sinks=sinks, return_lse=True,
+                                   compute_dtype=compute_dtype, q_segment_ids=ids,
+                                   kv_segment_ids=ids, **case.options())
+
+    def segments(q, k, v, sinks=None, compute_dtype=jnp.float64):
+        flat = [x.reshape((-1,) + x.shape[2:]) for x in (q, k, v)]
+        out, lse = reference.attention_varlen(*flat, cu, cu, max_len, max_len, sinks=sinks,
+                                              return_lse=True, compute_dtype=compute_dtype,
+                                              **case.options())
+        lse = lse.reshape(case.heads_q, case.batch, case.seqlen).transpose(1, 0, 2)
+        return out.reshape(q.shape[:-1] + (v.shape[-1],)), lse
+    return segments if per_segment else dense
+
+
 def check_segments(case: SegmentCase, device=None, seed=0, deterministic=False):
-    """flash_attention with segment ids equals attention computed per segment (the
-    varlen reference over the flattened rows, float64), forward and gradients."""
+    """flash_attention with segment ids against the float64 reference with segment ids
+    (segment_reference), forward and gradients."""
     keys = jax.random.split(jax.random.key(seed), 6)
     shape_q = (case.batch, case.seqlen, case.heads_q, case.head_dim)
     shape_k = (case.batch, case.seqlen, case.heads_kv, case.head_dim)
@@ -293,25 +328,16 @@ def check_segments(case: SegmentCase, device=None, seed=0, deterministic=False):
                                         kv_segment_ids=jax.device_put(jnp.asarray(ids), dev),
                                         deterministic=deterministic, **case.options())
 
-    cu, max_len = case.varlen_view()
-
-    def per_segment(q, k, v, sinks=None, compute_dtype=jnp.float64):
-        flat = [x.reshape((-1,) + x.shape[2:]) for x in (q, k, v)]
-        out, lse = reference.attention_varlen(*flat, cu, cu, max_len, max_len, sinks=sinks,
-                                              return_lse=True, compute_dtype=compute_dtype,
-                                              **case.options())
-        lse = lse.reshape(case.heads_q, case.batch, case.seqlen).transpose(1, 0, 2)
-        return out.reshape(shape_q[:-1] + (v.shape[-1],)), lse
-
+    reference_fn = segment_reference(case)
     args = (q, k, v, sinks) if case.sinks else (q, k, v)
     (out, lse), pull = jax.vjp(ours, *jax.device_put(args, dev))
     grads = pull(jax.device_put((d_out, d_lse), dev))
     (r_out, r_lse), r_grads = value_and_pullback(
-        per_segment, [x.astype(jnp.float64) for x in args],
+        reference_fn, [x.astype(jnp.float64) for x in args],
         (d_out.astype(jnp.float64), d_lse.astype(jnp.float64)))
     lo_out, lo_grads = None, [None] * len(args)
     if case.lowp:
-        lo = functools.partial(per_segment, compute_dtype=case.dtype)
+        lo = functools.partial(reference_fn, compute_dtype=case.dtype)
         (lo_out, _), lo_grads = value_and_pullback(lo, args, (d_out, d_lse))
         lo_out = np.asarray(lo_out.astype(jnp.float32))
         lo_grads = [np.asarray(g.astype(jnp.float32)) for g in lo_grads]
