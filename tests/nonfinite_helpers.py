@@ -195,38 +195,53 @@ def _visibility(case: Case, extra):
     return mask
 
 
+VARLEN_CU = np.array([0, 20, 45, 70], np.int32)
+
+
+def _varlen_inputs(dtype, head_dim):
+    """q, k, v of check_varlen_nonfinite (on the CPU): a NaN key element in sequence 1,
+    an +inf value row in sequence 2."""
+    q, k, v = (rand(i, (70, 2, head_dim), dtype) for i in range(3))
+    return q, k.at[30, 1, 3].set(jnp.nan), v.at[60, 0].set(jnp.inf)
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_references(causal, dtype, head_dim):
+    """The float64 reference's (out, lse) of _varlen_inputs, and its gradients of
+    sum(out * ct) with sequences 1 and 2 zeroed (sequence 0 cannot depend on them), as
+    numpy; cached (each case runs on several implementations)."""
+    hi = [to_cpu(x, jnp.float64) for x in _varlen_inputs(dtype, head_dim)]
+    ct_hi = to_cpu(rand(9, (70, 2, head_dim), dtype), jnp.float64)
+    attention = lambda q, k, v, **kw: reference.attention_varlen(
+        q, k, v, VARLEN_CU, VARLEN_CU, 25, 25, compute_dtype=jnp.float64, causal=causal, **kw)
+    out, lse = jax.jit(lambda *a: attention(*a, return_lse=True))(*hi)
+    clean = [x.at[20:].set(0) for x in hi]
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v) * ct_hi)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*clean)
+    return np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
+
+
 def check_varlen_nonfinite(causal, device=None, dtype="float32", head_dim=16, gradients=True):
     """Packed sequences (flash_attention_varlen): a NaN key element in sequence 1 and an
     +inf value row in sequence 2 reach their own sequences' rows only (as the
     reference says), and (if `gradients`) sequence 0's gradients are those without them."""
-    cu = np.array([0, 20, 45, 70], np.int32)
-    q, k, v = (rand(i, (70, 2, head_dim), dtype) for i in range(3))
-    k = k.at[30, 1, 3].set(jnp.nan)  # sequence 1
-    v = v.at[60, 0].set(jnp.inf)     # sequence 2, the whole row
-    q, k, v = jax.device_put((q, k, v), device)
-    options = dict(causal=causal, return_lse=True)
-    run = lambda q, k, v: flashjax.flash_attention_varlen(q, k, v, cu, cu, 25, 25, **options)
+    q, k, v = jax.device_put(_varlen_inputs(dtype, head_dim), device)
+    run = lambda q, k, v: flashjax.flash_attention_varlen(q, k, v, VARLEN_CU, VARLEN_CU, 25, 25,
+                                                          causal=causal, return_lse=True)
     out, lse = jax.jit(run)(q, k, v)
-    hi = [to_cpu(x, jnp.float64) for x in (q, k, v)]
-    want_out, want_lse = jax.jit(lambda q, k, v: reference.attention_varlen(
-        q, k, v, cu, cu, 25, 25, compute_dtype=jnp.float64, **options))(*hi)
+    want_out, want_lse, want = _varlen_references(causal, dtype, head_dim)
     assert_same_nonfinite(out.astype(jnp.float32), want_out, dtype, "varlen out")
     assert_same_nonfinite(lse, want_lse, jnp.float32, "varlen lse")
-    assert np.isfinite(np.asarray(want_out)[:20]).all() and np.isnan(want_out).any()
+    assert np.isfinite(want_out[:20]).all() and np.isnan(want_out).any()
     if not gradients:
         return
 
     ct = jax.device_put(rand(9, out.shape, dtype), device)
     loss = lambda q, k, v: jnp.sum(run(q, k, v)[0].astype(jnp.float32) * ct.astype(jnp.float32))
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    clean = [x.at[20:].set(0) for x in hi]  # sequence 0 cannot depend on the others
-    ct_hi = to_cpu(ct, jnp.float64)
-    ref_loss = lambda q, k, v: jnp.sum(reference.attention_varlen(
-        q, k, v, cu, cu, 25, 25, compute_dtype=jnp.float64, causal=causal) * ct_hi)
-    want = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2)))(*clean)
     tol = 10 * tolerance(dtype)
     for name, g, w in zip("qkv", got, want):
-        g, w = np.asarray(g.astype(jnp.float32))[:20], np.asarray(w)[:20]
+        g, w = np.asarray(g.astype(jnp.float32))[:20], w[:20]
         assert np.isfinite(g).all(), f"d{name} of sequence 0 is not finite"
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol, err_msg=f"d{name}")
 

@@ -181,3 +181,45 @@ def test_leading_dims_and_gqa_equal_repeated_heads():
     rep = reference.attention(q, jnp.repeat(k, 2, axis=-2), jnp.repeat(v, 2, axis=-2), causal=True,
                               compute_dtype=jnp.float64)
     np.testing.assert_allclose(np.asarray(out), np.asarray(rep), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("positions", [False, True])
+def test_varlen_reference_is_attention_per_sequence(positions):
+    """reference.attention_varlen (one batched call) equals reference.attention on each
+    sequence's rows and keys, forward and gradients (float64): lengths 0 and 1, a
+    sequence with no keys (its rows get the sink), seqused, padding rows, GQA."""
+    cu_q, cu_k = np.array([0, 5, 5, 45, 46, 70]), np.array([0, 9, 13, 13, 90, 120])
+    used_q, used_k = np.array([5, 0, 33, 1, 20]), np.array([9, 4, 0, 70, 30])
+    q_at, kv_at = (np.array([3, 0, 7, 500, 0]), np.array([0, 0, 2, 400, 9])) if positions \
+        else (None, None)
+    q, k, v = (rand(i, (75 if i == 0 else 125, 4 if i == 0 else 2, 8), jnp.float64)
+               for i in range(3))
+    sinks = rand(3, (4,), jnp.float64)
+    options = dict(causal=True, window_size=(11, -1), softcap=4.0, sinks=sinks,
+                   compute_dtype=jnp.float64)
+
+    def batched(q, k, v):
+        return reference.attention_varlen(q, k, v, cu_q, cu_k, 40, 80, seqused_q=used_q,
+                                          seqused_k=used_k, q_offset=q_at, kv_offset=kv_at,
+                                          return_lse=True, **options)
+
+    def per_sequence(q, k, v):
+        out, lse = jnp.zeros((75, 4, 8), jnp.float64), jnp.full((4, 75), -jnp.inf)
+        for b in range(5):
+            rows, keys = slice(cu_q[b], cu_q[b] + used_q[b]), slice(cu_k[b], cu_k[b] + used_k[b])
+            if used_q[b] == 0:
+                continue
+            if used_k[b] == 0:  # no key: out 0, lse the sink
+                lse = lse.at[:, rows].set(jnp.broadcast_to(sinks[:, None], (4, used_q[b])))
+                continue
+            at = {} if q_at is None else dict(q_offset=int(q_at[b]), kv_offset=int(kv_at[b]))
+            o, l = reference.attention(q[None, rows], k[None, keys], v[None, keys],
+                                       return_lse=True, **at, **options)
+            out, lse = out.at[rows].set(o[0]), lse.at[:, rows].set(l[0])
+        return out, lse
+
+    ct = (rand(4, (75, 4, 8), jnp.float64), rand(5, (4, 75), jnp.float64))
+    results = [jax.jit(lambda q, k, v, f=f: jax.vjp(f, q, k, v)[1](ct) + f(q, k, v))(q, k, v)
+               for f in (batched, per_sequence)]
+    for got, want in zip(*results):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)

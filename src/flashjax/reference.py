@@ -162,11 +162,14 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      seqused_q=None, seqused_k=None, return_lse=False, q_offset=None,
                      kv_offset=None, **options):
-    """flashjax.flash_attention_varlen, sequence by sequence (`attention` on each).
+    """flashjax.flash_attention_varlen: `attention` on each sequence on its own.
 
     cu_seqlens, seqused and q_offset / kv_offset must be concrete (NumPy) values; they
     are clamped as flash_attention_varlen documents (for non-decreasing cu_seqlens).
     Rows that no sequence uses get out 0 and lse -inf. Same `options` as `attention`.
+    Evaluated as one batched `attention` call: each sequence's rows and keys gathered
+    into a batch entry, zero-padded, its used lengths (and positions) as seqused (and
+    q_offset / kv_offset), so that the padding takes no part.
     """
     cu_q, cu_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
     total_q, total_k = q.shape[0], k.shape[0]
@@ -175,27 +178,39 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     high = dtype == jnp.float64
     out = jnp.zeros(q.shape[:-1] + (v.shape[-1],), jnp.float64 if high else q.dtype)
     lse = jnp.full((q.shape[1], total_q), -jnp.inf, jnp.float64 if high else jnp.float32)
-    for b in range(len(cu_q) - 1):
+    sequences = len(cu_q) - 1
+    at = lambda x, b: 0 if x is None else int(np.broadcast_to(np.asarray(x), (sequences,))[b])
+    spans = []  # (first query row, used rows, first key, used keys, q_offset, kv_offset)
+    for b in range(sequences):
         q0 = int(np.clip(cu_q[b], 0, total_q))
         k0 = int(np.clip(cu_k[b], 0, total_k))
         slot_q = int(np.clip(min(cu_q[b + 1] - q0, max_seqlen_q), 0, total_q - q0))
         slot_k = int(np.clip(min(cu_k[b + 1] - k0, max_seqlen_k), 0, total_k - k0))
         used_q = slot_q if seqused_q is None else int(np.clip(seqused_q[b], 0, slot_q))
         used_k = slot_k if seqused_k is None else int(np.clip(seqused_k[b], 0, slot_k))
-        if used_q == 0:
-            continue
-        if used_k == 0:  # every row sees nothing: out 0, lse = the sink or -inf
-            sinks = options.get("sinks")
-            if sinks is not None:
-                lse = lse.at[:, q0:q0 + used_q].set(
-                    jnp.asarray(sinks, lse.dtype)[:, None] * jnp.ones((1, used_q), lse.dtype))
-            continue
-        if q_offset is not None or kv_offset is not None:
-            sequences = len(cu_q) - 1
-            at = lambda x: 0 if x is None else int(np.broadcast_to(np.asarray(x), (sequences,))[b])
-            options = dict(options, q_offset=at(q_offset), kv_offset=at(kv_offset))
-        o, l = attention(q[None, q0:q0 + used_q], k[None, k0:k0 + used_k],
-                         v[None, k0:k0 + used_k], return_lse=True, **options)
-        out = out.at[q0:q0 + used_q].set(o[0].astype(out.dtype))
-        lse = lse.at[:, q0:q0 + used_q].set(l[0].astype(lse.dtype))
+        if used_q > 0:
+            spans.append((q0, used_q, k0, used_k, at(q_offset, b), at(kv_offset, b)))
+    if not spans:
+        return (out, lse) if return_lse else out
+    q0, used_q, k0, used_k, q_at, kv_at = (np.array(c, np.int64) for c in zip(*spans))
+
+    def gather(x, first, used, width):  # (sequences, width, ...), zero past `used`
+        i = np.arange(width)[None, :]
+        rows = np.where(i < used[:, None], first[:, None] + i, 0)
+        valid = (i < used[:, None]).reshape(rows.shape + (1,) * (x.ndim - 1))
+        return jnp.where(valid, x[rows], 0)
+    width_q, width_k = int(used_q.max()), max(int(used_k.max()), 1)
+    positions = {}
+    if q_offset is not None or kv_offset is not None:
+        positions = dict(q_offset=q_at, kv_offset=kv_at)
+    o, l = attention(gather(q, q0, used_q, width_q), gather(k, k0, used_k, width_k),
+                     gather(v, k0, used_k, width_k), seqused_q=used_q, seqused_k=used_k,
+                     return_lse=True, **positions, **options)
+    # Each used row back to its packed place (rows of non-decreasing cu_seqlens are
+    # disjoint).
+    entry = np.concatenate([np.full(n, b) for b, n in enumerate(used_q)])
+    row = np.concatenate([np.arange(n) for n in used_q])
+    packed = np.concatenate([first + np.arange(n) for first, n in zip(q0, used_q)])
+    out = out.at[packed].set(o[entry, row].astype(out.dtype))
+    lse = lse.at[:, packed].set(l[entry, :, row].T.astype(lse.dtype))
     return (out, lse) if return_lse else out
