@@ -96,10 +96,13 @@ def segment_ids(batch):
     return ids
 
 
+@pytest.mark.parametrize("keys", ["converted", "per-tile"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
-def test_forward_follows_spec(layout, where, value):
+def test_forward_follows_spec(monkeypatch, layout, where, value, keys):
+    # keys: the forward's K / V converted once per call, or per key tile (large calls)
+    monkeypatch.setenv("FLASHJAX_CPU_FORWARD_KEYS", keys)
     opts = dict(LAYOUTS[layout])
     use_segments = opts.pop("segments", False)
     q, k, v = place(*inputs(), where, value)

@@ -47,6 +47,24 @@ def test_positions(case):
     check_forward(case)
 
 
+# Calls whose K / V do not fit the forward's once-per-call conversion convert each key
+# tile where it is used (FLASHJAX_CPU_FORWARD_KEYS forces either; the rest of this file
+# runs the default, the conversion): several query tiles, windows, GQA, head dims.
+PER_TILE_CASES = [
+    Case(seqlen_q=1000, seqlen_k=300, head_dim=24, causal=True),
+    Case(seqlen_q=300, seqlen_k=1000, heads_q=4, heads_kv=1, head_dim=40, head_dim_v=72,
+         window_size=(100, 7), softcap=5.0, sinks=True),
+    Case(batch=2, seqlen_q=600, seqlen_k=600, heads_q=6, heads_kv=2, head_dim=64,
+         dtype="bfloat16", causal=True, sinks=True),
+]
+
+
+@pytest.mark.parametrize("case", PER_TILE_CASES, ids=ids(PER_TILE_CASES))
+def test_keys_converted_per_tile(case, monkeypatch):
+    monkeypatch.setenv("FLASHJAX_CPU_FORWARD_KEYS", "per-tile")
+    check_forward(case, new_shape=True)
+
+
 @pytest.mark.parametrize("case", EMPTY_ROW_CASES, ids=ids(EMPTY_ROW_CASES))
 def test_rows_without_keys(case):
     # check_forward asserts out == 0 exactly and lse == -inf (or the sink) on those rows.

@@ -216,8 +216,61 @@ float sink_logit(const AttentionParams& p, int64_t b, int64_t h) {
 
 // ---------------------------------------------------------------- forward
 
+// K^T and V of every (sequence, kv head) in float, converted once per call (else
+// each query tile of a head, and each head of a GQA group, converts them again: at
+// short causal lengths a tenth of the forward) when they fit kMaxConvertedKeyBytes;
+// larger calls convert each key tile where it is used.
+// FLASHJAX_CPU_FORWARD_KEYS=converted|per-tile forces a choice (tests run both).
+constexpr int64_t kMaxConvertedKeyBytes = int64_t{64} << 20;
+
+bool convert_keys_once(int64_t bytes) {
+  const char* env = std::getenv("FLASHJAX_CPU_FORWARD_KEYS");
+  if (env && std::strcmp(env, "converted") == 0) return true;
+  if (env && std::strcmp(env, "per-tile") == 0) return false;
+  return bytes <= kMaxConvertedKeyBytes;
+}
+
+struct ConvertedKeys {
+  const float* data = nullptr;  // per (sequence, kv head): K^T (dp x keys), V (keys x dvp)
+  int64_t keys = 0;             // columns of K^T, rows of V (kBlockK-padded, + one line)
+  int64_t head_floats = 0;
+  const float* kt(int64_t entry) const { return data + entry * head_floats; }
+  const float* v(int64_t entry, int64_t dp) const { return kt(entry) + dp * keys; }
+};
+
 template <class T>
-void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
+ConvertedKeys convert_keys(const AttentionParams& p, const Shape& shape, Scratch& storage) {
+  ConvertedKeys c;
+  // (one more line of floats: a power-of-two row stride would map K^T's rows to the
+  // same cache sets)
+  const int64_t tiled_keys = round_up(p.seqlen_k, kBlockK);  // (the tiles written below)
+  c.keys = tiled_keys + kRowAlign;
+  c.head_floats = (shape.dp + shape.dvp) * c.keys;
+  const int64_t entries = p.batch * p.heads_kv;
+  if (!convert_keys_once(entries * c.head_floats * int64_t{sizeof(float)})) return {};
+  float* data = storage.get(entries * c.head_floats);
+  parallel_for(entries, [&](int64_t entry) {
+    const int64_t b = entry / p.heads_kv, hk = entry % p.heads_kv;
+    const SeqlenInfo seq(p, b);
+    thread_local Scratch scratch;
+    float* Kr = scratch.get(kBlockK * shape.dp);
+    float* kt = data + entry * c.head_floats;
+    float* v = kt + shape.dp * c.keys;
+    for (int64_t k0 = 0; k0 < tiled_keys; k0 += kBlockK) {
+      const int64_t cols = std::clamp<int64_t>(seq.seqlen_k - k0, 0, kBlockK);
+      load_tile<T>(Kr, shape.dp, kBlockK, key_rows(p.k, seq, hk), k0, cols, p.head_dim);
+      transpose(kt + k0, c.keys, Kr, shape.dp, kBlockK, shape.dp);
+      load_tile<T>(v + k0 * shape.dvp, shape.dvp, kBlockK, key_rows(p.v, seq, hk), k0, cols,
+                   p.head_dim_v);
+    }
+  });
+  c.data = data;
+  return c;
+}
+
+template <class T>
+void forward_tile(const AttentionParams& p, const Shape& shape, const ConvertedKeys& converted,
+                  int64_t task) {
   const auto [b, h, qt] = Task(task, shape.forward_q_tiles, p.heads_q);
   const SeqlenInfo seq(p, b);
   const int64_t q0 = qt * kForwardBlockQ;
@@ -254,9 +307,21 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
     const int64_t cols = std::min(kBlockK, keys.end - k0);
     const TileSegments tile_segments(segments, q0, used, k0, cols);
     if (!tile_segments.meet()) continue;
-    load_tile<T>(Kr, dp, kBlockK, k_rows, k0, cols, p.head_dim);
-    transpose(Kt, kBlockK, Kr, dp, kBlockK, dp);
-    load_tile<T>(V, dvp, kBlockK, v_rows, k0, cols, p.head_dim_v);
+    // K^T and V of this key tile: columns / rows [k0, k0 + cols), zeros after them
+    // (the converted ones: the following keys', which the masks and the ragged
+    // products leave out)
+    const float* kt = Kt;
+    const float* v = V;
+    int64_t ld_kt = kBlockK;
+    if (converted.data) {
+      const int64_t entry = b * p.heads_kv + hk;
+      kt = converted.kt(entry) + k0, v = converted.v(entry, dp) + k0 * dvp;
+      ld_kt = converted.keys;
+    } else {
+      load_tile<T>(Kr, dp, kBlockK, k_rows, k0, cols, p.head_dim);
+      transpose(Kt, kBlockK, Kr, dp, kBlockK, dp);
+      load_tile<T>(V, dvp, kBlockK, v_rows, k0, cols, p.head_dim_v);
+    }
     const TileMask mask{seq, segments, q0, used, k0, cols,
                         tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform()};
     // Masked tiles: ragged, chunks of rows up to their last visible key (the
@@ -271,7 +336,7 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
       }
     };
     for_each_chunk([&](int64_t r0, int64_t n) {
-      kernels.gemm(S + r0 * kBlockK, kBlockK, Q + r0 * dp, dp, false, Kt, kBlockK, chunk, n, dp,
+      kernels.gemm(S + r0 * kBlockK, kBlockK, Q + r0 * dp, dp, false, kt, ld_kt, chunk, n, dp,
                    false);
     });
     mask_scores(S, p.softcap, mask, seen);
@@ -279,13 +344,13 @@ void forward_tile(const AttentionParams& p, const Shape& shape, int64_t task) {
       kernels.softmax_step(S + r0 * kBlockK, kBlockK, std::min(chunk, used - r0), chunk, n,
                            m + r0, l + r0, O + r0 * dvp, dvp);
     });
-    if (kernels.all_finite(V, kBlockK * dvp)) {
+    if (kernels.all_finite(v, round_up(cols, kRowAlign) * dvp)) {
       for_each_chunk([&](int64_t r0, int64_t n) {
-        kernels.gemm(O + r0 * dvp, dvp, S + r0 * kBlockK, kBlockK, false, V, dvp, chunk, dvp, n,
+        kernels.gemm(O + r0 * dvp, dvp, S + r0 * kBlockK, kBlockK, false, v, dvp, chunk, dvp, n,
                      true);
       });
     } else {  // inf / NaN in V: only visible pairs may add (0 * NaN is NaN)
-      visible_product(O, dvp, S, kBlockK, false, V, dvp, kForwardBlockQ, dvp, kBlockK,
+      visible_product(O, dvp, S, kBlockK, false, v, dvp, kForwardBlockQ, dvp, kBlockK,
                       [&](int64_t r, int64_t j) { return mask.visible(r, j); });
     }
   }
@@ -663,8 +728,10 @@ void attention_forward(const AttentionParams& p) {
       float* lse = static_cast<float*>(p.lse.data);
       std::fill(lse, lse + stat_rows(p), kNegInf);
     }
+    thread_local Scratch converted_storage;  // (per calling thread: calls may overlap)
+    const ConvertedKeys converted = convert_keys<T>(p, shape, converted_storage);
     parallel_for(p.batch * p.heads_q * shape.forward_q_tiles,
-                 [&](int64_t task) { forward_tile<T>(p, shape, task); });
+                 [&](int64_t task) { forward_tile<T>(p, shape, converted, task); });
   });
 }
 
