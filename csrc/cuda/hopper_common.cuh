@@ -43,6 +43,9 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t x) {
 __device__ __forceinline__ void st_shared(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
+__device__ __forceinline__ void ld_shared(uint32_t addr, float& x, float& y) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
+}
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
@@ -61,6 +64,33 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
       "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)),
       "r"(parity));
 }
+// The same for a thread with nothing else to do until the phase completes (a
+// producer, a writer): each try_wait may suspend it up to kIdleWaitNs (it
+// resumes when the phase completes). Without the hint try_wait returns after
+// ~60 cycles, and the backward's producer and dQ writer spun ~20M times per
+// 2k causal call, taking issue slots from consumer warps of their schedulers.
+constexpr uint32_t kIdleWaitNs = 1000000;
+__device__ __forceinline__ void mbar_wait_idle(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity), "n"(kIdleWaitNs));
+}
+
+// A position in a ring of kStages shared-memory stages: the stage and the
+// parity of its mbarriers' phase, stepped without divisions (a 64-bit
+// `it % kStages` per tile costs ~15 instructions in a consumer's loop).
+template <int kStages>
+struct RingSlot {
+  int stage = 0, phase = 0;
+  __device__ __forceinline__ void next() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
 
 // Loads box {64 columns, rows} at (col, row, head, batch) into `dst`.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar,
@@ -123,6 +153,19 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lead_bytes
 template <int kRows>
 __device__ __forceinline__ uint64_t k_major_desc(const unsigned char* tile, int kk) {
   return smem_desc(tile + (kk / 4) * kRows * 128 + (kk % 4) * 32, 16, 1024);
+}
+// A descriptor moved `bytes` further into shared memory: an add to its
+// address field (addresses / 16, 14 bits: shared memory is < 256 KB, so the
+// field cannot overflow into the next). Loops build a tile's descriptor once
+// and step it per k-slice; re-encoding each address costs ~6 instructions
+// per product.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+// k-step kk of a K-major [kRows][d] tile whose k-step 0 is `desc` (k_major_desc's layout).
+template <int kRows>
+__device__ __forceinline__ uint64_t k_major_step(uint64_t desc, int kk) {
+  return desc_advance(desc, (kk / 4) * kRows * 128 + (kk % 4) * 32);
 }
 
 __device__ __forceinline__ void wgmma_fence() {

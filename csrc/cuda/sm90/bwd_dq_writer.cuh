@@ -54,7 +54,7 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb,
     const int s = it % L::kDqStages;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      mbar_wait(&sm.dq_full[c * L::kDqStages + s], (it / L::kDqStages) & 1);
+      mbar_wait_idle(&sm.dq_full[c * L::kDqStages + s], (it / L::kDqStages) & 1);
       // At head dim 64 both consumers add to the same block (their own keys).
       const int64_t block = dq_block_start<kHeadDim, 64>(tile.padded_row, kHeadDim == 64 ? 0 : c);
       bulk_reduce_add(dq_accum + block, sm.dq_stage + (c * L::kDqStages + s) * kDqBlock<64>,

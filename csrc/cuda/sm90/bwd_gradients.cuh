@@ -13,15 +13,17 @@ namespace flashjax::cuda::hopper_bwd {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// P (in s, from log2 scores) and dS (in dp), in place; lse2/D per element.
+// P (in s) and dS (in dp), in place: P = exp2(s * scale - lse2), with s the
+// raw scores and scale = softmax_scale * log2(e), or s the log2 scores
+// (scores_log2: softcap) and scale = 1; lse2/D per element.
 template <int kN, class LseOf, class DOf>
 __device__ __forceinline__ void probabilities_and_grad(float (&s)[kN], float (&dp)[kN],
-                                                       const AttentionParams& p, LseOf&& lse2,
-                                                       DOf&& d_of) {
+                                                       const AttentionParams& p, float scale,
+                                                       LseOf&& lse2, DOf&& d_of) {
   const float inv_cap_log2 = p.softcap > 0.0f ? 1.0f / (p.softcap * kLog2e) : 0.0f;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const float prob = fast_exp2(s[i] - lse2(i));
+    const float prob = fast_exp2(fmaf(s[i], scale, -lse2(i)));
     float ds = prob * (dp[i] - d_of(i));
     if (p.softcap > 0.0f) {
       const float t = prob > 0.0f ? s[i] * inv_cap_log2 : 0.0f;
@@ -38,15 +40,16 @@ __device__ __forceinline__ void probabilities_and_grad(float (&s)[kN], float (&d
 // overwrites, so it waits first.
 template <int kN, class LseOf, class DOf, class WaitDp>
 __device__ __forceinline__ void probabilities_then_grad(float (&s)[kN], float (&dp)[kN],
-                                                        const AttentionParams& p, LseOf&& lse2,
-                                                        DOf&& d_of, WaitDp&& wait_dp) {
+                                                        const AttentionParams& p, float scale,
+                                                        LseOf&& lse2, DOf&& d_of,
+                                                        WaitDp&& wait_dp) {
   if (p.softcap > 0.0f) {
     wait_dp();
-    probabilities_and_grad(s, dp, p, lse2, d_of);
+    probabilities_and_grad(s, dp, p, scale, lse2, d_of);
     return;
   }
 #pragma unroll
-  for (int i = 0; i < kN; ++i) s[i] = fast_exp2(s[i] - lse2(i));
+  for (int i = 0; i < kN; ++i) s[i] = fast_exp2(fmaf(s[i], scale, -lse2(i)));
   fence_operands(s);  // (the exponentials are issued before the wait)
   wait_dp();
 #pragma unroll
@@ -63,19 +66,21 @@ __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kK][4], const float
 // at key rows key0 + [0, 64) and query columns 8 chunk0 + [0, 16 kK) of a
 // [keys][64 queries] tile, in the 128-byte-swizzled layout wgmma reads (as a
 // K-major or an MN-major operand): key row r is 128 bytes, 16-byte chunk c at
-// c ^ (r % 8).
+// c ^ (r % 8). The tile is 1024-byte aligned, so the swizzle is an XOR of the
+// row's address (its chunk bits are clear), and each store one LOP3 away from
+// one base (the rows r and r + 8 share the swizzle: an immediate offset).
 template <int kK>
 __device__ __forceinline__ void store_transposed(unsigned char* tile, int key0, int chunk0,
                                                  const uint32_t (&x)[kK][4]) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int row0 = key0 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
-  const uint32_t base = smem_u32(tile) + 4 * t;
+  const uint32_t swizzled = (smem_u32(tile) + row0 * 128 + 4 * t) ^ ((row0 % 8) << 4);
 #pragma unroll
   for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int row = row0 + 8 * (j & 1), chunk = chunk0 + 2 * kk + j / 2;
-      st_shared(base + row * 128 + ((chunk ^ (row % 8)) << 4), x[kk][j]);
+      const int chunk = chunk0 + 2 * kk + j / 2;
+      st_shared((swizzled ^ (chunk << 4)) + 8 * 128 * (j & 1), x[kk][j]);
     }
 }
 

@@ -32,6 +32,13 @@ __device__ __forceinline__ void producer_registers() {
 __device__ __forceinline__ void consumer_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
 }
+// This thread's warpgroup, through a shuffle so that the compiler knows it is
+// warp-uniform: addresses and wgmma descriptors derived from it then live in
+// uniform registers (from threadIdx.x directly, each product re-encoded its
+// descriptors in per-thread registers and moved them over: R2UR).
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
 
 // dK and dV of a block of 128 keys (and, with kFusedDq, its shares of dQ).
 // kLayouts: any; `list`: the blocks of non-uniform ones; `segment_tiles`: kSegments'.
@@ -46,7 +53,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (!kb.valid) return;  // (the whole CTA: a grid slot past the list's blocks)
   sm.init();
 
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = warpgroup_index();
   if (warpgroup == 0) {
     producer_registers();
     if (threadIdx.x == 0)
@@ -75,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (!qb.valid) return;
   sm.init();
 
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = threadIdx.x / 128;  // (uniform: the query consumer spilled)
   if (warpgroup == 0) {
     producer_registers();
     if (threadIdx.x == 0)
@@ -97,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   WideSmem sm(smem_raw);
   const KeyBlock<wide::kKeys> kb(p, VarlenWorkList{}, SegmentTiles{});
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = warpgroup_index();
   if (warpgroup == 0) {
     producer_registers();
     if (threadIdx.x == 0) produce_wide(sm, maps, kb, p, stats);

@@ -36,38 +36,50 @@ namespace flashjax::cuda::hopper_bwd {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// C(64 x 64) = A(own rows, K-major) * B(streamed tile, K-major)^T over kHeadDim.
+// C(64 x 64) = A(own rows, K-major) * B(streamed tile, K-major)^T over kHeadDim;
+// a and b: k_major_desc of the tiles' k-step 0.
 template <class T, int kHeadDim>
-__device__ __forceinline__ void issue_abt(float (&c)[32], const unsigned char* own_rows,
-                                          const unsigned char* tile) {
+__device__ __forceinline__ void issue_abt(float (&c)[32], uint64_t a, uint64_t b) {
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk)
-    wgmma_ss_n64<T>(c, k_major_desc<kOwnRows>(own_rows, kk),
-                    k_major_desc<kStreamRows>(tile, kk), kk > 0);
+    wgmma_ss_n64<T>(c, k_major_step<kOwnRows>(a, kk), k_major_step<kStreamRows>(b, kk), kk > 0);
 }
 
-// acc(64 x kHeadDim) += A(64 x 64, registers) * B(streamed tile rows, N-major).
+// The N-major descriptor of a streamed tile (64 rows of keys or queries; the
+// next 64 head dims kStreamRows * 128 B on, the next 8 rows 1024 B on).
+__device__ __forceinline__ uint64_t stream_n_major_desc(const unsigned char* tile) {
+  return smem_desc(tile, kStreamRows * 128, 1024);
+}
+
+// acc(64 x kHeadDim) += A(64 x 64, registers) * B(streamed tile rows, N-major);
+// tile: stream_n_major_desc of the tile.
 template <class T, int kHeadDim>
 __device__ __forceinline__ void issue_ab(float (&acc)[kHeadDim / 2], const uint32_t (&a)[4][4],
-                                         const unsigned char* tile) {
+                                         uint64_t tile) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    const uint64_t desc = smem_desc(tile + kk * 16 * 128, kStreamRows * 128, 1024);
+    const uint64_t desc = desc_advance(tile, kk * 16 * 128);
     if constexpr (kHeadDim == 64) wgmma_rs_n64<T>(acc, a[kk], desc, 1);
     else wgmma_rs_n128<T>(acc, a[kk], desc, 1);
   }
+}
+
+// The MN-major descriptor of a [rows][64] tile (dS^T, or 64 head dims of K).
+__device__ __forceinline__ uint64_t mn_major_desc(const unsigned char* tile) {
+  return smem_desc(tile, 1024, 1024);
 }
 
 // This key block's share of dQ_j (64 queries x 64 head dims) = dS_j K. At
 // head dim 128 the consumers split the head dims and share all 128 keys (both
 // dS^T halves, hence the 256-thread barrier); at 64 each consumer takes its own
 // 64 keys and all head dims, and the reductions add the two halves.
+// ds_tile / k_tile: mn_major_desc of the dS^T tile and of the owned K.
 template <class T, int kHeadDim>
-__device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* ds_tile,
-                                         const unsigned char* k_tile, int consumer) {
+__device__ __forceinline__ void issue_dq(float (&dq)[32], uint64_t ds_tile, uint64_t k_tile,
+                                         int consumer) {
   constexpr bool kOwnKeys = kHeadDim == 64;
   const int key0 = kOwnKeys ? consumer * 64 : 0;
-  const unsigned char* k_cols = k_tile + (kOwnKeys ? 0 : consumer * kOwnRows * 128);
+  const uint64_t k_cols = desc_advance(k_tile, kOwnKeys ? 0 : consumer * kOwnRows * 128);
   // The first product overwrites dq; zeroing it first tells the compiler that
   // the last tile's values are dead (they would stay live through the softmax).
 #pragma unroll
@@ -76,8 +88,8 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], const unsigned char* d
 #pragma unroll
   for (int kk = 0; kk < (kOwnKeys ? 4 : 8); ++kk) {
     const int row = key0 + 16 * kk;
-    wgmma_ss_mn_n64<T>(dq, smem_desc(ds_tile + row * 128, 1024, 1024),
-                       smem_desc(k_cols + row * 128, 1024, 1024), kk > 0);
+    wgmma_ss_mn_n64<T>(dq, desc_advance(ds_tile, row * 128), desc_advance(k_cols, row * 128),
+                       kk > 0);
   }
 }
 
@@ -146,7 +158,8 @@ __device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, in
 
 // A key-kernel consumer: dK and dV of its 64 keys over the block's query
 // tiles (with kFusedDq also each tile's share of dQ, staged for the writer),
-// then its rows of dk and dv.
+// then its rows of dk and dv. `consumer` must be warp-uniform as the compiler
+// sees it (bwd_kernel.cuh), so that descriptors live in uniform registers.
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
 __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                              const KeyBlock<kOwnRows, kLayouts>& kb,
@@ -156,16 +169,29 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   using L = Layout<kHeadDim>;
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int64_t my_key = kb.k0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
-  const unsigned char* k_rows = sm.own_a + consumer * 64 * 128;
-  const unsigned char* v_rows = sm.own_b + consumer * 64 * 128;
+  // Descriptors, built once: the owned rows', and each ring's stage 0 (a
+  // stage is an offset from it).
+  const uint64_t k_rows = k_major_desc<kOwnRows>(sm.own_a + consumer * 64 * 128, 0);
+  const uint64_t v_rows = k_major_desc<kOwnRows>(sm.own_b + consumer * 64 * 128, 0);
+  const uint64_t q_k_major = k_major_desc<kStreamRows>(sm.stream_a, 0);
+  const uint64_t do_k_major = k_major_desc<kStreamRows>(sm.stream_b, 0);
+  const uint64_t q_n_major = stream_n_major_desc(sm.stream_a);
+  const uint64_t do_n_major = stream_n_major_desc(sm.stream_b);
+  const uint64_t ds_mn_major = mn_major_desc(sm.ds), k_mn_major = mn_major_desc(sm.own_a);
+  // This thread's columns of a tile's lse2 and D: 8 n + 2 t and the next, n < 8.
+  const uint32_t my_stats = smem_u32(sm.stats) + 4 * 2 * t;
   float dk[kHeadDim / 2] = {}, dv[kHeadDim / 2] = {};
 
-  const auto q_tile = [&](int64_t it) { return sm.stream_a + (it % L::kStages) * L::kStreamBytes; };
-  const auto do_tile = [&](int64_t it) { return sm.stream_b + (it % L::kStages) * L::kStreamBytes; };
-  const auto tile_stats = [&](int64_t it) { return sm.stats + (it % L::kStages) * (L::kStatBytes / 4); };
   float st[32], dpt[32];
   uint32_t pa[4][4], dsa[4][4];
   float dq[32];
+  // The current tile: its slot in the Q/dO ring, its first query row, its
+  // dS^T buffer and dQ stage (stepped in release: no division per tile).
+  RingSlot<L::kStages> tile;
+  RingSlot<L::kDqStages> dq_stage;
+  int ds_buffer = 0;
+  int64_t q0 = kb.row_begin;
+  const auto stream_offset = [&] { return static_cast<uint32_t>(tile.stage * L::kStreamBytes); };
   const int zeroed = barrier_id(NamedBarrier::kTileZeroed, consumer);
   // (kSegments: this consumer's 64 keys are one segment-id tile.)
   const FragmentSegments<kLayouts> segments(p, segment_tiles, kb.seq, kb.b, FragmentRows::kKeys,
@@ -175,73 +201,87 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
     zero_rows_of_pair<kOwnRows, kHeadDim>(sm.own_a, sm.own_b, kb.first_unused_owned_row(), zeroed);
   pipeline<false>(
       kb.tiles,
-      [&](int64_t it) {  // S^T = K Q_j^T, dP^T = V dO_j^T
-        mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
-        if (kb.tile_crosses_end(it))
-          zero_rows_of_pair<kStreamRows, kHeadDim>(q_tile(it), do_tile(it),
-                                                   kb.first_unused_row(it), zeroed);
+      [&](int64_t) {  // S^T = K Q_j^T, dP^T = V dO_j^T
+        mbar_wait(&sm.full[tile.stage], tile.phase);
+        if (kb.tile_crosses_end(q0))
+          zero_rows_of_pair<kStreamRows, kHeadDim>(sm.stream_a + stream_offset(),
+                                                   sm.stream_b + stream_offset(),
+                                                   kb.first_unused_row(q0), zeroed);
         wgmma_fence();
-        issue_abt<T, kHeadDim>(st, k_rows, q_tile(it));
+        issue_abt<T, kHeadDim>(st, k_rows, desc_advance(q_k_major, stream_offset()));
         wgmma_commit();
-        issue_abt<T, kHeadDim>(dpt, v_rows, do_tile(it));
+        issue_abt<T, kHeadDim>(dpt, v_rows, desc_advance(do_k_major, stream_offset()));
         wgmma_commit();
       },
-      [&](int64_t it) {  // P^T, dS^T
+      [&](int64_t) {  // P^T, dS^T
+        // The tile's lse2 and D (loaded before the waits: their latency hides there).
+        float lse2[16], D[16] = {};  // (D: loaded in the wait below)
+        const uint32_t stats = my_stats + tile.stage * L::kStatBytes;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) ld_shared(stats + 4 * 8 * n, lse2[2 * n], lse2[2 * n + 1]);
         wgmma_wait<1>();
         fence_operands(st);
-        // (q0 before scores_log2: the other order compiled to a layout 6% slower at d64.)
-        const int64_t q0 = kb.row(it);
-        scores_log2(st, p);
+        // Without softcap the scale is folded into the exponent's FMA.
+        const bool softcap = p.softcap > 0.0f;
+        if (softcap) scores_log2(st, p);
         kb.template mask<8>(st, p, my_key, q0);
         segments.template mask<8>(st, q0);
         // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
-        const float* lse2 = tile_stats(it);
-        const float* D = lse2 + kStreamRows;
-        const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
-        probabilities_then_grad(st, dpt, p, [&](int i) { return lse2[column(i)]; },
-                                [&](int i) { return D[column(i)]; }, [&] {
-                                  wgmma_wait<0>();
-                                  fence_operands(dpt);
-                                });
+        const auto column = [](int i) { return 2 * (i / 4) + (i & 1); };
+        probabilities_then_grad(
+            st, dpt, p, softcap ? 1.0f : p.softmax_scale * kLog2e,
+            [&](int i) { return lse2[column(i)]; }, [&](int i) { return D[column(i)]; },
+            [&] {
+#pragma unroll
+              for (int n = 0; n < 8; ++n)
+                ld_shared(stats + 4 * (kStreamRows + 8 * n), D[2 * n], D[2 * n + 1]);
+              wgmma_wait<0>();
+              fence_operands(dpt);
+            });
       },
-      [&](int64_t it) {
+      [&](int64_t) {
         pack_fragments<T, 4>(pa, st);
         pack_fragments<T, 4>(dsa, dpt);
         if constexpr (kFusedDq) {
-          store_transposed(sm.ds + (it % 2) * L::kDsBytes, consumer * 64, 0, dsa);
+          store_transposed(sm.ds + ds_buffer * L::kDsBytes, consumer * 64, 0, dsa);
           fence_proxy_async();
         }
       },
-      [&](int64_t it) {  // dV += P^T dO_j, (dQ_j = dS_j K,) dK += dS^T Q_j
+      [&](int64_t) {  // dV += P^T dO_j, (dQ_j = dS_j K,) dK += dS^T Q_j
         wgmma_fence();
-        issue_ab<T, kHeadDim>(dv, pa, do_tile(it));
+        issue_ab<T, kHeadDim>(dv, pa, desc_advance(do_n_major, stream_offset()));
         if constexpr (kFusedDq) {
           // Both halves of dS^T (or this consumer's, at head dim 64) are stored.
           if constexpr (kHeadDim == 64)
             named_sync(barrier_id(NamedBarrier::kDsStored, consumer), 128);
           else
             named_sync(barrier_id(NamedBarrier::kDsStored));
-          issue_dq<T, kHeadDim>(dq, sm.ds + (it % 2) * L::kDsBytes, sm.own_a, consumer);
+          issue_dq<T, kHeadDim>(dq, desc_advance(ds_mn_major, ds_buffer * L::kDsBytes),
+                                k_mn_major, consumer);
           wgmma_commit();
-          issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
+          issue_ab<T, kHeadDim>(dk, dsa, desc_advance(q_n_major, stream_offset()));
           wgmma_commit();
           // dQ is staged for the writer while dK's product runs.
           wgmma_wait<1>();
           fence_operands(dq);
-          const int slot = consumer * L::kDqStages + it % L::kDqStages;
-          mbar_wait(&sm.dq_empty[slot], ((it / L::kDqStages) & 1) ^ 1);
+          const int slot = consumer * L::kDqStages + dq_stage.stage;
+          mbar_wait(&sm.dq_empty[slot], dq_stage.phase ^ 1);
           stage_dq<64>(sm.dq_stage + slot * kDqBlock<64>, dq, 0);
           fence_proxy_async();
           mbar_arrive(&sm.dq_full[slot]);
         } else {
-          issue_ab<T, kHeadDim>(dk, dsa, q_tile(it));
+          issue_ab<T, kHeadDim>(dk, dsa, desc_advance(q_n_major, stream_offset()));
           wgmma_commit();
         }
       },
-      [&](int64_t it) {
+      [&](int64_t) {
         fence_operands(dv);
         fence_operands(dk);
-        if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
+        if (lane == 0) mbar_arrive(&sm.empty[tile.stage]);
+        tile.next();
+        dq_stage.next();
+        ds_buffer ^= 1;
+        q0 = kb.next_row(q0);
       });
   const int64_t row0 = kb.k0 + consumer * 64;
   const SeqlenInfo seq = kb.sequence(p);
@@ -293,8 +333,10 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
           zero_rows_of_pair<kStreamRows, kHeadDim>(k_tile(it), v_tile(it),
                                                    qb.first_unused_row(it), zeroed);
         wgmma_fence();
-        issue_abt<T, kHeadDim>(s, q_rows, k_tile(it));
-        issue_abt<T, kHeadDim>(dp, do_rows, v_tile(it));
+        issue_abt<T, kHeadDim>(s, k_major_desc<kOwnRows>(q_rows, 0),
+                               k_major_desc<kStreamRows>(k_tile(it), 0));
+        issue_abt<T, kHeadDim>(dp, k_major_desc<kOwnRows>(do_rows, 0),
+                               k_major_desc<kStreamRows>(v_tile(it), 0));
         wgmma_commit();
       },
       [&](int64_t it) {  // dS
@@ -305,13 +347,13 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
                        RowSoftmax::tile_needs_mask(qb.seq, qb.q0, qb.last_row, k0, kStreamRows,
                                                    qb.keys.key_begin, qb.keys.key_end));
         segments.template mask<8>(s, k0);
-        probabilities_and_grad(s, dp, p, [&](int i) { return lse2[(i % 4) / 2]; },
+        probabilities_and_grad(s, dp, p, 1.0f, [&](int i) { return lse2[(i % 4) / 2]; },
                                [&](int i) { return D[(i % 4) / 2]; });
       },
       [&](int64_t) { pack_fragments<T, 4>(dsa, dp); },
       [&](int64_t it) {  // dQ += dS K_j
         wgmma_fence();
-        issue_ab<T, kHeadDim>(dq, dsa, k_tile(it));
+        issue_ab<T, kHeadDim>(dq, dsa, stream_n_major_desc(k_tile(it)));
         wgmma_commit();
       },
       [&](int64_t it) {

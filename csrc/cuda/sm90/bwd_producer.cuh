@@ -27,7 +27,7 @@ __device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_ro
   tma_tile<kHeadDim, kOwnRows>(sm.own_b, &maps.own_b, sm.owned, own_row, own_head, batch);
   for (int64_t it = 0; it < tiles; ++it) {
     const int stage = it % L::kStages, phase = (it / L::kStages) & 1;
-    mbar_wait(&sm.empty[stage], phase ^ 1);
+    mbar_wait_idle(&sm.empty[stage], phase ^ 1);
     mbar_expect_tx(&sm.full[stage], 2 * L::kStreamBytes + (stats.lse2 ? L::kStatBytes : 0));
     if (stats.lse2) {
       float* dst = sm.stats + stage * (L::kStatBytes / 4);
@@ -59,12 +59,12 @@ inline __device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps,
     const int row = static_cast<int>(slot_row), head = static_cast<int>(head64);
     const int64_t at = kb.padded_start(p, stats.padded, head64) + slot_row;
     const int s = it % kQStages, phase = ((it / kQStages) & 1) ^ 1;
-    mbar_wait(&sm.q_empty[s], phase);
+    mbar_wait_idle(&sm.q_empty[s], phase);
     mbar_expect_tx(&sm.q_full[s], kTileBytes + kStatBytes);
     bulk_load(sm.lse2 + s * kStreamRows, stats.lse2 + at, kStatBytes, &sm.q_full[s]);
     tma_tile<kHeadDim, kStreamRows>(sm.q + s * kTileBytes, &maps.stream_a, &sm.q_full[s], row,
                                     head, batch);
-    mbar_wait(sm.do_empty, (it & 1) ^ 1);
+    mbar_wait_idle(sm.do_empty, (it & 1) ^ 1);
     mbar_expect_tx(sm.do_full, kTileBytes + kStatBytes);
     bulk_load(sm.D, stats.D + at, kStatBytes, sm.do_full);
     tma_tile<kHeadDim, kStreamRows>(sm.dout, &maps.stream_b, sm.do_full, row, head, batch);

@@ -52,6 +52,9 @@ __device__ __forceinline__ BlockIndex block_index(int64_t tiles_per_head, int64_
                                                   const VarlenWorkList& list) {
   BlockIndex i;
   if constexpr (kLayouts == Layouts::kUniform) {
+    // (Head-major. Longest-first tiles within L2-sized head groups, as FA3's
+    // causal backward orders them, measured 2% slower at d128 and 10% at d64,
+    // 2k causal, H100 2026-11-25.)
     const int64_t bh = blockIdx.x / tiles_per_head;
     i.tile = blockIdx.x % tiles_per_head;
     i.b = bh / heads;
@@ -129,12 +132,18 @@ struct KeyBlock {
   __device__ int first_unused_owned_row() const {
     return static_cast<int>(max(seq.seqlen_k - k0, int64_t(0)));
   }
-  // The same for streamed tile it and the used queries.
-  __device__ bool tile_crosses_end(int64_t it) const {
-    return kLayouts != Layouts::kUniform && row(it) + kStreamRows > seq.seqlen_q;
+  // The same for the streamed tile of first query row `row` and the used queries.
+  __device__ bool tile_crosses_end(int64_t row) const {
+    return kLayouts != Layouts::kUniform && row + kStreamRows > seq.seqlen_q;
   }
-  __device__ int first_unused_row(int64_t it) const {
-    return static_cast<int>(max(seq.seqlen_q - row(it), int64_t(0)));
+  __device__ int first_unused_row(int64_t row) const {
+    return static_cast<int>(max(seq.seqlen_q - row, int64_t(0)));
+  }
+  // The first query row of the tile after the one at `row` (row(it + 1) from
+  // row(it), without row()'s division: the next head's tiles start over).
+  __device__ int64_t next_row(int64_t row) const {
+    row += kStreamRows;
+    return row == row_begin + q_tiles * kStreamRows ? row_begin : row;
   }
 
   // Masks a thread's S^T fragment (keys key, key + 8; queries col0 + [0, 8 kTiles))

@@ -1,0 +1,35 @@
+"""Dense forward + backward through every GPU kernel path at small, odd shapes, for
+`compute-sanitizer --tool memcheck python tools/sanitize_dense.py`: the sanitizer must
+report 0 errors. Covers causal / window / sinks / GQA, bf16 d128 and d64, fp16 d96,
+float32 d40, default and deterministic backward."""
+
+import jax
+import jax.numpy as jnp
+
+import flashjax
+
+CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, heads_q, heads_kv, options)
+    (jnp.bfloat16, 128, 200, 333, 4, 2, dict(causal=True)),
+    (jnp.bfloat16, 128, 256, 256, 2, 2, dict(window_size=(50, 20))),
+    (jnp.bfloat16, 64, 130, 70, 6, 2, dict(causal=True, sinks=jnp.zeros((6,), jnp.float32))),
+    (jnp.float16, 96, 90, 190, 2, 1, dict(softcap=20.0)),
+    (jnp.float32, 40, 65, 65, 2, 2, dict(causal=True)),
+]
+
+
+def main():
+    for dtype, d, sq, sk, hq, hk, options in CASES:
+        keys = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(keys[0], (2, sq, hq, d), dtype)
+        k = jax.random.normal(keys[1], (2, sk, hk, d), dtype)
+        v = jax.random.normal(keys[2], (2, sk, hk, d), dtype)
+        for deterministic in (False, True):
+            loss = lambda q, k, v: flashjax.flash_attention(
+                q, k, v, deterministic=deterministic, **options).astype(jnp.float32).sum()
+            grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+            jax.block_until_ready(grads)
+            print(dtype.__name__, d, options.keys(), deterministic, "ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
