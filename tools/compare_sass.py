@@ -6,7 +6,7 @@ records, per kernel and GPU architecture, what ptxas reports (registers, spills,
 shared memory) and the SASS (cuobjdump), then compares two such records by kernel
 name, wherever the kernel's translation unit lives.
 
-    tools/compare_sass.py build SRC_ROOT OUT_DIR [-j 2]   # every csrc/**/*.cu
+    tools/compare_sass.py build [-j 2] SRC_ROOT OUT_DIR [UNIT ...]  # default: every csrc/**/*.cu
     tools/compare_sass.py compare BEFORE_DIR AFTER_DIR [--rename 'REGEX=>REPL' ...]
 
 `--rename` rewrites the demangled kernel names of BEFORE (e.g. when a template
@@ -67,7 +67,8 @@ def build(args):
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        jobs = [pool.submit(compile_unit, root, s, out_dir) for s in translation_units(root)]
+        units = [root / u for u in args.units] if args.units else translation_units(root)
+        jobs = [pool.submit(compile_unit, root, s, out_dir) for s in units]
         failed = False
         for job in concurrent.futures.as_completed(jobs):
             name, result = job.result()
@@ -200,6 +201,7 @@ def main():
     b.add_argument("src_root")
     b.add_argument("out_dir")
     b.add_argument("-j", "--jobs", type=int, default=2)
+    b.add_argument("units", nargs="*", help="paths under SRC_ROOT (default: csrc/**/*.cu)")
     c = sub.add_parser("compare")
     c.add_argument("before")
     c.add_argument("after")

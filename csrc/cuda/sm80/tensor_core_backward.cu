@@ -14,7 +14,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-
+#include "../common/backward_stages.h"
 #include "../common/backward_workspace.h"
 #include "../common/block.cuh"
 #include "../common/device.cuh"
@@ -26,7 +26,6 @@
 #include "../common/segments.cuh"
 #include "../common/sequence_layout.h"
 #include "../common/softmax.cuh"
-#include "../simt/simt_attention.h"
 #include "mma_sm80.cuh"
 #include "tensor_core_backward.h"
 

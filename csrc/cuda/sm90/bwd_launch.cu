@@ -10,9 +10,9 @@
 
 #include <algorithm>
 
+#include "../common/backward_stages.h"
 #include "../common/backward_workspace.h"
 #include "../common/dispatch.h"
-#include "../simt/simt_attention.h"
 #include "bwd_kernel.cuh"
 #include "bwd_params.h"
 #include "bwd_postprocess.cuh"

@@ -1,0 +1,25 @@
+// The stages around the main backward kernels that every backward path runs
+// (Hopper, mma.sync, SIMT). They are SIMT kernels, defined in
+// simt/simt_attention.cu; declared here so that the tensor-core backwards
+// include from common/ rather than from another target.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "backward_workspace.h"
+#include "flashjax/params.h"
+
+namespace flashjax::cuda {
+
+// D of every used row (laid out like lse; also zeroes ws.nonfinite), and
+// dsinks from the used rows' shares (laid out like lse).
+cudaError_t backward_preprocess(const AttentionParams& p, const BackwardWorkspace& ws,
+                                cudaStream_t stream);
+// After a tensor-core backward: the gradient rows holding NaN or inf again,
+// pair by pair, if one was flagged in ws.nonfinite (exact_rows.cuh says why).
+cudaError_t recompute_nonfinite_gradients(const AttentionParams& p, const BackwardWorkspace& ws,
+                                          cudaStream_t stream);
+cudaError_t backward_dsinks(const AttentionParams& p, const TensorRef& dsink_rows,
+                            cudaStream_t stream);
+
+}  // namespace flashjax::cuda
