@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
                              : Cfg::kQBytes;
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::kProducerRegs));
+    release_registers<Cfg::kProducerRegs>();
     if (threadIdx.x / 32 == kRecomputeWarp)
       recompute_flagged_rows<Cfg, TOut, kPacks, kLayouts>(p, schedule, segment_tiles,
                                                           sm.nonfinite_warps);
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::kConsumerRegs));
+  claim_registers<Cfg::kConsumerRegs>();
   const int consumer = warpgroup - 1, warp_in_group = (threadIdx.x / 32) % kWarpsPerGroup;
   using Mainloop = ForwardMainloop<Cfg, kLayouts>;
   Mainloop mainloop(sm, consumer);

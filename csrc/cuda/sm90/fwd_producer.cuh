@@ -1,6 +1,8 @@
 // The Hopper forward's producer: one thread of warpgroup 0 issues the TMA
 // loads of each work item, its Q tile and the K and V tiles it visits, into
 // the shared-memory rings (fwd_smem.cuh), each tile once its stage is free.
+// TMA writes the 128-byte swizzled layout that wgmma reads, so no thread
+// touches the tiles.
 #pragma once
 
 #include <cuda.h>
