@@ -4,6 +4,11 @@
 // S_j only, runs the online softmax while the second product runs, then
 // rescales O. The consumers take turns issuing (ping-pong), so that one
 // warpgroup's softmax runs while another's products occupy the tensor cores.
+// (The tile loop in a function of its own, here or as a lambda in the kernel,
+// compiles a little differently from the loop written in the kernel body, as
+// hopper_forward.cu had it: tools/compare_sass.py, 2026-11-25, d128: -8 / -72
+// / -56 instructions uniform / varlen / segments, same registers and spills;
+// d64 varlen: ptxas +16 B spill stores, +24 B loads.)
 #pragma once
 
 #include <cstdint>
