@@ -15,13 +15,13 @@ set_target_properties(flashjax_ffi PROPERTIES CUDA_ARCHITECTURES OFF)
 
 target_sources(flashjax_ffi PRIVATE
   cuda/launch.cu
-  cuda/sequence_layout.cu
-  cuda/simt_attention.cu
-  cuda/tensor_core_forward.cu
-  cuda/hopper_forward.cu
-  cuda/kvcache_attention.cu
+  cuda/common/sequence_layout.cu
+  cuda/simt/simt_attention.cu
+  cuda/sm80/tensor_core_forward.cu
+  cuda/sm80/tensor_core_backward.cu
+  cuda/sm90/fwd_launch.cu
   cuda/sm90/bwd_launch.cu
-  cuda/tensor_core_backward.cu
+  cuda/kvcache/kvcache_attention.cu
   ffi/cuda_handlers.cc)
 target_link_libraries(flashjax_ffi PRIVATE CUDA::cudart_static)
 

@@ -1,4 +1,4 @@
-"""Writes csrc/cuda/wgmma_ops.cuh: inline-PTX wrappers of the wgmma shapes the
+"""Writes csrc/cuda/sm90/wgmma_ops.cuh: inline-PTX wrappers of the wgmma shapes the
 Hopper kernels use. The operand lists are long and regular, so they are
 generated; run `python tools/gen_wgmma.py` after changing the shape list."""
 
@@ -74,7 +74,7 @@ def main():
         if n != 32:
             parts.append(registers_shared(n))
     parts.append("}  // namespace flashjax::cuda\n")
-    path = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "cuda" / "wgmma_ops.cuh"
+    path = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "cuda" / "sm90" / "wgmma_ops.cuh"
     path.write_text("\n".join(parts))
 
 

@@ -3,15 +3,15 @@
 // p.kernel_cap (implementation="cuda:mma" / "cuda:simt") caps the choice for
 // forward and backward (tests use it to run every path on one GPU). The rows of packed tensors
 // that no sequence covers are written here, before whichever path runs.
-#include "backward_workspace.h"
-#include "hopper_backward.h"
-#include "hopper_forward.h"
-#include "kvcache_attention.h"
+#include "common/backward_workspace.h"
+#include "common/sequence_layout.h"
+#include "kvcache/kvcache_attention.h"
 #include "launch.h"
-#include "sequence_layout.h"
-#include "simt_attention.h"
-#include "tensor_core_backward.h"
-#include "tensor_core_forward.h"
+#include "simt/simt_attention.h"
+#include "sm80/tensor_core_backward.h"
+#include "sm80/tensor_core_forward.h"
+#include "sm90/hopper_backward.h"
+#include "sm90/hopper_forward.h"
 
 namespace flashjax::cuda {
 namespace {

@@ -5,9 +5,10 @@
 
 #include <cstdint>
 
-#include "../fragment_softmax.cuh"
-#include "../hopper_common.cuh"
+#include "../common/device.cuh"
+#include "../common/fragment.cuh"
 #include "flashjax/params.h"
+#include "hopper_common.cuh"
 
 namespace flashjax::cuda::hopper_bwd {
 

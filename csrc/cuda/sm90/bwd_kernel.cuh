@@ -9,8 +9,6 @@
 
 #include <cstdint>
 
-#include "../fragment_softmax.cuh"
-#include "../hopper_common.cuh"
 #include "bwd_dq_writer.cuh"
 #include "bwd_mainloop.cuh"
 #include "bwd_params.h"
@@ -20,6 +18,7 @@
 #include "bwd_tile_config.h"
 #include "bwd_wide_mainloop.cuh"
 #include "flashjax/params.h"
+#include "hopper_common.cuh"
 
 namespace flashjax::cuda::hopper_bwd {
 

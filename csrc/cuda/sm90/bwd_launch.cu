@@ -10,17 +10,17 @@
 
 #include <algorithm>
 
-#include "../backward_workspace.h"
-#include "../dispatch.h"
-#include "../hopper_backward.h"
-#include "../hopper_common.cuh"
-#include "../simt_attention.h"
+#include "../common/backward_stages.h"
+#include "../common/backward_workspace.h"
+#include "../common/dispatch.h"
 #include "bwd_kernel.cuh"
 #include "bwd_params.h"
 #include "bwd_postprocess.cuh"
 #include "bwd_preprocess.cuh"
 #include "bwd_tile_config.h"
 #include "flashjax/params.h"
+#include "hopper_backward.h"
+#include "hopper_common.cuh"
 #include "work_list.cuh"
 
 namespace flashjax::cuda {

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../backward_workspace.h"
+#include "../common/backward_workspace.h"
 
 namespace flashjax::cuda::hopper_bwd {
 

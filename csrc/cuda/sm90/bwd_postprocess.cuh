@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "../backward_workspace.h"
-#include "../common.cuh"
+#include "../common/backward_workspace.h"
+#include "../common/device.cuh"
 #include "bwd_tile_config.h"
 #include "flashjax/params.h"
 

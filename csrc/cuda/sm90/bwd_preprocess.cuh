@@ -7,9 +7,10 @@
 
 #include <cstdint>
 
-#include "../backward_workspace.h"
-#include "../common.cuh"
-#include "../fragment_softmax.cuh"
+#include "../common/backward_workspace.h"
+#include "../common/device.cuh"
+#include "../common/epilogue.cuh"
+#include "../common/softmax.cuh"
 #include "flashjax/params.h"
 
 namespace flashjax::cuda::hopper_bwd {

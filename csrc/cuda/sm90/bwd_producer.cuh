@@ -5,12 +5,12 @@
 
 #include <cstdint>
 
-#include "../hopper_common.cuh"
 #include "bwd_params.h"
 #include "bwd_scheduler.cuh"
 #include "bwd_smem.cuh"
 #include "bwd_tile_config.h"
 #include "flashjax/params.h"
+#include "hopper_common.cuh"
 
 namespace flashjax::cuda::hopper_bwd {
 

@@ -8,13 +8,15 @@
 
 #include <cstdint>
 
-#include "../backward_workspace.h"
-#include "../common.cuh"
-#include "../fragment_softmax.cuh"
-#include "../sequence_layout.h"
+#include "../common/backward_workspace.h"
+#include "../common/block.cuh"
+#include "../common/device.cuh"
+#include "../common/mask.cuh"
+#include "../common/segments.cuh"
+#include "../common/sequence_layout.h"
+#include "../common/work_list.h"
 #include "bwd_tile_config.h"
 #include "flashjax/seqlen.h"
-#include "work_list.h"
 
 namespace flashjax::cuda::hopper_bwd {
 

@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "../hopper_common.cuh"
 #include "bwd_tile_config.h"
+#include "hopper_common.cuh"
 
 namespace flashjax::cuda::hopper_bwd {
 

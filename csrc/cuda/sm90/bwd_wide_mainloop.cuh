@@ -14,8 +14,9 @@
 
 #include <cstdint>
 
-#include "../fragment_softmax.cuh"
-#include "../hopper_common.cuh"
+#include "../common/epilogue.cuh"
+#include "../common/exact_rows.cuh"
+#include "../common/score_mod.cuh"
 #include "bwd_dq_writer.cuh"
 #include "bwd_gradients.cuh"
 #include "bwd_params.h"
@@ -23,6 +24,7 @@
 #include "bwd_smem.cuh"
 #include "bwd_tile_config.h"
 #include "flashjax/params.h"
+#include "hopper_common.cuh"
 
 namespace flashjax::cuda::hopper_bwd {
 

@@ -11,14 +11,25 @@
 // VarlenTileSchedule: packed / seqused calls, whose lengths only the device
 // knows: a varlen work list (work_list.cuh) of pairs of query tiles, longest
 // sequences first.
+//
+// Every role walks the items the same way (for_each_work_tile), and
+// WorkItem says what an item is: its rows, its sequence and the key tiles it visits.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
-#include "../common.cuh"
+#include "../common/block.cuh"
+#include "../common/device.cuh"
+#include "../common/segments.cuh"
+#include "../common/sequence_layout.h"
+#include "../common/softmax.cuh"
+#include "flashjax/params.h"
+#include "flashjax/seqlen.h"
+#include "fwd_tile_config.h"
 #include "work_list.cuh"
 
-namespace flashjax::cuda {
+namespace flashjax::cuda::hopper_fwd {
 
 enum class ScheduleStep { kTile, kSkip, kEnd };
 
@@ -74,4 +85,77 @@ struct VarlenTileSchedule {
   }
 };
 
-}  // namespace flashjax::cuda
+// The schedule type of a layout (TileSchedule's GQA packing: uniform only).
+template <Layouts kLayouts>
+using ScheduleOf =
+    std::conditional_t<kLayouts == Layouts::kUniform, TileSchedule, VarlenTileSchedule>;
+
+// The walk every role of a CTA shares (the producer, the consumers and the
+// recompute warp, which must agree on the items): calls visit(tile) for each
+// of this CTA's tiles, in order. (An initial_work() / next_work(work) pair,
+// one call before the loop and one per iteration, compiled the schedule's
+// 64-bit divisions twice per role: +120 to +460 instructions and more spills
+// at d128; one loop keeps one copy.)
+template <class Schedule, class Visit>
+__device__ __forceinline__ void for_each_work_tile(const Schedule& schedule, Visit&& visit) {
+  QueryTile tile;
+  for (int64_t k = 0;; ++k) {
+    const ScheduleStep step = schedule.tile(k, tile);
+    if (step == ScheduleStep::kEnd) break;
+    if (step == ScheduleStep::kSkip) continue;
+    visit(tile);
+  }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// One work item of a CTA: a tile of kBlockM query rows (slot rows from q0)
+// of one head of sequence b, whose rows seq locates.
+// (GQA packing: bh indexes batch * heads_kv, h is the group's first query head.)
+template <Layouts kLayouts, int kBlockM, int kBlockN>
+struct WorkItem {
+  int64_t b, h, hk, q0;
+  SeqlenInfo seq;
+  int64_t last_row;  // the tile's last used row (< q0: none, the tile only writes zeros)
+  KeyRange keys;
+  int64_t n_tiles;
+  __device__ WorkItem(const AttentionParams& p, QueryTile t, bool packed,
+                      const SegmentTiles& segment_tiles)
+      : b(t.bh / (packed ? p.heads_kv : p.heads_q)),
+        h(packed ? t.bh % p.heads_kv * p.group_size() : t.bh % p.heads_q),
+        hk(h / p.group_size()),
+        q0(t.tile * kBlockM),
+        seq(sequence_info<kLayouts>(p, b)),
+        last_row(min(q0 + kBlockM, seq.seqlen_q) - 1),
+        keys(seq, q0, last_row, kBlockN) {
+    narrow_to_segments<kLayouts>(keys, segment_tiles, b, q0, kBlockM, kBlockN);
+    n_tiles = keys.tiles(kBlockN);
+  }
+
+  // TMA coordinates (int32: the tensors' rows are < 2^30): the tensor rows of
+  // the tile's first query and of slot key k0, and the batch entry. A tile
+  // that crosses the end of its sequence's used rows loads the rows that
+  // follow (padding, or the next sequence's: TMA only zero-fills past the
+  // tensor). Such queries only reach their own rows, cleared before the write
+  // (clear_unused_rows); such keys are masked to P = 0 and their V rows zeroed
+  // (clear_values_past_end), so a non-finite value there (NaN, inf: e.g.
+  // uninitialised padding of a seqused KV cache) does not reach this sequence.
+  __device__ int q_row() const { return static_cast<int>(seq.q_row(q0)); }
+  __device__ int k_row(int64_t k0) const { return static_cast<int>(seq.k_row(k0)); }
+  __device__ int batch() const { return static_cast<int>(seq.batch); }
+};
+
+// The rows of work item w that warp `warp_in_group` of consumer warpgroup
+// `consumer` holds (as lane threadIdx.x % 32); kPacks: GQA packing compiled in.
+template <bool kPacks, int kBlockM, int kBlockN, Layouts kLayouts>
+__device__ __forceinline__ RowSoftmax item_rows(const WorkItem<kLayouts, kBlockM, kBlockN>& w,
+                                                const ScheduleOf<kLayouts>& schedule,
+                                                int consumer, int warp_in_group) {
+  return RowSoftmax{w.q0 + consumer * kConsumerRows + warp_in_group * kWarpRows +
+                        (threadIdx.x % 32) / 4,
+                    kPacks ? static_cast<int>(schedule.packed_rows) : 0};
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace flashjax::cuda::hopper_fwd

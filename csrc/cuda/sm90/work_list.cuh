@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
-#include "../common.cuh"
+#include "../common/device.cuh"
+#include "../common/work_list.h"
 #include "flashjax/seqlen.h"
-#include "work_list.h"
 
 namespace flashjax::cuda {
 

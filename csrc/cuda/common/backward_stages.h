@@ -1,22 +1,16 @@
-// The SIMT kernels: exact for every dtype, head dim and GPU generation.
+// The stages around the main backward kernels that every backward path runs
+// (Hopper, mma.sync, SIMT). They are SIMT kernels, defined in
+// simt/simt_attention.cu; declared here so that the tensor-core backwards
+// include from common/ rather than from another target.
 #pragma once
 
 #include <cuda_runtime.h>
-
-#include <cstddef>
 
 #include "backward_workspace.h"
 #include "flashjax/params.h"
 
 namespace flashjax::cuda {
 
-cudaError_t simt_forward(const AttentionParams& p, cudaStream_t stream);
-
-// The workspace (BackwardWorkspace, backward_workspace.h) holds D = rowsum(dO * O) -
-// dlse and each row's dsinks share, laid out like lse.
-cudaError_t simt_backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
-
-// The stages around the main backward kernels, used by every backward path:
 // D of every used row (laid out like lse; also zeroes ws.nonfinite), and
 // dsinks from the used rows' shares (laid out like lse).
 cudaError_t backward_preprocess(const AttentionParams& p, const BackwardWorkspace& ws,

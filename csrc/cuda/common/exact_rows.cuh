@@ -12,8 +12,9 @@
 
 #include <cstdint>
 
-#include "common.cuh"
+#include "device.cuh"
 #include "flashjax/seqlen.h"
+#include "score_mod.cuh"
 
 namespace flashjax::cuda {
 
@@ -61,15 +62,14 @@ __device__ __forceinline__ float score_grad(const AttentionParams& p, float dot,
   *prob = pr;
   float ds = pr * (dp - D);
   if (p.softcap > 0.0f) {
-    const float t = s / p.softcap;
-    ds *= 1.0f - t * t;
+    ds *= softcap_slope(s / p.softcap);
   }
   return ds;
 }
 
 // out and lse of slot row i of sequence b, query head h. Rows past the used
-// ones get out 0 and lse -inf, sinks or not.
-template <class T>
+// ones get out 0 and lse -inf, sinks or not. T: the inputs' element type, TOut: out's.
+template <class T, class TOut = T>
 __device__ __forceinline__ void exact_forward_row(const AttentionParams& p, int64_t b, int64_t h,
                                                int64_t i, int lane) {
   const SeqlenInfo seq(p, b);
@@ -93,7 +93,7 @@ __device__ __forceinline__ void exact_forward_row(const AttentionParams& p, int6
   const float sink = p.sinks && used ? p.sinks[b * p.heads_q + h] : kNegInf;
   const RowNormaliser row(m, l, sink, used, [](float x) { return expf(x); },
                           [](float x) { return logf(x); });
-  store_lane(seq.q_at<T>(p.out, i, h), acc, p.head_dim_v, lane, row.factor);
+  store_lane(seq.q_at<TOut>(p.out, i, h), acc, p.head_dim_v, lane, row.factor);
   if (lane == 0) *seq.q_at<float>(p.lse, i, h) = row.lse;
 }
 

@@ -3,8 +3,8 @@
 // and the host-side tensor maps.
 //
 // Shared-memory tiles use the 128-byte swizzle that TMA writes and wgmma reads:
-// a [rows][d] tile is d/64 column blocks of rows x 128 B (64 16-bit elements
-// per row), 1024-byte aligned.
+// a [rows][d] tile is column blocks of rows x 128 B (64 16-bit elements per
+// row; kElementBytes says the element size where it matters), 1024-byte aligned.
 #pragma once
 
 #include <cuda.h>
@@ -17,7 +17,16 @@
 
 namespace flashjax::cuda {
 
-constexpr int kSwizzleCols = 64;  // elements per 128-byte swizzle row
+constexpr int kSwizzleBytes = 128;  // a swizzle row (of one column block)
+// Elements per swizzle row: the columns of one column block.
+template <int kElementBytes>
+constexpr int kSwizzleCols = kSwizzleBytes / kElementBytes;
+// The column blocks of a tile of kCols elements (a partial last one included).
+template <int kCols, int kElementBytes>
+constexpr int kColumnBlocks =
+    (kCols + kSwizzleCols<kElementBytes> - 1) / kSwizzleCols<kElementBytes>;
+// Bytes of A and B that one wgmma k-step reads per row (16 16-bit elements).
+constexpr int kMmaKBytes = 32;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -133,12 +142,13 @@ __device__ __forceinline__ void bulk_wait_all() {
 
 // All column blocks of a [rows][kHeadDim] tile; block c lands at c * rows * 128 B
 // (a partial last block, e.g. at head dim 96, is zero-filled past the tensor).
-template <int kHeadDim, int kRows>
+template <int kHeadDim, int kRows, int kElementBytes = 2>
 __device__ __forceinline__ void tma_tile(unsigned char* dst, const CUtensorMap* map,
                                          uint64_t* bar, int row, int head, int batch) {
 #pragma unroll
-  for (int c = 0; c < (kHeadDim + kSwizzleCols - 1) / kSwizzleCols; ++c)
-    tma_load(dst + c * kRows * 128, map, bar, c * kSwizzleCols, row, head, batch);
+  for (int c = 0; c < kColumnBlocks<kHeadDim, kElementBytes>; ++c)
+    tma_load(dst + c * kRows * kSwizzleBytes, map, bar, c * kSwizzleCols<kElementBytes>, row,
+             head, batch);
 }
 
 // wgmma shared-memory descriptor, 128-byte swizzle.
@@ -149,10 +159,14 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lead_bytes
          (static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
-// Operand of k-step kk (16 elements) of a K-major [rows][kHeadDim] tile.
+// Operand of k-step kk (kMmaKBytes: 16 16-bit elements) of a K-major
+// [rows][d] tile: 4 k-steps per swizzle row, then the next column block.
 template <int kRows>
 __device__ __forceinline__ uint64_t k_major_desc(const unsigned char* tile, int kk) {
-  return smem_desc(tile + (kk / 4) * kRows * 128 + (kk % 4) * 32, 16, 1024);
+  constexpr int kStepsPerBlock = kSwizzleBytes / kMmaKBytes;
+  return smem_desc(tile + (kk / kStepsPerBlock) * kRows * kSwizzleBytes +
+                       (kk % kStepsPerBlock) * kMmaKBytes,
+                   16, 1024);
 }
 // A descriptor moved `bytes` further into shared memory: an add to its
 // address field (addresses / 16, 14 bits: shared memory is < 256 KB, so the
@@ -192,19 +206,30 @@ __device__ __forceinline__ void named_sync(int id, int threads = 256) {
 // sequence); the masks make their P and dS 0, but 0 * NaN is not 0, so a
 // product that sums over those rows needs them zero. Every warpgroup that
 // reads a tile may zero it: they write the same zeros.
-template <int kRows, int kCols>
+template <int kRows, int kCols, int kElementBytes = 2>
 __device__ __forceinline__ void zero_tile_rows(unsigned char* tile, int first_row, int barrier) {
-  const uint32_t base = smem_u32(tile) + first_row * 128;
-  const int bytes = (kRows - first_row) * 128;
+  const uint32_t base = smem_u32(tile) + first_row * kSwizzleBytes;
+  const int bytes = (kRows - first_row) * kSwizzleBytes;
 #pragma unroll
-  for (int c = 0; c < (kCols + kSwizzleCols - 1) / kSwizzleCols; ++c)
+  for (int c = 0; c < kColumnBlocks<kCols, kElementBytes>; ++c)
     for (int i = (threadIdx.x % 128) * 8; i < bytes; i += 128 * 8)
-      st_shared(base + c * kRows * 128 + i, 0.0f, 0.0f);
+      st_shared(base + c * kRows * kSwizzleBytes + i, 0.0f, 0.0f);
   fence_proxy_async();
   named_sync(barrier, 128);
 }
 __device__ __forceinline__ void named_arrive(int id, int threads = 256) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// setmaxnreg: a warpgroup that needs few registers (a producer) gives them up
+// to kRegs per thread, and the others (consumers) claim up to kRegs.
+template <int kRegs>
+__device__ __forceinline__ void release_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void claim_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
 template <int kPending>
@@ -266,9 +291,13 @@ inline MapExtent key_extent(const AttentionParams& p) {
   return p.packed() ? MapExtent{1, p.total_k} : MapExtent{p.batch, p.seqlen_k};
 }
 
+// Bytes per element of the tensor-core kernels' dtypes (fp16, bf16).
+inline int element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
 // 4-d map (dim, seqlen, heads, batch) of a (batch, seqlen, heads, dim) tensor t
 // (packed: batch 1 and seqlen the total rows);
-// a box is 64 columns of box_rows rows of box_heads heads (head-major in shared memory).
+// a box is one swizzle row of columns (64 16-bit ones) of box_rows rows of
+// box_heads heads (head-major in shared memory).
 inline bool make_map(CUtensorMap* map, const TensorRef& t, DType dtype, int64_t batch,
                      int64_t seqlen, int64_t heads, int64_t dim, int box_rows, int box_heads = 1) {
   const cuuint64_t sizes[4] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(seqlen),
@@ -277,10 +306,12 @@ inline bool make_map(CUtensorMap* map, const TensorRef& t, DType dtype, int64_t 
   // address: give the encoder the entry's extent instead of a zero stride.
   const int64_t batch_stride =
       batch == 1 && t.batch_stride == 0 ? seqlen * t.row_stride : t.batch_stride;
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.row_stride * 2),
-                                 static_cast<cuuint64_t>(t.head_stride * 2),
-                                 static_cast<cuuint64_t>(batch_stride * 2)};
-  const cuuint32_t box[4] = {kSwizzleCols, static_cast<cuuint32_t>(box_rows),
+  const int64_t bytes = element_bytes(dtype);
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.row_stride * bytes),
+                                 static_cast<cuuint64_t>(t.head_stride * bytes),
+                                 static_cast<cuuint64_t>(batch_stride * bytes)};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(kSwizzleBytes / bytes),
+                             static_cast<cuuint32_t>(box_rows),
                              static_cast<cuuint32_t>(box_heads), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
   const auto type = dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16

@@ -1,6 +1,6 @@
 // Segment-id tile ranges and the packed layout's uncovered rows (see
 // sequence_layout.h).
-#include "common.cuh"
+#include "device.cuh"
 #include "dispatch.h"
 #include "sequence_layout.h"
 

@@ -14,14 +14,19 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-
-#include "common.cuh"
-#include "dispatch.h"
-#include "fragment_softmax.cuh"
+#include "../common/backward_stages.h"
+#include "../common/backward_workspace.h"
+#include "../common/block.cuh"
+#include "../common/device.cuh"
+#include "../common/dispatch.h"
+#include "../common/epilogue.cuh"
+#include "../common/exact_rows.cuh"
+#include "../common/mask.cuh"
+#include "../common/score_mod.cuh"
+#include "../common/segments.cuh"
+#include "../common/sequence_layout.h"
+#include "../common/softmax.cuh"
 #include "mma_sm80.cuh"
-#include "backward_workspace.h"
-#include "sequence_layout.h"
-#include "simt_attention.h"
 #include "tensor_core_backward.h"
 
 namespace flashjax::cuda {

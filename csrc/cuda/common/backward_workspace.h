@@ -12,7 +12,7 @@
 
 #include "flashjax/params.h"
 #include "sequence_layout.h"
-#include "sm90/work_list.h"
+#include "work_list.h"
 
 namespace flashjax::cuda {
 

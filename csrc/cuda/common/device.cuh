@@ -1,4 +1,4 @@
-// Device helpers shared by the flashjax CUDA kernels.
+// Device helpers shared by the flashjax CUDA kernels (every target).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,6 +12,13 @@
 namespace flashjax::cuda {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -32,12 +39,6 @@ __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
-}
-
-// Scale, softcap: the score of a raw q.k product.
-__device__ __forceinline__ float score(const AttentionParams& p, float dot) {
-  const float s = dot * p.softmax_scale;
-  return p.softcap > 0.0f ? p.softcap * tanhf(s / p.softcap) : s;
 }
 
 // A row's normaliser from its running max m and sum l (of exp_(s - m)) and

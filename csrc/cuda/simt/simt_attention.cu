@@ -3,13 +3,12 @@
 // GPU; the tensor-core kernels take over where they apply.
 #include <algorithm>
 
-#include "backward_workspace.h"
-#include "common.cuh"
-#include "dispatch.h"
-#include "exact_rows.cuh"
+#include "../common/backward_workspace.h"
+#include "../common/device.cuh"
+#include "../common/dispatch.h"
+#include "../common/exact_rows.cuh"
+#include "../common/sequence_layout.h"
 #include "flashjax/seqlen.h"
-#include "launch.h"
-#include "sequence_layout.h"
 #include "simt_attention.h"
 
 namespace flashjax::cuda {

@@ -13,11 +13,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-
-#include "common.cuh"
-#include "dispatch.h"
-#include "fragment_softmax.cuh"
-#include "mma_sm80.cuh"
+#include "../common/block.cuh"
+#include "../common/device.cuh"
+#include "../common/dispatch.h"
+#include "../common/fragment.cuh"
+#include "../common/nonfinite.cuh"
+#include "../common/softmax.cuh"
+#include "../sm80/mma_sm80.cuh"
 
 namespace flashjax::cuda {
 namespace {

@@ -5,8 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "backward_workspace.h"
-
+#include "../common/backward_workspace.h"
 #include "flashjax/params.h"
 
 namespace flashjax::cuda {

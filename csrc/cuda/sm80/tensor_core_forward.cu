@@ -8,11 +8,15 @@
 
 #include <type_traits>
 
-#include "common.cuh"
-#include "dispatch.h"
-#include "fragment_softmax.cuh"
+#include "../common/block.cuh"
+#include "../common/device.cuh"
+#include "../common/dispatch.h"
+#include "../common/epilogue.cuh"
+#include "../common/nonfinite.cuh"
+#include "../common/segments.cuh"
+#include "../common/sequence_layout.h"
+#include "../common/softmax.cuh"
 #include "mma_sm80.cuh"
-#include "sequence_layout.h"
 #include "tensor_core_forward.h"
 
 namespace flashjax::cuda {
@@ -97,8 +101,8 @@ __global__ void __launch_bounds__(kThreads)
     k0 = k_next;
   }
   cp_async_wait_all();
-  const bool nonfinite = softmax.write<T, kDimTiles>(p, seq, o, b, h);
-  if (__any_sync(0xffffffffu, nonfinite)) softmax.template recompute_nonfinite_rows<T>(p, seq, b, h);
+  const bool nonfinite = write_out_rows<T, kDimTiles>(softmax, p, seq, o, b, h);
+  if (__any_sync(0xffffffffu, nonfinite)) recompute_nonfinite_rows<T>(softmax, p, seq, b, h);
 }
 
 template <class T, int kHeadDim, Layouts kLayouts>

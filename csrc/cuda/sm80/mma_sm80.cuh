@@ -10,7 +10,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "fragment_softmax.cuh"
+#include "../common/device.cuh"
+#include "../common/fragment.cuh"
 
 namespace flashjax::cuda {
 

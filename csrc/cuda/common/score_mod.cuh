@@ -1,0 +1,37 @@
+// Score modifiers: what turns a raw q.k product into a score, and its
+// derivative. The one home of softcap on the GPU (s = cap * tanh(scale * dot /
+// cap)); a bias or ALiBi would go here too.
+#pragma once
+
+#include <cstdint>
+
+#include "device.cuh"
+#include "flashjax/params.h"
+
+namespace flashjax::cuda {
+
+// Scale, softcap: the score of a raw q.k product (natural units).
+__device__ __forceinline__ float score(const AttentionParams& p, float dot) {
+  const float s = dot * p.softmax_scale;
+  return p.softcap > 0.0f ? p.softcap * tanhf(s / p.softcap) : s;
+}
+
+// scale and softcap: raw q.k products become scores in log2 units.
+template <int kN>
+__device__ __forceinline__ void scores_log2(float (&s)[kN], const AttentionParams& p) {
+  if (p.softcap > 0.0f) {
+    const float inv_cap = p.softmax_scale / p.softcap, cap_log2 = p.softcap * kLog2e;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) s[i] = cap_log2 * tanhf(s[i] * inv_cap);
+  } else {
+    const float scale_log2 = p.softmax_scale * kLog2e;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) s[i] *= scale_log2;
+  }
+}
+
+// The softcap's derivative d score / d (scale * dot) at a capped score s,
+// given t = s / cap (tanh's derivative, 1 - tanh^2).
+__device__ __forceinline__ float softcap_slope(float t) { return 1.0f - t * t; }
+
+}  // namespace flashjax::cuda

@@ -1,0 +1,91 @@
+// The Hopper (sm_90a) forward kernel, warp-specialised and assembled from
+// parts: it carves its shared memory (fwd_smem.cuh), splits the warp roles
+// and their registers, and has every role walk the CTA's work items
+// (fwd_scheduler.cuh): warpgroup 0 produces (fwd_producer.cuh: TMA loads),
+// the other warpgroups consume (fwd_mainloop.cuh) and write their rows
+// (fwd_epilogue.cuh). Persistent: one CTA per SM.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/segments.cuh"
+#include "../common/sequence_layout.h"
+#include "../common/softmax.cuh"
+#include "flashjax/params.h"
+#include "fwd_epilogue.cuh"
+#include "fwd_mainloop.cuh"
+#include "fwd_producer.cuh"
+#include "fwd_scheduler.cuh"
+#include "fwd_smem.cuh"
+#include "fwd_tile_config.h"
+#include "hopper_common.cuh"
+
+namespace flashjax::cuda::hopper_fwd {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// T: the inputs' element type, TOut: out's. kLayouts: any (sequence_layout.h);
+// kSegments narrows each tile's keys to its segment-id span and masks ids per
+// element where a tile's are not all equal.
+template <class T, class TOut, int kHeadDim, Layouts kLayouts>
+__global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
+    hopper_forward_kernel(const __grid_constant__ AttentionParams p,
+                          const __grid_constant__ TensorMaps maps,
+                          const __grid_constant__ ScheduleOf<kLayouts> schedule,
+                          const __grid_constant__ SegmentTiles segment_tiles) {
+  using Cfg = TileConfig<T, kHeadDim>;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kConsumers = Cfg::kConsumers;
+  constexpr bool kPacks = kPacksGroups<kHeadDim> && kLayouts == Layouts::kUniform;
+  using Item = WorkItem<kLayouts, kBlockM, kBlockN>;
+  extern __shared__ unsigned char smem_raw[];
+  const ForwardSmem<Cfg> sm(smem_raw);
+  if (threadIdx.x == 0) sm.init();
+  __syncthreads();
+
+  const bool packed = kPacks && schedule.packed_rows > 0;
+  const int q_bytes = packed ? static_cast<int>(schedule.packed_rows * p.group_size()) *
+                                   Cfg::kPaddedDim * Cfg::kElementBytes
+                             : Cfg::kQBytes;
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {  // producer
+    release_registers<Cfg::kProducerRegs>();
+    if (threadIdx.x / 32 == kRecomputeWarp)
+      recompute_flagged_rows<Cfg, TOut, kPacks, kLayouts>(p, schedule, segment_tiles,
+                                                          sm.nonfinite_warps);
+    if (threadIdx.x != 0) return;
+    int64_t kv = 0, q_loads = 0;
+    for_each_work_tile(schedule, [&](QueryTile tile) {
+      load_work_item(sm, maps, Item(p, tile, packed, segment_tiles), q_bytes, kv, q_loads);
+    });
+    return;
+  }
+
+  claim_registers<Cfg::kConsumerRegs>();
+  const int consumer = warpgroup - 1, warp_in_group = (threadIdx.x / 32) % kWarpsPerGroup;
+  using Mainloop = ForwardMainloop<Cfg, kLayouts>;
+  Mainloop mainloop(sm, consumer);
+  for_each_work_tile(schedule, [&](QueryTile tile) {
+    const Item w(p, tile, packed, segment_tiles);
+    float o[Mainloop::kDimTiles * 4] = {};
+    RowSoftmax softmax = item_rows<kPacks>(w, schedule, consumer, warp_in_group);
+    // (kSegments: this consumer's 64 rows are one segment-id tile.)
+    const FragmentSegments<kLayouts> segments(p, segment_tiles, w.seq, w.b, FragmentRows::kQueries,
+                                              w.q0 + consumer * kConsumerRows, softmax.row);
+    mainloop.compute(p, w, segments, softmax, o);
+    store_work_item<TOut, kLayouts>(p, w, softmax, o, sm.nonfinite_warps,
+                                    consumer * kWarpsPerGroup + warp_in_group, mainloop.lane);
+  });
+  named_arrive(kRowsDoneBarrier, 32 + 128 * kConsumers);  // (recompute_flagged_rows)
+}
+
+#else  // not compiled for sm_90a: never launched (hopper_forward_supports says no)
+
+template <class T, class TOut, int kHeadDim, Layouts kLayouts>
+__global__ void hopper_forward_kernel(const __grid_constant__ AttentionParams,
+                                      const __grid_constant__ TensorMaps,
+                                      const __grid_constant__ ScheduleOf<kLayouts>,
+                                      const SegmentTiles) {}
+
+#endif
+
+}  // namespace flashjax::cuda::hopper_fwd

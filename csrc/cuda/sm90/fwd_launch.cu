@@ -1,0 +1,155 @@
+// Hopper (sm_90a) forward: the host side. Tensor maps, the workspace of
+// non-uniform calls (work list, segment tiles), the persistent grid and the
+// instantiations (element type x head-dim bucket x layouts); the kernel and
+// its parts are fwd_kernel.cuh's.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "../common/dispatch.h"
+#include "../common/sequence_layout.h"
+#include "flashjax/params.h"
+#include "fwd_kernel.cuh"
+#include "fwd_scheduler.cuh"
+#include "fwd_tile_config.h"
+#include "hopper_common.cuh"
+#include "hopper_forward.h"
+#include "work_list.cuh"
+
+namespace flashjax::cuda {
+namespace hopper_fwd {
+namespace {
+
+// gqa_packed: a tile holds a whole query-head group (TileSchedule).
+template <class Cfg>
+bool make_maps(const AttentionParams& p, bool gqa_packed, TensorMaps& maps) {
+  const MapExtent qe = query_extent(p), ke = key_extent(p);
+  return make_map(&maps.q, p.q, p.dtype, qe.batch, qe.rows, p.heads_q, p.head_dim,
+                  gqa_packed ? static_cast<int>(p.seqlen_q) : Cfg::kBlockM,
+                  gqa_packed ? static_cast<int>(p.group_size()) : 1) &&
+         make_map(&maps.k, p.k, p.dtype, ke.batch, ke.rows, p.heads_kv, p.head_dim,
+                  Cfg::kBlockN) &&
+         make_map(&maps.v, p.v, p.dtype, ke.batch, ke.rows, p.heads_kv, p.head_dim_v,
+                  Cfg::kBlockN);
+}
+
+// The workspace of a non-uniform call: the work list, then (segment ids) the
+// id ranges and spans of the segment-id tiles. base may be null (sizes only).
+struct ForwardWorkspace {
+  static constexpr size_t kAlign = 256;
+  VarlenWorkList list;
+  SegmentTiles segments;
+  size_t bytes = 0;
+  ForwardWorkspace(const AttentionParams& p, void* base) {
+    if (p.uniform()) return;
+    const size_t list_bytes = (VarlenWorkList::workspace_bytes(p) + kAlign - 1) / kAlign * kAlign;
+    if (base) {
+      list = VarlenWorkList(p, base);
+      segments = SegmentTiles(p, static_cast<char*>(base) + list_bytes);
+    }
+    bytes = list_bytes + SegmentTiles::workspace_bytes(p);
+  }
+};
+
+// `workspace`: hopper_forward_workspace_bytes(p) bytes (ForwardWorkspace).
+// T: the inputs' element type, TOut: out's.
+template <class T, class TOut, int kHeadDim, Layouts kLayouts>
+cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  using Cfg = TileConfig<T, kHeadDim>;
+  constexpr int kBlockM = Cfg::kBlockM;
+  static DeviceOnce configured;
+  if (cudaError_t e = configured([] {
+        return cudaFuncSetAttribute(hopper_forward_kernel<T, TOut, kHeadDim, kLayouts>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      });
+      e != cudaSuccess)
+    return e;
+  ScheduleOf<kLayouts> schedule;
+  int64_t items;  // (an upper bound for kVarlen: the device knows the count)
+  const bool gqa_packed = kLayouts == Layouts::kUniform && kPacksGroups<kHeadDim> &&
+                          p.group_size() > 1 && p.seqlen_q * p.group_size() <= kBlockM;
+  if constexpr (kLayouts == Layouts::kUniform) {
+    schedule.packed_rows = gqa_packed ? p.seqlen_q : 0;
+    schedule.q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    schedule.pairs_per_head = (schedule.q_tiles + 1) / 2;
+    schedule.total_pairs =
+        schedule.pairs_per_head * p.batch * (gqa_packed ? p.heads_kv : p.heads_q);
+    items = schedule.total_pairs;
+  }
+  const ForwardWorkspace ws(p, workspace);
+  if constexpr (kLayouts != Layouts::kUniform) {
+    if (!workspace) return cudaErrorInvalidValue;
+    items = p.batch * p.heads_q * (((p.seqlen_q + kBlockM - 1) / kBlockM + 1) / 2);
+    if (items == 0) return cudaSuccess;
+    if constexpr (kLayouts == Layouts::kSegments)
+      if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess)
+        return e;
+    schedule.list = ws.list;
+    schedule.heads = p.heads_q;
+    WorkShape shape;
+    shape.tile_rows = kBlockM;
+    shape.heads = p.heads_q;
+    shape.pairs = true;
+    if (cudaError_t e = build_work_list(p, shape, schedule.list, stream); e != cudaSuccess)
+      return e;
+  }
+  TensorMaps maps;
+  if (!make_maps<Cfg>(p, gqa_packed, maps)) return cudaErrorInvalidValue;
+  const int64_t blocks = std::min<int64_t>(items, multiprocessor_count());
+  hopper_forward_kernel<T, TOut, kHeadDim, kLayouts>
+      <<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+          p, maps, schedule, ws.segments);
+  return cudaGetLastError();
+}
+
+// out is written in the inputs' type (an fp8 input type would pick its own).
+template <class T, int kHeadDim>
+cudaError_t launch(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  return with_layouts(p, [&](auto layouts) {
+    return launch_layouts<T, T, kHeadDim, decltype(layouts)::value>(p, workspace, stream);
+  });
+}
+
+// Head-dim buckets of this kernel: it also has native 96 and 192 ones (the
+// other kernels pad those to 128 / 256); FLASHJAX_HEAD_DIMS picks the compiled ones.
+constexpr HeadDims<64, 96, 128, 192, 256> kBuckets{};
+
+}  // namespace
+}  // namespace hopper_fwd
+
+using hopper_fwd::ForwardWorkspace;
+using hopper_fwd::kBuckets;
+
+bool hopper_forward_supports(const AttentionParams& p) {
+#ifdef FLASHJAX_HOPPER
+  // Layouts: see hopper_layouts_supported. TMA needs 16-byte row strides (head dims
+  // % 8) and a 64-column box inside the tensor (head dims >= 64); int32 TMA
+  // coordinates bound the sizes.
+  return hopper_layouts_supported(p) && p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
+         p.head_dim_v % 8 == 0 && head_dim_bucket(kBuckets, p) != 0 && p.head_dim >= 64 &&
+         p.head_dim_v >= 64 &&
+         p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && compute_capability() == 90 &&
+         encode_fn() != nullptr;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+size_t hopper_forward_workspace_bytes(const AttentionParams& p) {
+  return ForwardWorkspace(p, nullptr).bytes;
+}
+
+cudaError_t hopper_forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
+    return with_bucket(kBuckets, p, [&](auto dim) {
+      return hopper_fwd::launch<decltype(tag), decltype(dim)::value>(p, workspace, stream);
+    });
+  });
+}
+
+}  // namespace flashjax::cuda

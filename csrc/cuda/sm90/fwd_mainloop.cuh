@@ -1,0 +1,170 @@
+// The Hopper forward's consumers: each warpgroup owns 64 query rows of a work
+// item. Per key tile it issues S_j = Q K_j^T (both operands in shared memory)
+// and O += P_{j-1} V_{j-1} (P straight from registers) back to back, waits for
+// S_j only, runs the online softmax while the second product runs, then
+// rescales O. The consumers take turns issuing (ping-pong), so that one
+// warpgroup's softmax runs while another's products occupy the tensor cores.
+// (The tile loop in a function of its own, here or as a lambda in the kernel,
+// compiles a little differently from the loop written in the kernel body, as
+// hopper_forward.cu had it: tools/compare_sass.py, 2026-11-25, d128: -8 / -72
+// / -56 instructions uniform / varlen / segments, same registers and spills;
+// d64 varlen: ptxas +16 B spill stores, +24 B loads.)
+#pragma once
+
+#include <cstdint>
+
+#include "../common/fragment.cuh"
+#include "../common/segments.cuh"
+#include "../common/sequence_layout.h"
+#include "../common/softmax.cuh"
+#include "flashjax/params.h"
+#include "fwd_smem.cuh"
+#include "fwd_tile_config.h"
+#include "hopper_common.cuh"
+
+namespace flashjax::cuda::hopper_fwd {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Consumer warpgroup `consumer`'s main loop; kv (the K/V ring position) and
+// q_loads (Q tiles taken) run on across its work items, as the producer's do.
+template <class Cfg, Layouts kLayouts>
+struct ForwardMainloop {
+  using T = typename Cfg::Element;
+  static constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
+  static constexpr int kConsumers = Cfg::kConsumers, kMmaK = Cfg::kMmaK;
+  static constexpr int kKeyTiles = kBlockN / 8, kDimTiles = kHeadDim / 8;  // 8-column tiles
+  static constexpr int kKeySteps = kBlockN / kMmaK;  // k-steps of P V
+
+  const ForwardSmem<Cfg>& sm;
+  const int consumer, lane;
+  const unsigned char* q_rows;  // this warpgroup's rows of the Q tile
+  int64_t kv = 0, q_loads = 0;
+
+  __device__ ForwardMainloop(const ForwardSmem<Cfg>& smem, int consumer_index)
+      : sm(smem),
+        consumer(consumer_index),
+        lane(threadIdx.x % 32),
+        q_rows(smem.q + consumer_index * kConsumerRows * kSwizzleBytes) {}
+
+  // O (unnormalised, in o: zeros on entry) and the softmax statistics of the
+  // consumer's rows of work item w.
+  template <class Item>
+  __device__ __forceinline__ void compute(const AttentionParams& p, const Item& w,
+                                          const FragmentSegments<kLayouts>& segments,
+                                          RowSoftmax& softmax, float (&o)[kDimTiles * 4]) {
+    const int64_t n_tiles = w.n_tiles;
+    // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
+    auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
+      const int64_t g = kv + it;
+      const unsigned char* k_tile = sm.k + (g % kStages) * Cfg::kKVBytes;
+      mbar_wait(&sm.k_full[g % kStages], (g / kStages) & 1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / kMmaK; ++kk)
+        wgmma_ss<T, kBlockN>(s, k_major_desc<kBlockM>(q_rows, kk),
+                             k_major_desc<kBlockN>(k_tile, kk), kk > 0);
+      wgmma_commit();
+    };
+    // O += P_j V_j; the caller waits for it.
+    auto issue_values = [&](const uint32_t (&pa)[kKeySteps][4], int64_t it) {
+      const int64_t g = kv + it;
+      const unsigned char* v_tile = sm.v + (g % kStages) * Cfg::kKVBytes;
+      mbar_wait(&sm.v_full[g % kStages], (g / kStages) & 1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kKeySteps; ++kk) {
+        // V is N-major: a k-step's keys are groups of 8 rows (1024 B apart);
+        // column blocks of head dims are kBlockN swizzle rows apart.
+        wgmma_rs<T, kHeadDim>(o, pa[kk],
+                              smem_desc(v_tile + kk * kMmaK * kSwizzleBytes,
+                                        kBlockN * kSwizzleBytes, 8 * kSwizzleBytes));
+      }
+      wgmma_commit();
+    };
+    // S_j has been read: free K_j, and Q after the item's last S.
+    auto scores_done = [&](int64_t it) {
+      if (lane != 0) return;
+      mbar_arrive(&sm.k_empty[(kv + it) % kStages]);
+      if (it == n_tiles - 1) mbar_arrive(sm.q_empty);
+    };
+    // kVarlen: V rows of key tile it past the sequence's used keys are zeroed
+    // before the P V that sums over them (zero_tile_rows says why); only an
+    // item's last tile can cross the end.
+    auto clear_values_past_end = [&](int64_t it) {
+      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
+      if (k0 + kBlockN <= w.seq.seqlen_k) return;
+      const int64_t g = kv + it;
+      mbar_wait(&sm.v_full[g % kStages], (g / kStages) & 1);
+      zero_tile_rows<kBlockN, Cfg::kPaddedDim, Cfg::kElementBytes>(
+          sm.v + (g % kStages) * Cfg::kKVBytes,
+          static_cast<int>(w.seq.seqlen_k > k0 ? w.seq.seqlen_k - k0 : 0),
+          kClearBarrier + consumer);
+    };
+    auto values_done = [&](int64_t it) {
+      if (lane == 0) mbar_arrive(&sm.v_empty[(kv + it) % kStages]);
+    };
+    auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
+      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
+      softmax.scores<kKeyTiles>(s, p, w.seq, k0,
+                                RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
+                                                            w.keys.key_begin, w.keys.key_end));
+      segments.template mask<kKeyTiles>(s, k0);
+      softmax.exponentiate<kKeyTiles>(s, alpha);
+    };
+
+    // Ping-pong: named barrier kTurnBarrier + c is consumer c's turn; the
+    // last consumer opens the first turn, and each turn ends by passing it on.
+    const auto wait_turn = [&] { named_sync(kTurnBarrier + consumer); };
+    const auto pass_turn = [&] { named_arrive(kTurnBarrier + (consumer + 1) % kConsumers); };
+
+    mbar_wait(sm.q_full, q_loads++ & 1);
+    if (n_tiles > 0) {
+      // Software pipeline across tiles: while the softmax of S_j runs on the
+      // CUDA cores, the tensor cores compute O += P_{j-1} V_{j-1}.
+      float s[kKeyTiles * 4];
+      uint32_t pa[kKeySteps][4];
+      float alpha[2];
+      if (consumer == kConsumers - 1) named_arrive(kTurnBarrier);
+      wait_turn();
+      issue_scores(s, 0);
+      pass_turn();
+      wgmma_wait<0>();
+      fence_operands(s);
+      scores_done(0);
+      softmax_step(s, 0, alpha);
+#pragma unroll
+      for (int kk = 0; kk < kKeySteps; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
+      for (int64_t it = 1; it < n_tiles; ++it) {
+        wait_turn();
+        issue_scores(s, it);
+        issue_values(pa, it - 1);
+        pass_turn();
+        wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
+        fence_operands(s);
+        scores_done(it);
+        softmax_step(s, it, alpha);
+        wgmma_wait<0>();
+        fence_operands(o);
+        values_done(it - 1);
+        RowSoftmax::rescale<kDimTiles>(o, alpha);
+#pragma unroll
+        for (int kk = 0; kk < kKeySteps; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
+      }
+      if constexpr (kLayouts != Layouts::kUniform) clear_values_past_end(n_tiles - 1);
+      wait_turn();
+      issue_values(pa, n_tiles - 1);
+      if (consumer != kConsumers - 1) pass_turn();  // balanced arrivals at the item's end
+      wgmma_wait<0>();
+      fence_operands(o);
+      values_done(n_tiles - 1);
+    } else if (lane == 0) {
+      mbar_arrive(sm.q_empty);
+    }
+    kv += n_tiles;
+  }
+};
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace flashjax::cuda::hopper_fwd

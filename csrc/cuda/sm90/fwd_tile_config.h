@@ -1,0 +1,65 @@
+// The Hopper forward's configuration, in one place: tile sizes per element
+// type and head dim, warp roles and their registers, named barriers, the
+// pipeline depth and the shared-memory layout.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "hopper_common.cuh"
+
+namespace flashjax::cuda::hopper_fwd {
+
+constexpr int kStages = 2;  // K/V tiles in flight: a ring of full/empty mbarriers
+constexpr int kConsumerRows = 64;  // query rows of a consumer warpgroup
+constexpr int kWarpRows = 16;      // of a consumer warp (one wgmma row slice)
+constexpr int kWarpsPerGroup = 4;
+
+// Named barriers (id 0 is __syncthreads'): 1 + c is consumer c's turn to
+// issue; kClearBarrier + c orders consumer c's zeroing of a V tile before its
+// product (kVarlen); kRowsDoneBarrier: every consumer has written its last rows.
+constexpr int kMaxConsumers = 3;
+constexpr int kTurnBarrier = 1;
+constexpr int kClearBarrier = kTurnBarrier + kMaxConsumers;
+constexpr int kRowsDoneBarrier = kClearBarrier + kMaxConsumers;
+// The producer warpgroup's warp that recomputes rows a tile product got wrong.
+constexpr int kRecomputeWarp = 1;
+// GQA packing is compiled for head dims up to 128 (at 256 its row arithmetic
+// makes the kernel spill).
+template <int kHeadDim>
+constexpr bool kPacksGroups = kHeadDim <= 128;
+
+// Tiles of element type T (the inputs Q, K, V) at head-dim bucket kHeadDim.
+template <class T, int kHeadDimBucket>
+struct TileConfig {
+  using Element = T;
+  static constexpr int kHeadDim = kHeadDimBucket;
+  static constexpr int kElementBytes = sizeof(T);
+  // Consumer warpgroups, 64 query rows each: three at head dim 64, where the
+  // products are short and the softmax needs more warps to hide behind them.
+  static constexpr int kConsumers = kHeadDim == 64 ? 3 : 2;
+  static constexpr int kBlockM = kConsumerRows * kConsumers;  // query rows per tile
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // Registers per thread: the producer gives its share to the consumers.
+  static constexpr int kProducerRegs = kConsumers == 3 ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;  // keys per tile
+  // Tiles are whole swizzle column blocks (96 -> 128 columns, zero-filled).
+  static constexpr int kPaddedDim =
+      kColumnBlocks<kHeadDim, kElementBytes> * kSwizzleCols<kElementBytes>;
+  // Elements of a wgmma k-step: Q K^T steps over head dims, P V over keys.
+  static constexpr int kMmaK = kMmaKBytes / kElementBytes;
+  static constexpr int kQBytes = kBlockM * kPaddedDim * kElementBytes;
+  static constexpr int kKVBytes = kBlockN * kPaddedDim * kElementBytes;
+  // Shared memory: Q, the K ring, the V ring, then the barriers (Q full and
+  // empty, K and V full and empty per stage) and a flag per consumer warp;
+  // +1024 to align the base for the swizzle.
+  static constexpr int kBarriers = 2 + 4 * kStages;
+  static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
+  static constexpr int kFlagOffset = kBarrierOffset + 8 * kBarriers;
+  static constexpr int kSmemBytes = kFlagOffset + 4 * kWarpsPerGroup * kConsumers + 1024;
+  static_assert(kConsumers <= kMaxConsumers, "named barrier ids overlap");
+};
+
+}  // namespace flashjax::cuda::hopper_fwd
