@@ -7,6 +7,7 @@
 
 #include "../common/device.cuh"
 #include "../common/fragment.cuh"
+#include "../common/score_mod.cuh"
 #include "flashjax/params.h"
 #include "hopper_common.cuh"
 
@@ -28,7 +29,7 @@ __device__ __forceinline__ void probabilities_and_grad(float (&s)[kN], float (&d
     float ds = prob * (dp[i] - d_of(i));
     if (p.softcap > 0.0f) {
       const float t = prob > 0.0f ? s[i] * inv_cap_log2 : 0.0f;
-      ds *= 1.0f - t * t;
+      ds *= softcap_slope(t);
     }
     s[i] = prob;
     dp[i] = ds;
