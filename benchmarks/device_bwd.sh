@@ -46,7 +46,7 @@ for step in "$@"; do
           tag="${impl}_d${d}_s${s}_${c}"
           ncu --clock-control none --set full --kernel-name-base demangled \
             -k regex:"hopper_key_kernel|FlashAttnBwd" -c 1 --launch-skip 1 \
-            -o "/tmp/ncu_$tag" $PY benchmarks/bwd_profile.py "$impl" "$d" "$s" "$c" > "/tmp/ncu_$tag.log" 2>&1 \
+            -o "/tmp/ncu_$tag" $PY tools/profile_train.py --once "$d" "$s" "$c" "$impl" > "/tmp/ncu_$tag.log" 2>&1 \
             || tail -5 "/tmp/ncu_$tag.log"
           ncu -i "/tmp/ncu_$tag.ncu-rep" --page details --print-units base > "/tmp/details_$tag.txt" 2>&1
           ncu -i "/tmp/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$tag.csv" 2>&1

@@ -4,10 +4,13 @@ profiler, for flashjax and its peers, on the FA3 paper's shapes (batch * seqlen 
 heads * d = 2048, bf16).
 
     python tools/profile_train.py D SEQLEN causal|full [IMPL...]
+    python tools/profile_train.py --once D SEQLEN causal|full IMPL   # for ncu
 
 IMPL: flashjax | fa3 (flash-attn3-jax, from the peers' wheels) | cudnn (default: all).
 Prints per implementation the GPU busy time per step and each kernel's count and mean
-time per step (profile_decode.summarize).
+time per step (profile_decode.summarize). --once runs two plain steps, no trace: run it
+under ncu with a kernel filter (benchmarks/device_bwd.sh ncu), the second step's
+kernels are past first-use work.
 """
 import sys
 import tempfile
@@ -51,11 +54,27 @@ def train_loop(attn, causal):
     return jax.jit(prog)
 
 
-def main(d="128", s="2048", mask="causal", *impls):
-    d, s, causal = int(d), int(s), mask == "causal"
+def inputs(d, s):
+    """The FA3 paper's shapes: batch * seqlen = 16k, heads * d = 2048, bf16."""
     b, h = 16384 // s, 2048 // d
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
+    return tuple(jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
+
+
+def once(d, s, mask, impl):
+    attn = attention(impl)
+    step = jax.jit(lambda q, k, v, do: jax.vjp(
+        lambda q, k, v: attn(q, k, v, mask == "causal"), q, k, v)[1](do))
+    args = inputs(int(d), int(s))
+    for _ in range(2):
+        jax.block_until_ready(step(*args))
+
+
+def main(d="128", s="2048", mask="causal", *impls):
+    if d == "--once":
+        return once(s, mask, *impls)
+    d, s, causal = int(d), int(s), mask == "causal"
+    q, k, v, do = inputs(d, s)
     for impl in impls or ("flashjax", "fa3", "cudnn"):
         try:
             step = train_loop(attention(impl), causal)
