@@ -2,7 +2,9 @@
 # One device call (H100) for the backward work of issue 26: build this tree, then the
 # steps named (any order): peers (FA3 / cuDNN side by side, PEERS_ONLY shapes),
 # ncu (our key kernel and FA3's backward kernel, NCU_SHAPES "D:S:causal|full ..."),
-# bench (flashjax.bench bwd / fwd+bwd at the FA3 shapes of BENCH_ARGS), tests (GPU suite).
+# bench (flashjax.bench bwd / fwd+bwd at the FA3 shapes of BENCH_ARGS), trace (kernels
+# per fwd+bwd step, tools/profile_train.py, TRACE_CASES), tests (GPU suite, GPU_TESTS /
+# GPU_K), sanitize (compute-sanitizer memcheck of tools/sanitize_*.py).
 # base: the baseline snapshot in .baseline/ (made here: mkdir .baseline && git archive REV |
 # tar -x -C .baseline), built into /tmp/base; benchbase: the bench on it (same timing code).
 # Needs .peers/ (../shared/peers/README.md) carried for peers and ncu.
