@@ -1,21 +1,22 @@
 """The FFI handlers re-check what Python already checked: a direct ffi_call with
 inconsistent buffers or attributes is an error naming the problem, never a crash."""
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax import _ffi
+from flashjax import _ffi, _spec
+
+FORWARD, VARLEN_FORWARD = _spec.FORWARD.name, _spec.VARLEN_FORWARD.name
 
 
 def attributes(**overrides):
-    attrs = dict(softmax_scale=np.float32(0.25), window_left=np.int64(-1),
-                 window_right=np.int64(-1), softcap=np.float32(0.0), max_seqlen_q=np.int64(8),
-                 max_seqlen_k=np.int64(8), has_sinks=np.bool_(False),
-                 has_seqused_q=np.bool_(False), has_seqused_k=np.bool_(False),
-                 has_segment_ids=np.bool_(False), has_diagonal_offset=np.bool_(False),
-                 deterministic=np.bool_(False), kernel_cap=np.int64(0))
+    """Every attribute of a plain call (the table's options and flags), overridden."""
+    config = _spec.Config(0.25, -1, -1, 0.0, False, max_seqlen_q=8, max_seqlen_k=8)
+    attrs = _spec.FORWARD.attributes(config.options(), ())
     attrs.update({k: type(attrs[k])(v) for k, v in overrides.items()})
     return attrs
 
@@ -39,38 +40,38 @@ def varlen_args(total=16, h=2, d=16, cu=(0, 8, 16)):
 
 def test_consistent_calls_run():
     args, outs = dense_args()
-    call(_ffi.FORWARD_TARGET, args, outs)
+    call(FORWARD, args, outs)
     args, outs = varlen_args()
-    call(_ffi.VARLEN_FORWARD_TARGET, args, outs)
+    call(VARLEN_FORWARD, args, outs)
 
 
 BAD_CALLS = {
-    "announced_sinks_missing": lambda: call(_ffi.FORWARD_TARGET, *dense_args(), has_sinks=True),
+    "announced_sinks_missing": lambda: call(FORWARD, *dense_args(), has_sinks=True),
     "unannounced_extra_input": lambda: call(
-        _ffi.FORWARD_TARGET, dense_args()[0] + [jnp.zeros((1, 2), jnp.float32)], dense_args()[1]),
+        FORWARD, dense_args()[0] + [jnp.zeros((1, 2), jnp.float32)], dense_args()[1]),
     "seqused_wrong_shape": lambda: call(
-        _ffi.FORWARD_TARGET, dense_args()[0] + [jnp.zeros((3,), jnp.int32)], dense_args()[1],
+        FORWARD, dense_args()[0] + [jnp.zeros((3,), jnp.int32)], dense_args()[1],
         has_seqused_q=True),
     "seqused_wrong_dtype": lambda: call(
-        _ffi.FORWARD_TARGET, dense_args()[0] + [jnp.zeros((1,), jnp.float32)], dense_args()[1],
+        FORWARD, dense_args()[0] + [jnp.zeros((1,), jnp.float32)], dense_args()[1],
         has_seqused_k=True),
     "segments_on_packed": lambda: call(
-        _ffi.VARLEN_FORWARD_TARGET,
+        VARLEN_FORWARD,
         varlen_args()[0] + [jnp.zeros((2, 8), jnp.int32)] * 2, varlen_args()[1],
         has_segment_ids=True),
     "cu_seqlens_float": lambda: call(
-        _ffi.VARLEN_FORWARD_TARGET,
+        VARLEN_FORWARD,
         varlen_args()[0][:3] + [jnp.zeros((3,), jnp.float32)] * 2, varlen_args()[1]),
     "cu_seqlens_lengths_differ": lambda: call(
-        _ffi.VARLEN_FORWARD_TARGET,
+        VARLEN_FORWARD,
         varlen_args()[0][:4] + [jnp.zeros((4,), jnp.int32)], varlen_args()[1]),
     "packed_rank_4": lambda: call(
-        _ffi.VARLEN_FORWARD_TARGET,
+        VARLEN_FORWARD,
         [jnp.ones((1, 16, 2, 16))] * 3 + varlen_args()[0][3:], dense_args(s=16)[1]),
     "lse_wrong_layout": lambda: call(
-        _ffi.VARLEN_FORWARD_TARGET, varlen_args()[0],
+        VARLEN_FORWARD, varlen_args()[0],
         [varlen_args()[1][0], ((16, 2), jnp.float32)]),
-    "negative_max_seqlen": lambda: call(_ffi.VARLEN_FORWARD_TARGET, *varlen_args(),
+    "negative_max_seqlen": lambda: call(VARLEN_FORWARD, *varlen_args(),
                                         max_seqlen_q=-1),
 }
 
@@ -79,3 +80,30 @@ BAD_CALLS = {
 def test_inconsistent_calls_are_errors(bad):
     with pytest.raises(Exception, match="flashjax"):
         bad()
+
+
+def _cxx_table() -> dict:
+    """The C++ operand lists (csrc/include/flashjax/operands.h) as the library reports
+    them: {"attention.options": [(name, type)], "attention.inputs": [(name, flag)], ...}."""
+    lib = _ffi.library()
+    lib.FlashjaxOperands.restype = ctypes.c_char_p
+    return {key: [tuple(item.split(":")) for item in value.split(",") if item]
+            for key, value in (part.split("=") for part in
+                               lib.FlashjaxOperands().decode().split(";"))}
+
+
+TYPE_NAMES = {np.float32: "f32", np.int64: "i64", np.bool_: "bool"}
+
+
+@pytest.mark.parametrize("name, target", [("attention", _spec.FORWARD),
+                                          ("kvcache", _spec.KVCACHE)])
+def test_python_and_cxx_tables_agree(name, target):
+    """_spec.py and operands.h list the same options (names, types) and optional inputs
+    (names, flags, order); every attention target shares the options and inputs."""
+    table = _cxx_table()
+    assert sorted(table[f"{name}.options"]) == sorted(
+        (o.name, TYPE_NAMES[o.type]) for o in target.options)
+    assert table[f"{name}.inputs"] == [(op.name, op.flag) for op in target.optional]
+    if name == "attention":
+        for other in (_spec.BACKWARD, _spec.VARLEN_FORWARD, _spec.VARLEN_BACKWARD):
+            assert (other.options, other.optional) == (target.options, target.optional)

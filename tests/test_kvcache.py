@@ -73,7 +73,7 @@ def check_prefill_route(case, static_seqlens=None):
     q, k_cache, v_cache, new, extra = make_inputs(case)
     want_out, want_lse, want_kc, _ = expected(case, q, k_cache, v_cache, new, extra)
     cfg = _checks.make_config(q.shape[-1], None, case.causal, case.window_size, case.softcap,
-                              case.sinks, False)
+                              False)
     sinks = extra.get("sinks")
     call = kvcache._KvcacheCall(cfg, extra.get("cache_leftpad"), extra.get("cache_batch_idx"),
                                 extra.get("page_table"),

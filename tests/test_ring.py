@@ -117,8 +117,7 @@ def test_strategy_rule():
     sliding window; the ring otherwise (docs/sharding.md)."""
     from flashjax import _checks, ring
 
-    config = lambda causal, window: _checks.make_config(16, None, causal, window, 0.0, False,
-                                                        False)
+    config = lambda causal, window: _checks.make_config(16, None, causal, window, 0.0, False)
     assert ring.choose_strategy("auto", 1, config(True, (-1, -1))) == "ring"
     assert ring.choose_strategy("auto", 2, config(False, (-1, -1))) == "ring"
     assert ring.choose_strategy("auto", 4, config(True, (-1, -1))) == "all_gather"

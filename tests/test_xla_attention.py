@@ -25,7 +25,7 @@ import pytest
 
 import flashjax
 from flashjax import _checks, reference, xla_attention
-from flashjax._calls import Layout
+from flashjax._spec import Extras, Layout
 from helpers import (POSITION_STARTS, Case, case_inputs, check_close, check_forward,
                      check_forward_and_gradients, check_forward_values, check_gradient_values,
                      compiled_references, counting_jit, gradient_inputs, ids,
@@ -43,15 +43,13 @@ def dense_xla(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
               kv_offset=None, implementation=None):
     """flash_attention's contract on xla_attention.attention_core."""
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic, "xla")
+                              deterministic, "xla")
     as_i32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
     layout = Layout(seqused_q=as_i32(seqused_q), seqused_k=as_i32(seqused_k),
                     q_segment_ids=as_i32(q_segment_ids), kv_segment_ids=as_i32(kv_segment_ids),
                     diagonal_offset=_checks.diagonal_offset(q_offset, kv_offset, q.shape[0],
                                                             "(batch,)"))
-    if sinks is None:
-        sinks = jnp.zeros((q.shape[2],), jnp.float32)
-    out, lse = xla_attention.attention_core(q, k, v, sinks, layout, cfg)
+    out, lse = xla_attention.attention_core(q, k, v, Extras(sinks=sinks), layout, cfg)
     return (out, lse) if return_lse else out
 
 
@@ -61,7 +59,7 @@ def varlen_xla(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                deterministic=False, q_offset=None, kv_offset=None, implementation=None):
     """flash_attention_varlen's contract on xla_attention.attention_core."""
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic, "xla", packed=True,
+                              deterministic, "xla", packed=True,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     as_i32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
     sequences = np.shape(cu_seqlens_q)[0] - 1
@@ -69,9 +67,7 @@ def varlen_xla(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                     seqused_q=as_i32(seqused_q), seqused_k=as_i32(seqused_k),
                     diagonal_offset=_checks.diagonal_offset(q_offset, kv_offset, sequences,
                                                             "(num_seqs,)"))
-    if sinks is None:
-        sinks = jnp.zeros((q.shape[1],), jnp.float32)
-    out, lse = xla_attention.attention_core(q, k, v, sinks, layout, cfg)
+    out, lse = xla_attention.attention_core(q, k, v, Extras(sinks=sinks), layout, cfg)
     return (out, lse) if return_lse else out
 
 
@@ -462,7 +458,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     from flashjax import _checks, reference, xla_attention
-    from flashjax._calls import Layout
+    from flashjax._spec import Extras, Layout
 
     xla_attention.BLOCK_Q = xla_attention.BLOCK_K = 16
     mesh = Mesh(np.array(jax.devices()), ("rows",))
@@ -471,12 +467,13 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
     k = jax.random.normal(ks[1], (2, 64, 2, 16), jnp.float32)
     v = jax.random.normal(ks[2], (2, 64, 2, 16), jnp.float32)
     sinks = jax.random.normal(ks[3], (4,), jnp.float32)
-    cfg = _checks.make_config(16, None, True, (20, -1), 0.0, True, False, "xla")
+    cfg = _checks.make_config(16, None, True, (20, -1), 0.0, False, "xla")
     rows = P(None, "rows", None, None)
 
     def local(q, k, v, s):  # query rows sharded, K/V replicated: a traced, varying offset
         offset = jnp.full((q.shape[0],), jax.lax.axis_index("rows") * q.shape[1], jnp.int32)
-        return xla_attention.attention_core(q, k, v, s, Layout(diagonal_offset=offset), cfg)[0]
+        return xla_attention.attention_core(q, k, v, Extras(sinks=s), Layout(diagonal_offset=offset),
+                                            cfg)[0]
 
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(rows, P(), P(), P()), out_specs=rows))
     ref = lambda q, k, v, s: reference.attention(q, k, v, sinks=s, causal=True,

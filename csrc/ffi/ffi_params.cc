@@ -3,7 +3,6 @@
 #include <cmath>
 #include <cstdint>
 #include <sstream>
-#include <tuple>
 
 namespace flashjax::ffi_layer {
 namespace {
@@ -45,7 +44,10 @@ bool same_leading(ffi::Span<const int64_t> a, size_t trailing_a, ffi::Span<const
   return true;
 }
 
-ffi::Error check_options(const Options& options) {
+// The options every target has (FLASHJAX_SHARED_OPTIONS), checked and copied
+// into the AttentionParams fields of the same name.
+template <class TargetOptions>
+ffi::Error set_shared_options(AttentionParams& p, const TargetOptions& options) {
   if (options.window_left < -1 || options.window_right < -1)
     return invalid("window sizes must be >= -1");
   if (!(options.softcap >= 0.0f) || !std::isfinite(options.softmax_scale))
@@ -53,13 +55,17 @@ ffi::Error check_options(const Options& options) {
   if (options.kernel_cap < static_cast<int64_t>(KernelCap::kAny) ||
       options.kernel_cap > static_cast<int64_t>(KernelCap::kSimt))
     return invalid("kernel_cap must be 0 (any), 1 (mma) or 2 (simt)");
+#define FLASHJAX_COPY_OPTION(type, name) p.name = static_cast<decltype(p.name)>(options.name);
+  FLASHJAX_SHARED_OPTIONS(FLASHJAX_COPY_OPTION)
+#undef FLASHJAX_COPY_OPTION
   return ffi::Error::Success();
 }
 
-// The checks dense and packed calls share once shapes are read.
+// The checks every call shares once shapes are read.
+template <class TargetOptions>
 ffi::Error check_and_set_common(AttentionParams& p, const ffi::AnyBuffer& q,
                                 const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                const Options& options) {
+                                const TargetOptions& options) {
   if (!to_dtype(q.element_type(), p.dtype))
     return invalid("q must be float16, bfloat16 or float32");
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
@@ -69,13 +75,7 @@ ffi::Error check_and_set_common(AttentionParams& p, const ffi::AnyBuffer& q,
   if (p.head_dim < 1 || p.head_dim > kMaxHeadDim || p.head_dim_v < 1 ||
       p.head_dim_v > kMaxHeadDim)
     return invalid("head_dim and head_dim_v must be in [1, 256]");
-  if (ffi::Error e = check_options(options); e.failure()) return e;
-  p.softmax_scale = options.softmax_scale;
-  p.softcap = options.softcap;
-  p.window_left = options.window_left;
-  p.window_right = options.window_right;
-  p.deterministic = options.deterministic;
-  p.kernel_cap = static_cast<KernelCap>(options.kernel_cap);
+  if (ffi::Error e = set_shared_options(p, options); e.failure()) return e;
   p.q = row_tensor(p, q.untyped_data(), true, p.heads_q, p.head_dim);
   p.k = row_tensor(p, k.untyped_data(), false, p.heads_kv, p.head_dim);
   p.v = row_tensor(p, v.untyped_data(), false, p.heads_kv, p.head_dim_v);
@@ -90,6 +90,46 @@ bool is_int32_array(const ffi::AnyBuffer& buffer, int64_t rows, std::initializer
   for (int64_t t : trailing)
     if (d[i++] != t) return false;
   return leading_product(d, trailing.size()) == rows;
+}
+
+// Checks an optional input's dtype and shape by its kind (operands.h).
+ffi::Error check_input(const char* name, InputKind kind, const ffi::AnyBuffer& buffer,
+                       const AttentionParams& p) {
+  auto expected = [&](const char* what) {
+    return invalid(std::string(name) + " must be int32 " + what + "; got " +
+                   shape_string(buffer.dimensions()));
+  };
+  switch (kind) {
+    case InputKind::kPerHead:
+      return expect_per_head(name, buffer, p);
+    case InputKind::kPerSequence:
+      if (is_int32_array(buffer, p.batch, {})) return ffi::Error::Success();
+      return expected("(batch,)");
+    case InputKind::kQueryRows:
+      if (p.packed()) return invalid("segment ids are for the dense layout only");
+      if (is_int32_array(buffer, p.batch, {p.seqlen_q})) return ffi::Error::Success();
+      return expected("(batch, seqlen_q)");
+    case InputKind::kKeyRows:
+      if (p.packed()) return invalid("segment ids are for the dense layout only");
+      if (is_int32_array(buffer, p.batch, {p.seqlen_k})) return ffi::Error::Success();
+      return expected("(batch, seqlen_k)");
+    case InputKind::kPageTable: {
+      auto d = buffer.dimensions();
+      if (buffer.element_type() == ffi::DataType::S32 && d.size() == 2 && d[0] == p.batch &&
+          d[1] >= 1)
+        return ffi::Error::Success();
+      return expected("(batch, max_pages)");
+    }
+  }
+  return invalid(std::string(name) + " has an unknown kind");
+}
+
+// The attention targets' checks: the shared ones and their own options.
+ffi::Error check_and_set_attention(AttentionParams& p, const ffi::AnyBuffer& q,
+                                   const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                   const Options& options) {
+  p.deterministic = options.deterministic;
+  return check_and_set_common(p, q, k, v, options);
 }
 
 // Fills the slots whose flag is set, in order, from the call's remaining
@@ -110,14 +150,12 @@ ffi::Error take_present_inputs(const ffi::RemainingArgs& rest, const bool (&pres
 
 }  // namespace
 
+#define FLASHJAX_INPUT_FLAG(name, flag, kind, field) options.flag,
+#define FLASHJAX_INPUT_ADDRESS(name, flag, kind, field) &inputs.name,
 ffi::Error take_optional_inputs(const ffi::RemainingArgs& rest, const Options& options,
                                 OptionalInputs& inputs) {
-  return take_present_inputs(
-      rest,
-      {options.has_sinks, options.has_seqused_q, options.has_seqused_k, options.has_segment_ids,
-       options.has_segment_ids, options.has_diagonal_offset},
-      {&inputs.sinks, &inputs.seqused_q, &inputs.seqused_k, &inputs.q_segment_ids,
-       &inputs.kv_segment_ids, &inputs.diagonal_offset});
+  return take_present_inputs(rest, {FLASHJAX_ATTENTION_INPUTS(FLASHJAX_INPUT_FLAG)},
+                             {FLASHJAX_ATTENTION_INPUTS(FLASHJAX_INPUT_ADDRESS)});
 }
 
 TensorRef row_tensor(const AttentionParams& p, void* data, bool query_side, int64_t heads,
@@ -153,7 +191,7 @@ ffi::Error fill_dense_inputs(AttentionParams& p, const ffi::AnyBuffer& q, const 
     return invalid("v must have k's seqlen and heads: k " + shape_string(kd) + ", v " +
                    shape_string(vd));
   if (p.seqlen_q < 1 || p.seqlen_k < 1) return invalid("seqlens must be >= 1");
-  return check_and_set_common(p, q, k, v, options);
+  return check_and_set_attention(p, q, k, v, options);
 }
 
 ffi::Error fill_packed_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
@@ -186,34 +224,19 @@ ffi::Error fill_packed_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
     return invalid("v must have k's total and heads: k " + shape_string(kd) + ", v " +
                    shape_string(vd));
   if (p.seqlen_q < 0 || p.seqlen_k < 0) return invalid("max_seqlen must be >= 0");
-  return check_and_set_common(p, q, k, v, options);
+  return check_and_set_attention(p, q, k, v, options);
 }
 
+// Points p.field at an optional input once its shape (kind) is checked.
+#define FLASHJAX_FILL_INPUT(name, flag, kind, field)                                    \
+  if (inputs.name) {                                                                     \
+    if (ffi::Error e = check_input(#name, InputKind::kind, *inputs.name, p); e.failure()) \
+      return e;                                                                          \
+    p.field = static_cast<decltype(p.field)>(inputs.name->untyped_data());              \
+  }
+
 ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs) {
-  if (inputs.sinks) {
-    if (ffi::Error e = expect_per_head("sinks", *inputs.sinks, p); e.failure()) return e;
-    p.sinks = static_cast<const float*>(inputs.sinks->untyped_data());
-  }
-  for (auto [name, input, target] :
-       {std::tuple{"seqused_q", &inputs.seqused_q, &p.seqused_q},
-        std::tuple{"seqused_k", &inputs.seqused_k, &p.seqused_k},
-        std::tuple{"diagonal_offset", &inputs.diagonal_offset, &p.diagonal_offset}}) {
-    if (!*input) continue;
-    if (!is_int32_array(**input, p.batch, {}))
-      return invalid(std::string(name) + " must be int32 (batch,); got " +
-                     shape_string((*input)->dimensions()));
-    *target = static_cast<const int32_t*>((*input)->untyped_data());
-  }
-  if (inputs.q_segment_ids || inputs.kv_segment_ids) {
-    if (p.packed()) return invalid("segment ids are for the dense layout only");
-    if (!inputs.q_segment_ids || !inputs.kv_segment_ids ||
-        !is_int32_array(*inputs.q_segment_ids, p.batch, {p.seqlen_q}) ||
-        !is_int32_array(*inputs.kv_segment_ids, p.batch, {p.seqlen_k}))
-      return invalid("q_segment_ids and kv_segment_ids must be int32 (batch, seqlen_q) and "
-                     "(batch, seqlen_k)");
-    p.q_segment_ids = static_cast<const int32_t*>(inputs.q_segment_ids->untyped_data());
-    p.kv_segment_ids = static_cast<const int32_t*>(inputs.kv_segment_ids->untyped_data());
-  }
+  FLASHJAX_ATTENTION_INPUTS(FLASHJAX_FILL_INPUT)
   return ffi::Error::Success();
 }
 
@@ -252,35 +275,19 @@ ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
                    shape_string(in.cache_seqlens.dimensions()));
   c.seqlens = static_cast<const int32_t*>(in.cache_seqlens.untyped_data());
 
-  std::optional<ffi::AnyBuffer> leftpad, batch_idx, page_table, sinks;
-  if (ffi::Error e = take_present_inputs(rest,
-                                         {options.has_leftpad, options.has_batch_idx,
-                                          options.has_page_table, options.has_sinks},
-                                         {&leftpad, &batch_idx, &page_table, &sinks});
+  KvcacheOptionalInputs inputs;
+  if (ffi::Error e = take_present_inputs(rest, {FLASHJAX_KVCACHE_INPUTS(FLASHJAX_INPUT_FLAG)},
+                                         {FLASHJAX_KVCACHE_INPUTS(FLASHJAX_INPUT_ADDRESS)});
       e.failure())
     return e;
-  for (auto [name, input, target] : {std::tuple{"cache_leftpad", &leftpad, &c.leftpad},
-                                      std::tuple{"cache_batch_idx", &batch_idx, &c.batch_idx}}) {
-    if (!*input) continue;
-    if (!is_int32_array(**input, p.batch, {}) || (*input)->dimensions().size() != 1)
-      return invalid(std::string(name) + " must be int32 (batch,); got " +
-                     shape_string((*input)->dimensions()));
-    *target = static_cast<const int32_t*>((*input)->untyped_data());
-  }
-  if (page_table) {
-    auto d = page_table->dimensions();
-    if (page_table->element_type() != ffi::DataType::S32 || d.size() != 2 || d[0] != p.batch ||
-        d[1] < 1)
-      return invalid("page_table must be int32 (batch, max_pages); got " + shape_string(d));
-    if (batch_idx) return invalid("cache_batch_idx is for contiguous caches, not paged ones");
-    c.page_table = static_cast<const int32_t*>(page_table->untyped_data());
-    c.max_pages = d[1];
+  FLASHJAX_KVCACHE_INPUTS(FLASHJAX_FILL_INPUT)
+  if (inputs.page_table) {
+    if (inputs.cache_batch_idx)
+      return invalid("cache_batch_idx is for contiguous caches, not paged ones");
+    c.max_pages = inputs.page_table->dimensions()[1];
   }
   p.seqlen_k = c.capacity();
-  const Options common{options.softmax_scale, options.window_left, options.window_right,
-                       options.softcap, 0,     0,     false, false, false, false, false, false,
-                       options.kernel_cap};
-  if (ffi::Error e = check_and_set_common(p, in.q, in.k_cache, in.v_cache, common); e.failure())
+  if (ffi::Error e = check_and_set_common(p, in.q, in.k_cache, in.v_cache, options); e.failure())
     return e;
   if (options.num_splits < 1) return invalid("num_splits must be >= 1");
   p.k = TensorRef::rows_heads_dim(in.k_cache_data, c.slot_rows, p.heads_kv, p.head_dim);
@@ -288,10 +295,6 @@ ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
   c.k_new = TensorRef::rows_heads_dim(in.k_new.untyped_data(), c.new_rows, p.heads_kv, p.head_dim);
   c.v_new = TensorRef::rows_heads_dim(in.v_new.untyped_data(), c.new_rows, p.heads_kv,
                                       p.head_dim_v);
-  if (sinks) {
-    if (ffi::Error e = expect_per_head("sinks", *sinks, p); e.failure()) return e;
-    p.sinks = static_cast<const float*>(sinks->untyped_data());
-  }
   return ffi::Error::Success();
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "flashjax/operands.h"
 #include "flashjax/params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -13,39 +14,36 @@ namespace flashjax::ffi_layer {
 
 namespace ffi = xla::ffi;
 
-// Every target's attributes, decoded as one struct (Python passes them all;
-// causal is folded into window_right = 0). has_* say which optional inputs
-// follow the required ones, in the order of OptionalInputs.
+// The attribute structs of the targets, generated from the lists in
+// flashjax/operands.h: a member per static option and per has_* flag (Python
+// passes them all; causal is folded into window_right = 0).
+#define FLASHJAX_OPTION_MEMBER(type, name) type name;
+#define FLASHJAX_FLAG_MEMBER(name) bool name;
 struct Options {
-  float softmax_scale;
-  int64_t window_left;
-  int64_t window_right;
-  float softcap;
-  int64_t max_seqlen_q;  // packed targets: slot bound; dense: unused (0)
-  int64_t max_seqlen_k;
-  bool has_sinks;
-  bool has_seqused_q;
-  bool has_seqused_k;
-  bool has_segment_ids;
-  bool has_diagonal_offset;
-  bool deterministic;    // backward only
-  int64_t kernel_cap;    // KernelCap
+  FLASHJAX_ATTENTION_OPTIONS(FLASHJAX_OPTION_MEMBER)
+  FLASHJAX_ATTENTION_FLAGS(FLASHJAX_FLAG_MEMBER)
+};
+struct KvcacheOptions {
+  FLASHJAX_KVCACHE_OPTIONS(FLASHJAX_OPTION_MEMBER)
+  FLASHJAX_KVCACHE_FLAGS(FLASHJAX_FLAG_MEMBER)
 };
 
-// Attributes of the KV-cache target (flash_attention_with_kvcache). has_* say
-// which optional inputs follow the required ones, in the order of
-// KvcacheOptionalInputs.
-struct KvcacheOptions {
-  float softmax_scale;
-  int64_t window_left;
-  int64_t window_right;
-  float softcap;
-  int64_t num_splits;  // >= 1 (Python resolves 0, automatic)
-  int64_t kernel_cap;  // KernelCap
-  bool has_leftpad;
-  bool has_batch_idx;
-  bool has_page_table;
-  bool has_sinks;
+// The shapes of optional inputs (the `kind` of the operands.h lists).
+enum class InputKind {
+  kPerHead,       // float32 [batch.., heads_q] (sinks: one row per sequence)
+  kPerSequence,   // int32 [batch..]
+  kQueryRows,     // int32 [batch.., seqlen_q] (dense layout only)
+  kKeyRows,       // int32 [batch.., seqlen_k] (dense layout only)
+  kPageTable,     // int32 [batch, max_pages >= 1]
+};
+
+// A slot per optional input of a target, filled when present.
+#define FLASHJAX_INPUT_SLOT(name, flag, kind, field) std::optional<ffi::AnyBuffer> name;
+struct OptionalInputs {
+  FLASHJAX_ATTENTION_INPUTS(FLASHJAX_INPUT_SLOT)
+};
+struct KvcacheOptionalInputs {
+  FLASHJAX_KVCACHE_INPUTS(FLASHJAX_INPUT_SLOT)
 };
 
 // The KV-cache target's required inputs. k_cache / v_cache are the buffers the
@@ -56,17 +54,12 @@ struct KvcacheInputs {
   void* v_cache_data;
 };
 // Fills p for a cache call: shapes, semantics, q, the caches and their
-// metadata, the new rows and the optional inputs (leftpad, batch_idx,
-// page_table, sinks, present ones in that order).
+// metadata, the new rows and the optional inputs (FLASHJAX_KVCACHE_INPUTS).
 ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
                                const ffi::RemainingArgs& rest, const KvcacheOptions& options);
 
-// The optional inputs a call passes after its required ones, present ones
-// only, in this order (no placeholder arrays).
-struct OptionalInputs {
-  std::optional<ffi::AnyBuffer> sinks, seqused_q, seqused_k, q_segment_ids, kv_segment_ids,
-      diagonal_offset;
-};
+// Takes the optional inputs the attributes announce (present ones only, in
+// the order of FLASHJAX_ATTENTION_INPUTS, no placeholder arrays).
 ffi::Error take_optional_inputs(const ffi::RemainingArgs& rest, const Options& options,
                                 OptionalInputs& inputs);
 
@@ -78,8 +71,8 @@ ffi::Error fill_packed_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
                               const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                               const ffi::AnyBuffer& cu_seqlens_q,
                               const ffi::AnyBuffer& cu_seqlens_k, const Options& options);
-// Checks and sets sinks, seqused, segment ids and the diagonal offset (after
-// fill_*_inputs).
+// Checks each present optional input and points its AttentionParams field at
+// it (after fill_*_inputs).
 ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs);
 
 // Per-layout views of a buffer shaped like q/k (query_side) with `heads` and
@@ -103,26 +96,15 @@ ffi::Error expect_per_head(const char* name, const ffi::AnyBuffer& buffer,
 
 }  // namespace flashjax::ffi_layer
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    flashjax::ffi_layer::Options, ::xla::ffi::StructMember<float>("softmax_scale"),
-    ::xla::ffi::StructMember<int64_t>("window_left"),
-    ::xla::ffi::StructMember<int64_t>("window_right"),
-    ::xla::ffi::StructMember<float>("softcap"),
-    ::xla::ffi::StructMember<int64_t>("max_seqlen_q"),
-    ::xla::ffi::StructMember<int64_t>("max_seqlen_k"),
-    ::xla::ffi::StructMember<bool>("has_sinks"), ::xla::ffi::StructMember<bool>("has_seqused_q"),
-    ::xla::ffi::StructMember<bool>("has_seqused_k"),
-    ::xla::ffi::StructMember<bool>("has_segment_ids"),
-    ::xla::ffi::StructMember<bool>("has_diagonal_offset"),
-    ::xla::ffi::StructMember<bool>("deterministic"),
-    ::xla::ffi::StructMember<int64_t>("kernel_cap"));
-
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    flashjax::ffi_layer::KvcacheOptions, ::xla::ffi::StructMember<float>("softmax_scale"),
-    ::xla::ffi::StructMember<int64_t>("window_left"),
-    ::xla::ffi::StructMember<int64_t>("window_right"),
-    ::xla::ffi::StructMember<float>("softcap"), ::xla::ffi::StructMember<int64_t>("num_splits"),
-    ::xla::ffi::StructMember<int64_t>("kernel_cap"),
-    ::xla::ffi::StructMember<bool>("has_leftpad"), ::xla::ffi::StructMember<bool>("has_batch_idx"),
-    ::xla::ffi::StructMember<bool>("has_page_table"),
-    ::xla::ffi::StructMember<bool>("has_sinks"));
+// The XLA FFI decodings of the attribute structs, by member name, from the same
+// lists (FLASHJAX_APPLY expands the generated member list before the XLA macro
+// splits its arguments).
+#define FLASHJAX_APPLY(macro, ...) macro(__VA_ARGS__)
+#define FLASHJAX_DECODE_OPTION(type, name) , ::xla::ffi::StructMember<type>(#name)
+#define FLASHJAX_DECODE_FLAG(name) , ::xla::ffi::StructMember<bool>(#name)
+FLASHJAX_APPLY(XLA_FFI_REGISTER_STRUCT_ATTR_DECODING,
+               flashjax::ffi_layer::Options FLASHJAX_ATTENTION_OPTIONS(FLASHJAX_DECODE_OPTION)
+                   FLASHJAX_ATTENTION_FLAGS(FLASHJAX_DECODE_FLAG));
+FLASHJAX_APPLY(XLA_FFI_REGISTER_STRUCT_ATTR_DECODING,
+               flashjax::ffi_layer::KvcacheOptions FLASHJAX_KVCACHE_OPTIONS(FLASHJAX_DECODE_OPTION)
+                   FLASHJAX_KVCACHE_FLAGS(FLASHJAX_DECODE_FLAG));

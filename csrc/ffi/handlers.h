@@ -8,12 +8,14 @@
 //   varlen_forward  (q, k, v, cu_seqlens_q, cu_seqlens_k, [optional..]) -> (out, lse)
 //   varlen_backward (q, k, v, cu_seqlens_q, cu_seqlens_k, out, dout, lse, dlse, [optional..])
 //                   -> (dq, dk, dv, dsinks)
-//   kvcache         (q, k_cache, v_cache, k_new, v_new, cache_seqlens, [leftpad,
-//                   batch_idx, page_table, sinks]) -> (out, lse, workspace
+//   kvcache         (q, k_cache, v_cache, k_new, v_new, cache_seqlens, [optional..])
+//                   -> (out, lse, workspace
 //                   [, k_cache, v_cache]): the cache outputs, present when new
 //                   rows are appended, alias the cache inputs.
-// [optional..]: the present ones of sinks, seqused_q, seqused_k, q_segment_ids,
-// kv_segment_ids, diagonal_offset, in that order, as the Options flags announce.
+// [optional..]: the present ones of FLASHJAX_ATTENTION_INPUTS (sinks, seqused_q,
+// seqused_k, q_segment_ids, kv_segment_ids, diagonal_offset; flashjax/operands.h),
+// in that order, as the Options flags announce; the KV-cache target's likewise
+// (FLASHJAX_KVCACHE_INPUTS).
 #pragma once
 
 #include "ffi_params.h"

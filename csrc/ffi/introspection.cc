@@ -3,7 +3,9 @@
 
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
+#include "flashjax/operands.h"
 #include "flashjax/params.h"
 
 #ifdef FLASHJAX_WITH_CUDA
@@ -73,6 +75,30 @@ extern "C" const char* FlashjaxBuildInfo() {
   static const std::string info = "cuda_targets=;head_dims=;cuda_runtime=";
 #endif
   return info.c_str();
+}
+
+namespace {
+
+template <class T>
+const char* type_name() {
+  if constexpr (std::is_same_v<T, float>) return "f32";
+  if constexpr (std::is_same_v<T, int64_t>) return "i64";
+  return "bool";
+}
+
+}  // namespace
+
+extern "C" const char* FlashjaxOperands() {
+#define FLASHJAX_NAME_OPTION(type, name) + #name ":" + type_name<type>() + ","
+#define FLASHJAX_NAME_INPUT(name, flag, kind, field) + #name ":" #flag ","
+  static const std::string table =
+      std::string("attention.options=") FLASHJAX_ATTENTION_OPTIONS(FLASHJAX_NAME_OPTION) +
+      ";attention.inputs=" FLASHJAX_ATTENTION_INPUTS(FLASHJAX_NAME_INPUT) +
+      ";kvcache.options=" FLASHJAX_KVCACHE_OPTIONS(FLASHJAX_NAME_OPTION) +
+      ";kvcache.inputs=" FLASHJAX_KVCACHE_INPUTS(FLASHJAX_NAME_INPUT);
+#undef FLASHJAX_NAME_OPTION
+#undef FLASHJAX_NAME_INPUT
+  return table.c_str();
 }
 
 extern "C" int FlashjaxKernelChoice(int device, const FlashjaxCallDescription* call,

@@ -16,6 +16,10 @@ struct FlashjaxCallDescription {
 extern "C" {
 // "cuda_targets=..;head_dims=..;cuda_runtime=.." (cuda_targets empty: a CPU-only build).
 __attribute__((visibility("default"))) const char* FlashjaxBuildInfo();
+// The operand table of the FFI targets (flashjax/operands.h), for tests that check
+// the Python side agrees: "target.options=name:type,..;target.inputs=name:flag,..;.."
+// for targets "attention" and "kvcache" (types f32, i64, bool; inputs in order).
+__attribute__((visibility("default"))) const char* FlashjaxOperands();
 // The forward and backward kernel names ("hopper", "mma", "split-kv", "simt") of the
 // call on CUDA device `device`, NUL-terminated in buffers of `capacity` bytes.
 // Returns 0, or a CUDA error code (-1: a CPU-only build).

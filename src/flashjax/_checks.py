@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._calls import Config
+from ._route import implementation_fields
+from ._spec import Config
+from ._visibility import Window
 
 MAX_HEAD_DIM = 256
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
@@ -122,22 +124,6 @@ def check_static_length(name: str, n) -> int:
     return int(n)
 
 
-# implementation= values: (backend, CUDA kernel cap). None: flashjax's kernels on CUDA and
-# CPU, the pure-JAX path elsewhere; "cuda:mma" / "cuda:simt" cap the CUDA kernel choice
-# (the Hopper kernels, then mma.sync, then SIMT) at the mma.sync or SIMT kernels.
-IMPLEMENTATIONS = {None: ("auto", 0), "cuda": ("cuda", 0), "cuda:mma": ("cuda", 1),
-                   "cuda:simt": ("cuda", 2), "cpu": ("cpu", 0), "xla": ("xla", 0)}
-
-
-def implementation_fields(implementation) -> dict:
-    """Config fields of an implementation= value."""
-    if not isinstance(implementation, (str, type(None))) or implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {list(IMPLEMENTATIONS)}, got "
-                         f"{implementation!r}")
-    backend, cap = IMPLEMENTATIONS[implementation]
-    return dict(implementation=backend, kernel_cap=cap)
-
-
 def _concrete_scalar(name: str, x, what: str):
     """x as a Python/NumPy scalar: Python and NumPy scalars as they are, concrete 0-d
     JAX/NumPy arrays unwrapped; a traced value is a TypeError (it would need a
@@ -171,8 +157,8 @@ def static_flag(name: str, x) -> bool:
     return bool(x)
 
 
-def make_config(head_dim, softmax_scale, causal, window_size, softcap, has_sinks,
-                deterministic, implementation=None, return_lse=False, **layout) -> Config:
+def make_config(head_dim, softmax_scale, causal, window_size, softcap, deterministic,
+                implementation=None, return_lse=False, **layout) -> Config:
     """The call's static Config; every static option is checked here (concrete JAX/NumPy
     scalars are accepted where a number or flag is)."""
     if softmax_scale is None:
@@ -191,7 +177,6 @@ def make_config(head_dim, softmax_scale, causal, window_size, softcap, has_sinks
     softcap = static_real("softcap", softcap)
     if not (softcap >= 0.0) or not math.isfinite(softcap):
         raise ValueError(f"softcap must be a finite real >= 0 (0 = off), got {softcap!r}")
-    if causal:
-        right = 0
-    return Config(softmax_scale, left, right, softcap, bool(has_sinks), deterministic,
+    window = Window.of(causal, (left, right))
+    return Config(softmax_scale, window.left, window.right, softcap, deterministic,
                   **layout, **implementation_fields(implementation))

@@ -1,4 +1,5 @@
-"""Loads the compiled flashjax library and registers its XLA FFI handlers."""
+"""Loads the compiled flashjax library and registers its XLA FFI handlers (one per
+target of _spec.TARGETS and platform)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,8 @@ import pathlib
 
 import jax
 
-FORWARD_TARGET = "flashjax_fwd"
-BACKWARD_TARGET = "flashjax_bwd"
-VARLEN_FORWARD_TARGET = "flashjax_varlen_fwd"
-VARLEN_BACKWARD_TARGET = "flashjax_varlen_bwd"
-KVCACHE_TARGET = "flashjax_kvcache"
+from . import _spec
 
-# Handler symbol stems per target; the library adds the platform's suffix.
-_SYMBOLS = {
-    FORWARD_TARGET: "FlashjaxForward",
-    BACKWARD_TARGET: "FlashjaxBackward",
-    VARLEN_FORWARD_TARGET: "FlashjaxVarlenForward",
-    VARLEN_BACKWARD_TARGET: "FlashjaxVarlenBackward",
-    KVCACHE_TARGET: "FlashjaxKvcache",
-}
 # XLA's platform names and the library's symbol suffixes.
 _PLATFORMS = {"cpu": "Cpu", "CUDA": "Cuda"}
 
@@ -67,7 +56,7 @@ def _register() -> frozenset[str]:
     lib = library()
     platforms = set()
     for platform, suffix in _PLATFORMS.items():
-        symbols = {target: stem + suffix for target, stem in _SYMBOLS.items()}
+        symbols = {target.name: target.symbol + suffix for target in _spec.TARGETS}
         if not all(hasattr(lib, symbol) for symbol in symbols.values()):
             continue  # e.g. a CPU-only build has no CUDA handlers
         for target, symbol in symbols.items():

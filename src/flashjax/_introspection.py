@@ -9,7 +9,8 @@ import importlib.metadata
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _ffi
+from . import _ffi, _route
+from ._visibility import Window
 
 DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
 NAME_BYTES = 32
@@ -82,12 +83,12 @@ def info(q=None, k=None, v=None, *, causal=False, window_size=(-1, -1), determin
         return result
     if k is None or v is None:
         raise ValueError("info() describes a call by q, k and v together")
-    fields = _checks.implementation_fields(implementation)
-    left, right = (int(w) for w in window_size)
+    fields = _route.implementation_fields(implementation)
+    window = Window.of(causal, window_size)
     call = _CallDescription(
         dtype=DTYPES.get(jnp.dtype(q.dtype), 0), batch=q.shape[0], seqlen_q=q.shape[1],
         seqlen_k=k.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3],
-        head_dim_v=v.shape[3], window_left=left, window_right=0 if causal else right,
+        head_dim_v=v.shape[3], window_left=window.left, window_right=window.right,
         packed=int(varlen), seqused=int(seqused), segment_ids=int(segment_ids),
         positions=int(positions), kv_cache=int(kv_cache), deterministic=int(deterministic),
         kernel_cap=fields["kernel_cap"])

@@ -31,24 +31,12 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-# The dims of each kind of operand or result, as factors of the sharding rule: b
-# batch, s query rows, t key rows, H query heads (h kv heads x g heads per group), h
-# kv heads, d q/k head dim, e v head dim; packed calls: T query tokens, U key tokens,
-# m sequences, n = m + 1 (cu_seqlens); KV-cache calls: r cache rows, c cache entries or
-# pages (a pool shared by the sequences), w new rows, p pages per sequence, z workspace.
-DIMS = {
-    "q": "b s H d", "k": "b t h d", "v": "b t h e",
-    "out": "b s H e", "dq": "b s H d", "dk": "b t h d", "dv": "b t h e",
-    "lse": "b H s", "sinks": "b H",
-    "seqused_q": "b", "seqused_k": "b", "q_segment_ids": "b s", "kv_segment_ids": "b t",
-    "diagonal_offset": "b",
-    "packed_q": "T H d", "packed_k": "U h d", "packed_v": "U h e",
-    "packed_out": "T H e", "packed_dq": "T H d", "packed_dk": "U h d", "packed_dv": "U h e",
-    "packed_lse": "H T", "packed_sinks": "m H", "cu_seqlens": "n", "packed_seqused": "m",
-    "cache_k": "b r h d", "cache_v": "b r h e", "pool_k": "c r h d", "pool_v": "c r h e",
-    "new_k": "b w h d", "new_v": "b w h e", "per_sequence": "b", "page_table": "b p",
-    "workspace": "b H z",
-}
+# Operands and results are described by their dims (_spec.Operand.dims: factors of the
+# Shardy rule), e.g. "b s H d" for q: b batch, s query rows, t key rows, H query heads
+# (h kv heads x g heads per group), h kv heads, d q/k head dim, e v head dim; packed
+# calls: T query tokens, U key tokens, m sequences, n = m + 1 (cu_seqlens); KV-cache
+# calls: r cache rows, c cache entries or pages (a pool shared by the sequences), w new
+# rows, p pages per sequence, z workspace.
 # Never sharded by the rule (s, t: unless a ring).
 KEPT_WHOLE = ("s", "t", "d", "e", "g", "T", "U", "m", "n", "r", "c", "w", "p", "z")
 
@@ -57,8 +45,8 @@ KEPT_WHOLE = ("s", "t", "d", "e", "g", "T", "U", "m", "n", "r", "c", "w", "p", "
 class CallSpec:
     """A call's static description: `impl(*static, *operands) -> results` runs it on
     local arrays (impl a module-level function and static hashable values, so that
-    equal calls share one wrapper); `operands` / `results` name each one's kind (a
-    DIMS key; the first two are q and k); `group` is heads_q // heads_kv;
+    equal calls share one wrapper); `operands` / `results`: each one's dims (the first
+    two operands are q and k); `group` is heads_q // heads_kv;
     `ring_impl(*static, axis_name, *operands)`, if any, runs it on sequence shards
     along axis_name; `fold_vmap`: every operand leads with the batch (a vmapped axis
     folds into it; else vmap maps); `batch_shards`: whether batch may shard."""
@@ -74,15 +62,13 @@ class CallSpec:
     fold_vmap: bool = True
     batch_shards: bool = True
 
-    def dims(self, kind: str) -> list:
-        return DIMS[kind].split()
 
 
 def _rule(spec: CallSpec, _mesh, _operand_types, _result_types):
     # q heads are (kv heads x group) when both exceed 1 (Shardy has no compound
     # factor of size 1); one kv head: q heads are the group alone, kept whole.
     heads = "(h g)" if spec.group > 1 and spec.heads_kv > 1 else "g" if spec.group > 1 else "h"
-    side = lambda kinds: ", ".join(DIMS[k].replace("H", heads) for k in kinds)
+    side = lambda dims: ", ".join(d.replace("H", heads) for d in dims)
     rule = f"{side(spec.operands)} -> {side(spec.results)}"
     factors = {"g": spec.group} if "(h g)" in rule else {}
     # (Shardy wants the special factors in the order they first appear.)
@@ -112,7 +98,7 @@ def _partition(spec: CallSpec, mesh, arg_shapes, _result_shapes):
     """Shard batch and heads as q is (where they divide evenly), the sequence too when
     the call can ring over q's sequence axis; nothing else."""
     q, k = arg_shapes[0], arg_shapes[1]
-    q_dims, k_dims = spec.dims(spec.operands[0]), spec.dims(spec.operands[1])
+    q_dims, k_dims = spec.operands[0].split(), spec.operands[1].split()
     mesh_axes = dict.fromkeys(q_dims)
     if isinstance(q.sharding, NamedSharding):
         mesh_axes.update(zip(q_dims, q.sharding.spec))
@@ -127,10 +113,10 @@ def _partition(spec: CallSpec, mesh, arg_shapes, _result_shapes):
     impl = (functools.partial(spec.ring_impl, *spec.static, ring_axis) if ring_axis
             else functools.partial(spec.impl, *spec.static))
 
-    def sharding(kind):
-        return NamedSharding(mesh, PartitionSpec(*(axes.get(d) for d in spec.dims(kind))))
-    return (mesh, impl, tuple(sharding(k) for k in spec.results),
-            tuple(sharding(k) for k in spec.operands))
+    def sharding(dims):
+        return NamedSharding(mesh, PartitionSpec(*(axes.get(d) for d in dims.split())))
+    return (mesh, impl, tuple(sharding(dims) for dims in spec.results),
+            tuple(sharding(dims) for dims in spec.operands))
 
 
 def _batchable(call, fold: bool):

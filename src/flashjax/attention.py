@@ -2,15 +2,13 @@
 
 Argument checking happens here, at trace time, so that mistakes surface as
 ValueError/TypeError naming the argument before anything runs. Gradients come
-from the C++ backward through jax.custom_vjp (`_calls.attention_core`).
+from the C++ backward through jax.custom_vjp (`_core.attention_core`).
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
-from . import _checks, _ffi, _implementation
-from ._calls import Layout
+from . import _checks, _core, _ffi
+from ._spec import Extras, Layout
 
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
 
@@ -90,9 +88,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     layout = _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
                      kv_offset)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic, implementation, return_lse)
+                              deterministic, implementation, return_lse)
     _ffi.load()
-    if sinks is None:
-        sinks = jnp.zeros((q.shape[2],), jnp.float32)  # ignored: has_sinks is False
-    out, lse = _implementation.attention(q, k, v, sinks, layout, cfg)
+    out, lse = _core.attention(q, k, v, Extras(sinks=sinks), layout, cfg)
     return (out, lse) if return_lse else out

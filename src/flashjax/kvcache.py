@@ -13,14 +13,13 @@ and along batch when each sequence owns its cache entry (_partitioning).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from . import _calls, _checks, _ffi, _implementation, _partitioning
+from . import _checks, _ffi, _ffi_calls, _partitioning, _route
+from ._spec import KVCACHE, Config
 from .attention import flash_attention
 
 __all__ = ["flash_attention_with_kvcache", "apply_rotary"]
@@ -221,8 +220,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     rotary_interleaved, return_lse, num_splits = _check(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
         rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
-    cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, False, implementation, return_lse)
+    cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap, False,
+                              implementation, return_lse)
     static_seqlens = None
     if _checks.is_int(cache_seqlens):
         static_seqlens = int(cache_seqlens)
@@ -240,7 +239,7 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
              k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, page_table,
              rotary_cos, rotary_sin, sinks):
     """options: flash_attention's keyword arguments (the prefill and "xla" routes)."""
-    per_row_positions = cfg.window_left >= 0 or cfg.window_right >= 0  # causal or windowed
+    per_row_positions = cfg.window.masked  # causal or windowed
     batch, seqlen_q, heads_q, _ = q.shape
     capacity = cache_capacity(k_cache, page_table)
     if rotary_cos is not None:  # positions count from the first valid key
@@ -265,16 +264,9 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
         # Prefill: the dense kernels on the GPU (the split-KV kernel is for short blocks).
         on_cuda = functools.partial(_prefill_dense, call, static_seqlens, options)
     in_jax = functools.partial(_kvcache_in_jax, call, static_seqlens, options)
-    args = (q, k_cache, v_cache, k, v, seqlens)
-    if cfg.implementation == "xla":
-        route = in_jax
-    elif cfg.implementation != "auto":
-        _implementation.check_platform(cfg, q, k_cache)
-        route = on_cuda if cfg.implementation == "cuda" else in_kernel
-    else:
-        route = lambda *a: jax.lax.platform_dependent(*a, cuda=on_cuda, cpu=in_kernel,
-                                                      default=in_jax)
-    out, lse, k_cache, v_cache = route(*args)
+    out, lse, k_cache, v_cache = _route.run(cfg, (q, k_cache, v_cache, k, v, seqlens),
+                                            cuda=on_cuda, cpu=in_kernel, xla=in_jax,
+                                            arrays=(q, k_cache))
     outputs = (out, lse) if return_lse else (out,)
     if k is not None:
         outputs = (*outputs, k_cache, v_cache)
@@ -323,55 +315,15 @@ def split_count(batch: int, kv_heads: int, packed_rows: int, capacity: int, head
     return max(1, min(resident // max(ctas, 1), tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """The static part of one flashjax_kvcache FFI call (hashable)."""
-
-    cfg: _calls.Config
-    flags: tuple  # (has_leftpad, has_batch_idx, has_page_table, has_sinks)
-    splits: int
-    appends: bool
-
-
-FLAG_NAMES = ("has_leftpad", "has_batch_idx", "has_page_table", "has_sinks")
-
-
-def _kvcache_ffi(static: _Static, q, k_cache, v_cache, k, v, seqlens, *optional):
-    """The FFI call on (local) arrays: (out, lse, workspace[, k_cache, v_cache])."""
-    batch, seqlen_q, heads_q, _ = q.shape
-    dim_v = v_cache.shape[3]
-    # The split partials (float32 out and lse per split and row; unused for one split),
-    # as Partials::bytes in csrc/cuda/kvcache_attention.cu, per (sequence, head) so that
-    # the workspace shards like q.
-    per_head = static.splits * seqlen_q * (dim_v + 1) if static.splits > 1 else 1
-    results = [(q.shape[:-1] + (dim_v,), q.dtype), ((batch, heads_q, seqlen_q), jnp.float32),
-               ((batch, heads_q, per_head), jnp.float32)]
-    if static.appends:
-        results += [(k_cache.shape, k_cache.dtype), (v_cache.shape, v_cache.dtype)]
-    args = (q, k_cache, v_cache, k, v, seqlens, *optional)
-    call = jax.ffi.ffi_call(
-        _ffi.KVCACHE_TARGET, _calls._result_types(q, _calls._varying_axes(*args), *results),
-        input_output_aliases={1: 3, 2: 4} if static.appends else None)
-    cfg = static.cfg
-    return call(*args, softmax_scale=np.float32(cfg.softmax_scale),
-                window_left=np.int64(cfg.window_left), window_right=np.int64(cfg.window_right),
-                softcap=np.float32(cfg.softcap), num_splits=np.int64(static.splits),
-                kernel_cap=np.int64(cfg.kernel_cap),
-                **{name: np.bool_(flag) for name, flag in zip(FLAG_NAMES, static.flags)})
-
-
 class _KvcacheCall:
     """The flashjax_kvcache FFI call of one flash_attention_with_kvcache: static
-    attributes and the optional metadata inputs."""
+    attributes and the optional metadata inputs (sinks: a row per sequence)."""
 
-    def __init__(self, cfg, leftpad, batch_idx, page_table, sinks):
+    def __init__(self, cfg: Config, leftpad, batch_idx, page_table, sinks):
         self.cfg = cfg
         self.leftpad, self.batch_idx, self.page_table = leftpad, batch_idx, page_table
-        present = (leftpad, batch_idx, page_table, sinks)
-        self.optional = [x for x in present if x is not None]
-        self.optional_kinds = tuple(kind for x, kind in zip(
-            present, ("per_sequence", "per_sequence", "page_table", "sinks")) if x is not None)
-        self.flags = tuple(x is not None for x in present)
+        self.optional = dict(cache_leftpad=leftpad, cache_batch_idx=batch_idx,
+                             page_table=page_table, sinks=sinks)
 
     def __call__(self, q, k_cache, v_cache, k, v, seqlens, splits):
         """(out, lse, k_cache, v_cache): k, v (None: nothing) appended, the caches
@@ -381,22 +333,24 @@ class _KvcacheCall:
         if not appends:
             k = jnp.zeros((batch, 0, heads_kv, k_cache.shape[3]), q.dtype)
             v = jnp.zeros((batch, 0, heads_kv, dim_v), q.dtype)
+        present, operands = KVCACHE.operands(dict(
+            self.optional, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
+            cache_seqlens=seqlens.astype(jnp.int32)))
         # A cache entry per sequence shards with the batch; a shared pool (pages, or
-        # entries chosen by cache_batch_idx) stays whole, and batch shards only when
-        # the call does not write it.
+        # entries chosen by cache_batch_idx) stays whole (its own leading dim, c), and
+        # batch shards only when the call does not write it.
         own_entries = (self.page_table is None and self.batch_idx is None
                        and k_cache.shape[0] == batch)
-        cache = "cache" if own_entries else "pool"
-        written = (f"{cache}_k", f"{cache}_v") if appends else ()
+        dims = list(KVCACHE.operand_dims(present))
+        if not own_entries:
+            dims[1:3] = (d.replace("b", "c", 1) for d in dims[1:3])
+        results = tuple(op.dims for op in KVCACHE.results) + (tuple(dims[1:3]) if appends else ())
         spec = _partitioning.CallSpec(
-            _ffi.KVCACHE_TARGET, _kvcache_ffi, (_Static(self.cfg, self.flags, splits, appends),),
-            ("q", f"{cache}_k", f"{cache}_v", "new_k", "new_v", "per_sequence")
-            + self.optional_kinds, ("out", "lse", "workspace") + written,
-            q.shape[2] // heads_kv, heads_kv, fold_vmap=False,
+            KVCACHE.name, _ffi_calls.kvcache, (self.cfg, present, splits, appends), tuple(dims),
+            results, q.shape[2] // heads_kv, heads_kv, fold_vmap=False,
             batch_shards=own_entries or not appends)
         _ffi.load()
-        outs = _partitioning.partitioned(spec)(q, k_cache, v_cache, k, v,
-                                               seqlens.astype(jnp.int32), *self.optional)
+        outs = _partitioning.partitioned(spec)(*operands)
         return (outs[0], outs[1]) + ((outs[3], outs[4]) if appends else (k_cache, v_cache))
 
 

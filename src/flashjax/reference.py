@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _nonfinite
+from ._visibility import Window, diagonal_offset, used_rows
 
 __all__ = ["attention", "attention_varlen", "visible_mask"]
 
@@ -36,42 +37,26 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), offset=
     j >= i + offset - left (left >= 0) and j <= i + offset + right (right >= 0);
     causal sets right = 0.
     """
-    left, right = (int(w) for w in window_size)
-    if causal:
-        right = 0
     i = np.arange(seqlen_q)[:, None]
     j = np.arange(seqlen_k)[None, :]
-    diagonal = i + (seqlen_k - seqlen_q if offset is None else int(offset))
-    mask = np.ones((seqlen_q, seqlen_k), bool)
-    if left >= 0:
-        mask &= j >= diagonal - left
-    if right >= 0:
-        mask &= j <= diagonal + right
-    return mask
+    offset = diagonal_offset(seqlen_q, seqlen_k, None if offset is None else int(offset))
+    return Window.of(causal, window_size).sees(i, j, offset)
 
 
 def _used_mask(seqlen_q, seqlen_k, causal, window_size, seqused_q, seqused_k, offset=None):
     """(batch, 1, seqlen_q, seqlen_k) visibility on each entry's used lengths, and
     (batch, seqlen_q) which rows are used. offset: (batch,) query position minus key
     position of row 0 (None: bottom-right alignment on the used lengths)."""
-    seqlen_q_used = jnp.clip(jnp.asarray(seqused_q), 0, seqlen_q)[:, None, None]
-    seqlen_k_used = jnp.clip(jnp.asarray(seqused_k), 0, seqlen_k)[:, None, None]
-    left, right = (int(w) for w in window_size)
-    if causal:
-        right = 0
+    seqlen_q_used = used_rows(jnp.asarray(seqused_q), seqlen_q)[:, None, None]
+    seqlen_k_used = used_rows(jnp.asarray(seqused_k), seqlen_k)[:, None, None]
     i = jnp.arange(seqlen_q)[None, :, None]
     j = jnp.arange(seqlen_k)[None, None, :]
-    if offset is None:
-        offset = seqlen_k_used - seqlen_q_used
-    else:
+    if offset is not None:
         offset = jnp.asarray(offset, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
         offset = offset.reshape(offset.shape + (1, 1))
-    diagonal = i + offset
-    mask = (i < seqlen_q_used) & (j < seqlen_k_used)
-    if left >= 0:
-        mask &= j >= diagonal - left
-    if right >= 0:
-        mask &= j <= diagonal + right
+    offset = diagonal_offset(seqlen_q_used, seqlen_k_used, offset)
+    mask = ((i < seqlen_q_used) & (j < seqlen_k_used)
+            & Window.of(causal, window_size).sees(i, j, offset))
     return mask[:, None], (i < seqlen_q_used)[:, :, 0]
 
 

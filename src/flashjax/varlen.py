@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _ffi, _implementation
-from ._calls import Layout
+from . import _checks, _core, _ffi
+from ._spec import Extras, Layout
 from .kvcache import cache_capacity, gather_rows
 
 
@@ -110,15 +110,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if page_table is not None:
         k, v, cu_seqlens_k, seqused_k = _unpage(k, v, page_table, seqused_k, max_k)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              sinks is not None, deterministic, implementation, return_lse,
-                              packed=True,
+                              deterministic, implementation, return_lse, packed=True,
                               max_seqlen_q=max_q, max_seqlen_k=max_k)
     layout = Layout(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                     seqused_k=seqused_k,
                     diagonal_offset=_checks.diagonal_offset(
                         q_offset, kv_offset, cu_seqlens_q.shape[0] - 1, "(num_seqs,)"))
     _ffi.load()
-    if sinks is None:
-        sinks = jnp.zeros((q.shape[1],), jnp.float32)  # ignored: has_sinks is False
-    out, lse = _implementation.attention(q, k, v, sinks, layout, cfg)
+    out, lse = _core.attention(q, k, v, Extras(sinks=sinks), layout, cfg)
     return (out, lse) if return_lse else out

@@ -1,7 +1,7 @@
 """flashjax's attention in pure JAX (implementation="xla"): blockwise online softmax.
 
-`attention_core(q, k, v, sinks, layout, cfg)` has the contract of
-`flashjax._calls.attention_core` (the kernels' call): dense or packed (cfg.packed)
+`attention_core(q, k, v, extras, layout, cfg)` has the contract of
+`flashjax._core.attention_core` (the kernels' call): dense or packed (cfg.packed)
 rows, GQA/MQA, causal and sliding windows, softcap, sinks, lse, seqused, segment ids
 and positions (diagonal offsets), with the same clamping of metadata as
 csrc/include/flashjax/seqlen.h. It uses jax.numpy and lax only (no FFI, no Pallas),
@@ -35,15 +35,16 @@ out has q's dtype, lse is float32.
 from __future__ import annotations
 
 import functools
-import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _calls, _nonfinite
-from ._calls import Config, Layout
+from . import _nonfinite
+from ._autodiff import differentiable
+from ._spec import Config, Extras, Layout
+from ._visibility import diagonal_offset, used_rows
+from ._vma import vary_over, varying_axes
 
 __all__ = ["attention_core", "no_work_attention"]
 
@@ -108,10 +109,9 @@ class _Rows:
 
 def _window(offset, pos, valid, cfg: Config):
     """(lo, hi) of query rows at slot positions `pos` whose diagonal is key pos + offset."""
-    base_lo = (_add_static(offset, -cfg.window_left) if cfg.window_left >= 0
-               else jnp.full_like(offset, INT32_MIN))
-    base_hi = (_add_static(offset, cfg.window_right) if cfg.window_right >= 0
-               else jnp.full_like(offset, INT32_MAX))
+    first, last = cfg.window.bounds(offset, _add_static)
+    base_lo = jnp.full_like(offset, INT32_MIN) if first is None else first
+    base_hi = jnp.full_like(offset, INT32_MAX) if last is None else last
     # pos >= 0: a saturated base stays beyond every key position after adding it.
     lo = jnp.maximum(_sat_add(pos, base_lo), _i32(INT32_MIN + 1))  # > _NO_KEY always
     hi = _sat_add(pos, base_hi)
@@ -121,12 +121,9 @@ def _window(offset, pos, valid, cfg: Config):
 def _dense_rows(seqlen_q, seqlen_k, batch, layout: Layout, cfg: Config) -> _Rows:
     i = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :]
     j = jnp.arange(seqlen_k, dtype=jnp.int32)[None, :]
-    used_q = (jnp.full((batch,), seqlen_q, jnp.int32) if layout.seqused_q is None
-              else jnp.clip(_i32(layout.seqused_q), 0, seqlen_q))
-    used_k = (jnp.full((batch,), seqlen_k, jnp.int32) if layout.seqused_k is None
-              else jnp.clip(_i32(layout.seqused_k), 0, seqlen_k))
-    offset = (used_k - used_q if layout.diagonal_offset is None
-              else _i32(layout.diagonal_offset))
+    used_q = _i32(used_rows(layout.seqused_q, jnp.full((batch,), seqlen_q, jnp.int32)))
+    used_k = _i32(used_rows(layout.seqused_k, jnp.full((batch,), seqlen_k, jnp.int32)))
+    offset = _i32(diagonal_offset(used_q, used_k, layout.diagonal_offset))
     q_valid = jnp.broadcast_to(i < used_q[:, None], (batch, seqlen_q))
     q_lo, q_hi = _window(offset[:, None], i, q_valid, cfg)
     k_pos = jnp.where(j < used_k[:, None], j, _i32(_NO_KEY))
@@ -134,8 +131,8 @@ def _dense_rows(seqlen_q, seqlen_k, batch, layout: Layout, cfg: Config) -> _Rows
     if layout.q_segment_ids is not None:
         q_id, k_id = _i32(layout.q_segment_ids), _i32(layout.kv_segment_ids)
     return _Rows(q_valid, q_lo, q_hi, q_id, k_pos, k_id,
-                 use_lo=cfg.window_left >= 0 or layout.seqused_k is not None,
-                 use_hi=cfg.window_right >= 0)
+                 use_lo=cfg.window.left >= 0 or layout.seqused_k is not None,
+                 use_hi=cfg.window.right >= 0)
 
 
 def _slots(cu, total: int, max_len: int):
@@ -161,19 +158,18 @@ def _packed_rows(total_q, total_k, layout: Layout, cfg: Config) -> _Rows:
     if sequences == 0:  # nothing is used
         zeros_q, zeros_k = (jnp.zeros((1, n), jnp.int32) for n in (total_q, total_k))
         return _Rows(zeros_q > 0, zeros_q + INT32_MAX, zeros_q + INT32_MIN, zeros_q,
-                     zeros_k + _NO_KEY, zeros_k, use_lo=True, use_hi=cfg.window_right >= 0)
+                     zeros_k + _NO_KEY, zeros_k, use_lo=True, use_hi=cfg.window.right >= 0)
     start_q, slot_q = _slots(layout.cu_seqlens_q, total_q, cfg.max_seqlen_q)
     start_k, slot_k = _slots(layout.cu_seqlens_k, total_k, cfg.max_seqlen_k)
-    used_q = slot_q if layout.seqused_q is None else jnp.clip(_i32(layout.seqused_q), 0, slot_q)
-    used_k = slot_k if layout.seqused_k is None else jnp.clip(_i32(layout.seqused_k), 0, slot_k)
-    offset = (used_k - used_q if layout.diagonal_offset is None
-              else _i32(layout.diagonal_offset))
+    used_q = _i32(used_rows(layout.seqused_q, slot_q))
+    used_k = _i32(used_rows(layout.seqused_k, slot_k))
+    offset = _i32(diagonal_offset(used_q, used_k, layout.diagonal_offset))
     q_seq, q_pos, q_valid = _sequence_of_rows(start_q, used_q, total_q)
     k_seq, k_pos, k_valid = _sequence_of_rows(start_k, used_k, total_k)
     q_lo, q_hi = _window(offset[q_seq], q_pos, q_valid, cfg)
     k_pos = jnp.where(k_valid, k_pos, _i32(_NO_KEY))
     return _Rows(q_valid[None], q_lo[None], q_hi[None], q_seq[None], k_pos[None], k_seq[None],
-                 use_lo=True, use_hi=cfg.window_right >= 0)
+                 use_lo=True, use_hi=cfg.window.right >= 0)
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -353,17 +349,6 @@ def _from_blocks_k(x, plan: _Plan):
     return x[:, :plan.seqlen_k]
 
 
-def _vary(x, axes: frozenset):
-    """x marked as varying over the mesh axes `axes` (inside jax.shard_map: loop carries
-    must vary over the axes of what the loop body mixes into them)."""
-    missing = tuple(sorted(axes - _calls._varying_axes(x)))
-    if not missing:
-        return x
-    if hasattr(lax, "pcast"):
-        return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # jax < 0.10
-
-
 # ----------------------------------------------------------------------------- block math
 
 
@@ -424,7 +409,7 @@ def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozen
     h, m = plan.heads_kv, plan.group * plan.bq
     dv = vb_.shape[-1]
     scale = _scale_of(cfg)
-    if cfg.has_sinks:
+    if sinks is not None:
         m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(h, plan.group, 1),
                               (h, plan.group, plan.bq)).reshape(h, m)
         l0 = jnp.ones((h, m), jnp.float32)
@@ -450,7 +435,7 @@ def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozen
                 seen = jnp.ones_like(seen)
             m_new = jnp.maximum(mx, jnp.max(s, axis=-1))  # NaN-propagating
             shift = m_new
-            if masked and not cfg.has_sinks:  # rows with nothing yet: shift by 0, not -inf
+            if masked and sinks is None:  # rows with nothing yet: shift by 0, not -inf
                 shift = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(mx - shift)
@@ -463,13 +448,13 @@ def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozen
             acc = acc * alpha[..., None] + pv
             return m_new, l, acc, seen
 
-        init = tuple(_vary(x, axes) for x in (m0, l0, jnp.zeros((h, m, dv), jnp.float32),
+        init = tuple(vary_over(x, axes) for x in (m0, l0, jnp.zeros((h, m, dv), jnp.float32),
                                                jnp.zeros((h, m), bool)))
         mx, l, acc, seen = _visit(schedule, step, plan.needs_mask, init)
         valid = jnp.broadcast_to(plan.q_valid[b, qb], (h, plan.group, plan.bq)).reshape(h, m)
         # Rows that see no key (and no sink) are told apart by the mask, never by the
         # values: a NaN row stays NaN (docs/api.md, "Non-finite values").
-        used = valid & (seen | cfg.has_sinks)
+        used = valid & (seen | (sinks is not None))
         out = jnp.where(used[..., None], acc / l[..., None], jnp.float32(0))
         # l == 0 on a used row: every visible score is -inf (exp(-inf - -inf) is NaN).
         lse = jnp.where(used, jnp.where(l == 0, jnp.nan, mx + jnp.log(l)), -jnp.inf)
@@ -532,15 +517,15 @@ def _backward_blocks(qb_, kb_, vb_, dob_, lseb_, deltab_, plan: _Plan, cfg: Conf
             dq_blk = dq_blk + dq_add[None, None]
             return dk, dvv, lax.dynamic_update_slice(dq, dq_blk, at)
 
-        init = (_vary(jnp.zeros((h, bk, d), jnp.float32), axes),
-                _vary(jnp.zeros((h, bk, dv), jnp.float32), axes), dq)
+        init = (vary_over(jnp.zeros((h, bk, d), jnp.float32), axes),
+                vary_over(jnp.zeros((h, bk, dv), jnp.float32), axes), dq)
         dk, dvv, dq = _visit(schedule, step, plan.needs_mask, init)
         return dq, (dk, dvv)
 
     bs = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), nk)
     kbs = jnp.tile(jnp.arange(nk, dtype=jnp.int32), batch)
     flat = lambda x: x.reshape((batch * nk,) + x.shape[2:])
-    dq0 = _vary(jnp.zeros(qb_.shape, jnp.float32), axes)
+    dq0 = vary_over(jnp.zeros(qb_.shape, jnp.float32), axes)
     dq, (dk, dvv) = lax.scan(key_block, dq0, (bs, kbs, flat(kb_), flat(vb_)))
     return dq, dk.reshape(kb_.shape[:-1] + (d,)), dvv.reshape(vb_.shape[:-1] + (dv,))
 
@@ -559,12 +544,13 @@ def _plan(q, k, rows: _Rows) -> _Plan:
     return _Plan(rows, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
-def _forward(q, k, v, sinks, layout: Layout, cfg: Config):
+def _forward(q, k, v, extras: Extras, layout: Layout, cfg: Config):
+    _check(q, k, v, cfg)
     qd, kd, vd, rows = _as_dense(q, k, v, layout, cfg)
     plan = _plan(qd, kd, rows)
     out, lse = _forward_blocks(_to_blocks_q(qd, plan), _to_blocks_k(kd, plan),
-                               _to_blocks_k(vd, plan), sinks, plan, cfg,
-                               _calls._varying_axes(q, k, v, sinks, layout))
+                               _to_blocks_k(vd, plan), extras.sinks, plan, cfg,
+                               varying_axes(q, k, v, extras, layout))
     out = _from_blocks_q(out, plan).astype(q.dtype)
     lse = _rows_from_blocks(lse, plan)
     if cfg.packed:
@@ -580,7 +566,7 @@ def _check(q, k, v, cfg: Config):
                          f"{v.shape} (vmap over extra leading dimensions)")
 
 
-def no_work_attention(q, k, v, sinks, layout: Layout, cfg: Config):
+def no_work_attention(q, k, v, extras: Extras, layout: Layout, cfg: Config):
     """(out, lse) of a call with no query rows or no keys (any implementation: no kernel
     runs): out 0; lse -inf, or, with sinks, the sink logit for the used rows (a softmax
     over the sink alone). Plain JAX, so autodiff needs no rule (dsinks = the lse
@@ -589,29 +575,13 @@ def no_work_attention(q, k, v, sinks, layout: Layout, cfg: Config):
     *_, rows = _as_dense(q, k, v, layout, cfg)
     used = rows.q_valid[:, None, :]  # (batch, 1, seqlen_q)
     lse = jnp.full(used.shape[:1] + (q.shape[-2],) + used.shape[2:], -jnp.inf, jnp.float32)
-    if cfg.has_sinks:
-        lse = jnp.where(used, sinks.astype(jnp.float32)[None, :, None], lse)
+    if extras.sinks is not None:
+        lse = jnp.where(used, extras.sinks.astype(jnp.float32)[None, :, None], lse)
     return out, (lse[0] if cfg.packed else lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def attention_core(q, k, v, sinks, layout: Layout, cfg: Config):
-    """(out, lse): the same contract as flashjax._calls.attention_core, computed
-    blockwise in pure JAX; differentiable in q, k, v, sinks (custom_vjp with a
-    blockwise backward); layout fields get no cotangent."""
-    _check(q, k, v, cfg)
-    return _forward(q, k, v, sinks, layout, cfg)
-
-
-def _core_fwd(q, k, v, sinks, layout: Layout, cfg: Config):
-    _check(q, k, v, cfg)
-    out, lse = _forward(q, k, v, sinks, layout, cfg)
-    return (out, lse), (q, k, v, sinks, layout, out, lse)
-
-
-def _core_bwd(cfg: Config, residuals, cotangents):
-    q, k, v, sinks, layout, out, lse = residuals
-    dout, dlse = cotangents
+def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg: Config):
+    sinks = extras.sinks
     dout = dout.astype(jnp.float32)
     dlse = dlse.astype(jnp.float32)
     # D_i = dO_i . O_i - dlse_i: dS = P (dP - D) covers the lse cotangent too.
@@ -630,27 +600,25 @@ def _core_bwd(cfg: Config, residuals, cotangents):
         _to_blocks_q(qd, plan), _to_blocks_k(kd, plan), _to_blocks_k(vd, plan),
         _to_blocks_q(dod, plan), _rows_to_blocks(lse_safe, plan, jnp.inf),
         _rows_to_blocks(deltad, plan), plan, cfg,
-        _calls._varying_axes(q, k, v, sinks, layout, dout, dlse))
+        varying_axes(q, k, v, extras, layout, dout, dlse))
     dq = _from_blocks_q(dq, plan) * jnp.float32(cfg.softmax_scale)
     dk = _from_blocks_k(dk, plan) * jnp.float32(cfg.softmax_scale)
     dvv = _from_blocks_k(dvv, plan)
     if cfg.packed:
         dq, dk, dvv = dq[0], dk[0], dvv[0]
-    if cfg.has_sinks:
+    d_extras = Extras()
+    if sinks is not None:
         # d lse_i / d sink = P_sink = exp(sink - lse_i); d out_i / d sink = -out_i P_sink.
         sink = sinks.astype(jnp.float32)
         sink = sink[:, None] if cfg.packed else sink[None, :, None]
         finite = jnp.isfinite(lse)
         p_sink = jnp.exp(jnp.where(finite, sink - jnp.where(finite, lse, 0), -jnp.inf))
         axes = (1,) if cfg.packed else (0, 2)
-        dsinks = -jnp.sum(p_sink * delta, axis=axes)
-    else:
-        dsinks = jnp.zeros(sinks.shape, jnp.float32)
-    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dvv.astype(v.dtype),
-             dsinks.astype(sinks.dtype))
-    grads = tuple(_calls._sum_to_varying(ct, primal)
-                  for ct, primal in zip(grads, (q, k, v, sinks)))
-    return grads + (Layout(*map(_calls._no_cotangent, layout)),)
+        d_extras = Extras(sinks=-jnp.sum(p_sink * delta, axis=axes).astype(sinks.dtype))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dvv.astype(v.dtype), d_extras
 
 
-attention_core.defvjp(_core_fwd, _core_bwd)
+attention_core = differentiable(_forward, _backward)
+attention_core.__doc__ = """(out, lse): the same contract as flashjax._core.attention_core,
+computed blockwise in pure JAX; differentiable in q, k, v and the extras (custom_vjp with
+a blockwise backward); layout fields get no cotangent."""

@@ -1,0 +1,95 @@
+"""The core every dense and packed call ends in: `attention(q, k, v, extras, layout, cfg)`
+picks the implementation (_route), and `attention_core`, the kernels' one, is a
+jax.custom_vjp (_autodiff) whose forward and backward are the FFI calls (_ffi_calls).
+
+`extras` holds the differentiable inputs besides q, k, v (sinks; their gradients come
+back as the backward's extra results), `layout` the traced integer metadata
+(cu_seqlens, seqused, segment ids, diagonal offset; absent ones are None), `cfg` the
+static description of the call.
+
+Under jax.jit every call goes through _partitioning (sharded along batch, heads, and
+the sequence by a ring (_sharded); packed calls along heads) as its flat FFI operand
+list: the required operands, then the present optional ones (_spec.Target.operands).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import _ffi_calls, _partitioning, _route, _sharded, xla_attention
+from ._autodiff import differentiable
+from ._spec import (DQ, DK, DV, LSE, OUT, Config, Extras, Layout, attention_targets,
+                    gradients)
+
+__all__ = ["attention", "attention_core"]
+
+
+def _structured(target, present, operands):
+    """(values by name, extras, layout) of a call's flat operands."""
+    values = target.values(present, operands)
+    return values, Extras.of(values), Layout.of(values)
+
+
+def _local_forward(cfg: Config, present: tuple, *operands):
+    target, _ = attention_targets(cfg.packed)
+    values, rows, layout = _structured(target, present, operands)
+    return _ffi_calls.forward(values["q"], values["k"], values["v"], rows, layout, cfg)
+
+
+def _local_backward(cfg: Config, present: tuple, *operands):
+    _, target = attention_targets(cfg.packed)
+    values, rows, layout = _structured(target, present, operands)
+    dq, dk, dv, d_rows = _ffi_calls.backward(
+        *(values[n] for n in ("q", "k", "v", "out", "dout", "lse", "dlse")), rows, layout, cfg)
+    return (dq, dk, dv, *d_rows.given())
+
+
+def _partitioned(target, local, ring, results, values: dict, cfg: Config):
+    """The partitioned call of `target` on `values` (name -> array)."""
+    present, operands = target.operands(values)
+    q, k = values["q"], values["k"]
+    spec = _partitioning.CallSpec(
+        target.name, local, (cfg, present), target.operand_dims(present, cfg.packed),
+        tuple(op.dims_in(cfg.packed) for op in results), q.shape[-2] // k.shape[-2],
+        k.shape[-2], None if cfg.packed else ring, fold_vmap=not cfg.packed)
+    return _partitioning.partitioned(spec)(*operands)
+
+
+def _forward(q, k, v, extras: Extras, layout: Layout, cfg: Config):
+    rows = _ffi_calls.extra_rows(q, extras, layout, cfg)
+    target, _ = attention_targets(cfg.packed)
+    return _partitioned(target, _local_forward, _sharded.sharded_forward, (OUT, LSE),
+                        _ffi_calls.values(q, k, v, rows, layout), cfg)
+
+
+def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg: Config):
+    rows = _ffi_calls.extra_rows(q, extras, layout, cfg)
+    _, target = attention_targets(cfg.packed)
+    dq, dk, dv, *d_rows = _partitioned(
+        target, _local_backward, _sharded.sharded_backward, (DQ, DK, DV) + gradients(extras),
+        _ffi_calls.values(q, k, v, rows, layout, out=out, dout=dout.astype(out.dtype), lse=lse,
+                          dlse=dlse.astype(jnp.float32)), cfg)
+    return dq, dk, dv, _ffi_calls.from_rows(rows.with_given(d_rows), extras)
+
+
+attention_core = differentiable(_forward, _backward)
+attention_core.__doc__ = """(out, lse) of one call on flashjax's kernels; differentiable in q,
+k, v and the extras."""
+
+
+def _no_work(q, k, cfg: Config) -> bool:
+    """No query rows or no keys (static shapes): nothing for a kernel to do."""
+    rows = lambda x: x.shape[0] if cfg.packed else x.shape[0] * x.shape[1]
+    return rows(q) == 0 or rows(k) == 0
+
+
+def attention(q, k, v, extras: Extras, layout: Layout, cfg: Config, *arrays):
+    """(out, lse) of a dense or packed call by cfg's implementation (`arrays`: the
+    caller's inputs, for the platform check)."""
+    args = (q, k, v, extras, layout)
+    if _no_work(q, k, cfg):
+        _route.check_platform(cfg, q, *arrays)
+        return xla_attention.no_work_attention(*args, cfg)
+    kernels = lambda *a: attention_core(*a, cfg)
+    return _route.run(cfg, args, cuda=kernels, cpu=kernels,
+                      xla=lambda *a: xla_attention.attention_core(*a, cfg), arrays=(q, *arrays))
