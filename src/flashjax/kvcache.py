@@ -273,7 +273,7 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
-# The split-KV kernel's shape (csrc/cuda/kvcache_attention.cu): 16 packed query rows
+# The split-KV kernel's shape (csrc/cuda/kvcache/kvcache_attention.cu): 16 packed query rows
 # per CTA, 64-key tiles in a 3-stage pipeline; packed rows past SPLIT_KV_MAX_ROWS
 # attend on the dense kernels.
 SPLIT_KV_ROWS = 16
