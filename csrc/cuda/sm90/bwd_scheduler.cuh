@@ -26,6 +26,7 @@ namespace flashjax::cuda::hopper_bwd {
 // `per_head` row tiles of a head, then the next head's; stepped without
 // divisions (these loops run on few registers, and the consumers wait on the
 // dQ writer's).
+template <int kStreamRows>
 struct StreamWalk {
   int64_t row, padded_row;
   int head;
@@ -75,8 +76,11 @@ __device__ __forceinline__ BlockIndex block_index(int64_t tiles_per_head, int64_
 // The keys [k0, last_key] of kv head hk a key-kernel CTA owns (kRows of them;
 // slot rows of sequence b, the used ones), and the streamed query tiles that
 // see them: tile it is slot rows [row(it), +kStreamRows) of query head head(it).
-template <int kRows, Layouts kLayouts = Layouts::kUniform>
+// Config: the key kernel's (TileConfig or WideTileConfig).
+template <class Config, Layouts kLayouts = Layouts::kUniform>
 struct KeyBlock {
+  static constexpr int kRows = Config::kOwnRows;
+  static constexpr int kStreamRows = Config::kStreamRows;
   int64_t b, hk, k0, last_key, row_begin, q_tiles, tiles;
   SeqlenInfo seq;
   bool valid;
@@ -121,7 +125,8 @@ struct KeyBlock {
     if constexpr (kLayouts == Layouts::kUniform) return padded.start_of<false>(seq, b, h);
     else return padded.start(seq, b, h);
   }
-  __device__ StreamWalk walk(const AttentionParams& p, const PaddedRows& padded) const {
+  __device__ StreamWalk<kStreamRows> walk(const AttentionParams& p,
+                                          const PaddedRows& padded) const {
     const int64_t h0 = hk * p.group_size();
     return {sequence(p).q_row(row_begin), padded_start(p, padded, h0) + row_begin,
             static_cast<int>(h0), q_tiles, 0, padded.rows - q_tiles * kStreamRows};
@@ -172,9 +177,11 @@ struct KeyBlock {
 
 // The query rows [q0, last_row] of head h a query-kernel CTA owns (kOwnRows of
 // them), and the streamed key tiles they see: tile it is slot keys
-// [key_tile(it), +kStreamRows) of kv head hk.
-template <Layouts kLayouts = Layouts::kUniform>
+// [key_tile(it), +kStreamRows) of kv head hk. Config: a TileConfig.
+template <class Config, Layouts kLayouts = Layouts::kUniform>
 struct QueryBlock {
+  static constexpr int kOwnRows = Config::kOwnRows;
+  static constexpr int kStreamRows = Config::kStreamRows;
   int64_t b, h, hk, q0;
   SeqlenInfo seq;
   int64_t last_row;
@@ -201,7 +208,7 @@ struct QueryBlock {
   __device__ int first_unused_row(int64_t it) const {
     return static_cast<int>(max(seq.seqlen_k - key_tile(it), int64_t(0)));
   }
-  __device__ StreamWalk walk() const {  // (one head, no statistics)
+  __device__ StreamWalk<kStreamRows> walk() const {  // (one head, no statistics)
     return {seq.k_row(keys.tile_begin), 0, static_cast<int>(hk), tiles, 0, 0};
   }
 
