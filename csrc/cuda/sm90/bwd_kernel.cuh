@@ -51,24 +51,26 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
   using Config = TileConfig<kHeadDim>;
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
-  const KeyBlock<Config, kLayouts> kb(p, list, segment_tiles);
-  if (!kb.valid) return;  // (the whole CTA: a grid slot past the list's blocks)
-  sm.init();
+  using Block = KeyBlock<Config, kLayouts>;
+  // (No block, a grid slot past the list's: the whole CTA returns.)
+  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& kb) {
+    sm.init();
 
-  const int warpgroup = warpgroup_index();
-  if (warpgroup == 0) {
-    producer_registers<Config>();
-    if (threadIdx.x == 0)
-      produce(sm, maps, static_cast<int>(kb.sequence(p).k_row(kb.k0)), static_cast<int>(kb.hk),
-              static_cast<int>(kb.sequence(p).batch), kb.tiles,
-              kb.walk(p, stats.padded), stats);
-    else if (kFusedDq && threadIdx.x == 32)
-      write_dq(sm, kb, p, stats, dq_accum);
-    return;
-  }
-  consumer_registers<Config>();
-  key_consumer<T, kHeadDim, kFusedDq, kLayouts>(sm, kb, p, segment_tiles, warpgroup - 1,
-                                                 stats.nonfinite);
+    const int warpgroup = warpgroup_index();
+    if (warpgroup == 0) {
+      producer_registers<Config>();
+      if (threadIdx.x == 0)
+        produce(sm, maps, static_cast<int>(kb.sequence(p).k_row(kb.k0)),
+                static_cast<int>(kb.hk), static_cast<int>(kb.sequence(p).batch), kb.tiles,
+                kb.walk(p, stats.padded), stats);
+      else if (kFusedDq && threadIdx.x == 32)
+        write_dq(sm, kb, p, stats, dq_accum);
+      return;
+    }
+    consumer_registers<Config>();
+    key_consumer<T, kHeadDim, kFusedDq, kLayouts>(sm, kb, p, segment_tiles, warpgroup - 1,
+                                                   stats.nonfinite);
+  });
 }
 
 // dQ of a block of 128 query rows, and those rows' shares of dsinks.
@@ -81,22 +83,22 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
   using Config = TileConfig<kHeadDim>;
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
-  const QueryBlock<Config, kLayouts> qb(p, list, segment_tiles);
-  if (!qb.valid) return;
-  sm.init();
+  using Block = QueryBlock<Config, kLayouts>;
+  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& qb) {
+    sm.init();
 
-  const int warpgroup = threadIdx.x / 128;  // (uniform: the query consumer spilled)
-  if (warpgroup == 0) {
-    producer_registers<Config>();
-    if (threadIdx.x == 0)
-      produce(sm, maps, static_cast<int>(qb.seq.q_row(qb.q0)), static_cast<int>(qb.h),
-              static_cast<int>(qb.seq.batch), qb.tiles,
-              qb.walk(), RowStats{});
-    return;
-  }
-  consumer_registers<Config>();
-  query_consumer<T, kHeadDim, kLayouts>(sm, qb, p, segment_tiles, warpgroup - 1, D_all,
-                                        dsink_rows, nonfinite);
+    const int warpgroup = threadIdx.x / 128;  // (uniform: the query consumer spilled)
+    if (warpgroup == 0) {
+      producer_registers<Config>();
+      if (threadIdx.x == 0)
+        produce(sm, maps, static_cast<int>(qb.seq.q_row(qb.q0)), static_cast<int>(qb.h),
+                static_cast<int>(qb.seq.batch), qb.tiles, qb.walk(), RowStats{});
+      return;
+    }
+    consumer_registers<Config>();
+    query_consumer<T, kHeadDim, kLayouts>(sm, qb, p, segment_tiles, warpgroup - 1, D_all,
+                                          dsink_rows, nonfinite);
+  });
 }
 
 // dK, dV and the shares of dQ of a block of 64 keys, head dims 129-256.
@@ -107,15 +109,18 @@ __global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
   using Config = WideTileConfig;
   extern __shared__ unsigned char smem_raw[];
   WideSmem sm(smem_raw);
-  const KeyBlock<Config> kb(p, VarlenWorkList{}, SegmentTiles{});
-  const int warpgroup = warpgroup_index();
-  if (warpgroup == 0) {
-    producer_registers<Config>();
-    if (threadIdx.x == 0) produce_wide(sm, maps, kb, p, stats);
-    return;
-  }
-  consumer_registers<Config>();
-  wide_consumer<T>(sm, kb, p, stats, dq_accum, warpgroup - 1);
+  using Block = KeyBlock<Config>;
+  using Schedule = BlockSchedule<Block>;  // (uniform layouts only: no list, no segments)
+  for_each_work_tile(Schedule{p, VarlenWorkList{}, SegmentTiles{}}, [&](const Block& kb) {
+    const int warpgroup = warpgroup_index();
+    if (warpgroup == 0) {
+      producer_registers<Config>();
+      if (threadIdx.x == 0) produce_wide(sm, maps, kb, p, stats);
+      return;
+    }
+    consumer_registers<Config>();
+    wide_consumer<T>(sm, kb, p, stats, dq_accum, warpgroup - 1);
+  });
 }
 
 #else  // not compiled for sm_90a: never launched (hopper_backward_supports says no)

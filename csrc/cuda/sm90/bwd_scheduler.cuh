@@ -1,9 +1,11 @@
 // Which rows a Hopper backward CTA owns and which tiles it streams past them:
 // KeyBlock for the key kernels (keys of one kv head; query tiles of every
 // query head of its group), QueryBlock for the query kernel (queries of one
-// head; key tiles). One CTA per block: uniform calls number the blocks from
-// the shapes; packed / seqused calls take the longest-first work list
-// (work_list.h), whose grid may have slots past its items (invalid blocks).
+// head; key tiles). One CTA per block (BlockSchedule, walked with
+// for_each_work_tile as the forward's schedules are): uniform calls number
+// the blocks from the shapes; packed / seqused calls take the longest-first
+// work list (work_list.h), whose grid may have slots past its items (invalid
+// blocks: the CTA has no work).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +19,7 @@
 #include "../common/work_list.h"
 #include "bwd_tile_config.h"
 #include "flashjax/seqlen.h"
+#include "tile_scheduler.cuh"
 
 namespace flashjax::cuda::hopper_bwd {
 
@@ -84,6 +87,7 @@ struct KeyBlock {
   int64_t b, hk, k0, last_key, row_begin, q_tiles, tiles;
   SeqlenInfo seq;
   bool valid;
+  KeyBlock() = default;
   __device__ KeyBlock(const AttentionParams& p, const VarlenWorkList& list,
                       const SegmentTiles& segment_tiles) {
     const BlockIndex i =
@@ -188,6 +192,7 @@ struct QueryBlock {
   KeyRange keys;
   int64_t tiles;
   bool valid;
+  QueryBlock() = default;
   __device__ QueryBlock(const AttentionParams& p, const VarlenWorkList& list,
                         const SegmentTiles& segment_tiles)
       : QueryBlock(p, query_index(p, list)) {
@@ -232,6 +237,22 @@ struct QueryBlock {
         keys(seq, q0, last_row, kStreamRows),
         tiles(i.valid ? keys.tiles(kStreamRows) : 0),
         valid(i.valid) {}
+};
+
+// The backward's schedule: each CTA does one block (Block: a KeyBlock or a
+// QueryBlock, which finds its own from blockIdx.x), none where the grid
+// reaches past the work list's blocks.
+template <class Block>
+struct BlockSchedule {
+  using Item = Block;
+  static constexpr bool kOneItemPerCta = true;
+  const AttentionParams& p;
+  const VarlenWorkList& list;
+  const SegmentTiles& segment_tiles;
+  __device__ ScheduleStep tile(int64_t, Block& out) const {
+    out = Block(p, list, segment_tiles);
+    return out.valid ? ScheduleStep::kTile : ScheduleStep::kEnd;
+  }
 };
 
 }  // namespace flashjax::cuda::hopper_bwd
