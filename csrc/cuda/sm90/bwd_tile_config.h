@@ -80,7 +80,8 @@ struct SmemPlan {
 
 // The key and query kernels at head dims 64 and 128: a CTA owns 128 rows (keys
 // or queries), 64 per consumer warpgroup, and streams 64-row tiles of the
-// other side; the products' operands are chosen in bwd_mainloop.cuh.
+// other side (bwd_mainloop.cuh: S^T, dP^T or S, dP from shared memory; the
+// updates dV, dK or dQ with their left operand in registers).
 template <int kHeadDimBucket>
 struct TileConfig {
   static constexpr int kHeadDim = kHeadDimBucket;
