@@ -14,6 +14,7 @@ namespace flashjax::cuda {
 // multiple of n at or below the first. (No used row: last_key(seqlen_q) = -1.)
 struct KeyRange {
   int64_t key_begin, key_end, tile_begin;
+  KeyRange() = default;
   __device__ KeyRange(const SeqlenInfo& seq, int64_t q0, int64_t q_last, int n)
       : key_begin(seq.first_key(q0)),
         key_end(seq.last_key(q_last < q0 ? seq.seqlen_q : q_last) + 1),

@@ -47,25 +47,27 @@ __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], in
 template <int kHeadDim, class Block>
 __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb,
                          const AttentionParams& p, const RowStats& stats, float* dq_accum) {
-  using L = Layout<kHeadDim>;
-  constexpr int kLag = L::kDqStages - 1;  // tiles whose reductions may still read
-  StreamWalk tile = kb.walk(p, stats.padded);
+  using C = TileConfig<kHeadDim>;
+  constexpr int kLag = C::kDqStages - 1;  // tiles whose reductions may still read
+  auto tile = kb.walk(p, stats.padded);
   for (int64_t it = 0; it < kb.tiles; ++it) {
-    const int s = it % L::kDqStages;
+    const int s = it % C::kDqStages;
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      mbar_wait_idle(&sm.dq_full[c * L::kDqStages + s], (it / L::kDqStages) & 1);
-      // At head dim 64 both consumers add to the same block (their own keys).
-      const int64_t block = dq_block_start<kHeadDim, 64>(tile.padded_row, kHeadDim == 64 ? 0 : c);
-      bulk_reduce_add(dq_accum + block, sm.dq_stage + (c * L::kDqStages + s) * kDqBlock<64>,
-                      kDqBlockBytes<64>);
+    for (int c = 0; c < C::kConsumers; ++c) {
+      mbar_wait_idle(&sm.dq_full[c * C::kDqStages + s], (it / C::kDqStages) & 1);
+      // With kDqOfOwnKeys both consumers add to the same block.
+      const int64_t block =
+          dq_block_start<kHeadDim, C::kDqCols>(tile.padded_row, C::kDqOfOwnKeys ? 0 : c);
+      bulk_reduce_add(dq_accum + block,
+                      sm.dq_stage + (c * C::kDqStages + s) * kDqBlock<C::kDqCols>,
+                      kDqBlockBytes<C::kDqCols>);
     }
     tile.next();
-    bulk_wait_reads<2 * kLag>();
+    bulk_wait_reads<C::kConsumers * kLag>();
     if (it >= kLag) {
-      const int freed = (it - kLag) % L::kDqStages;
-      mbar_arrive(&sm.dq_empty[freed]);
-      mbar_arrive(&sm.dq_empty[L::kDqStages + freed]);
+      const int freed = (it - kLag) % C::kDqStages;
+#pragma unroll
+      for (int c = 0; c < C::kConsumers; ++c) mbar_arrive(&sm.dq_empty[c * C::kDqStages + freed]);
     }
   }
   bulk_wait_all();
@@ -78,12 +80,13 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb,
 __device__ __forceinline__ void add_dq_wide(float* dq_accum, float* stages, int consumer,
                                             const float (&dq)[32], int64_t padded_row,
                                             int col_block64) {
-  constexpr int kCols = kDqCols<wide::kHeadDim>;
+  using C = WideTileConfig;
+  constexpr int kCols = C::kDqCols;
 #pragma unroll
-  for (int part = 0; part < 2; ++part) {
+  for (int part = 0; part < C::kDqStagesPerConsumer; ++part) {
     float* block =
-        dq_accum + dq_block_start<wide::kHeadDim, kCols>(padded_row, 2 * col_block64 + part);
-    float* stage = stages + part * wide::kDqStageFloats;
+        dq_accum + dq_block_start<C::kHeadDim, kCols>(padded_row, 2 * col_block64 + part);
+    float* stage = stages + part * C::kDqStageFloats;
     if (threadIdx.x % 128 == 0) bulk_wait_reads<1>();
     named_sync(barrier_id(NamedBarrier::kDqStage, consumer), 128);
     stage_dq<kCols>(stage, dq, part);

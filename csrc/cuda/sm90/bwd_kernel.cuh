@@ -25,11 +25,13 @@ namespace flashjax::cuda::hopper_bwd {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // setmaxnreg: warpgroup 0 gives registers up, the consumers take them.
+template <class Config>
 __device__ __forceinline__ void producer_registers() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Config::kProducerRegs));
 }
+template <class Config>
 __device__ __forceinline__ void consumer_registers() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Config::kConsumerRegs));
 }
 // This thread's warpgroup, through a shuffle so that the compiler knows it is
 // warp-uniform: addresses and wgmma descriptors derived from it then live in
@@ -42,75 +44,83 @@ __device__ __forceinline__ int warpgroup_index() {
 // dK and dV of a block of 128 keys (and, with kFusedDq, its shares of dQ).
 // kLayouts: any; `list`: the blocks of non-uniform ones; `segment_tiles`: kSegments'.
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                       const RowStats stats, float* dq_accum, const VarlenWorkList list,
                       const __grid_constant__ SegmentTiles segment_tiles) {
+  using Config = TileConfig<kHeadDim>;
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
-  const KeyBlock<kOwnRows, kLayouts> kb(p, list, segment_tiles);
-  if (!kb.valid) return;  // (the whole CTA: a grid slot past the list's blocks)
-  sm.init();
+  using Block = KeyBlock<Config, kLayouts>;
+  // (No block, a grid slot past the list's: the whole CTA returns.)
+  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& kb) {
+    sm.init();
 
-  const int warpgroup = warpgroup_index();
-  if (warpgroup == 0) {
-    producer_registers();
-    if (threadIdx.x == 0)
-      produce(sm, maps, static_cast<int>(kb.sequence(p).k_row(kb.k0)), static_cast<int>(kb.hk),
-              static_cast<int>(kb.sequence(p).batch), kb.tiles,
-              kb.walk(p, stats.padded), stats);
-    else if (kFusedDq && threadIdx.x == 32)
-      write_dq(sm, kb, p, stats, dq_accum);
-    return;
-  }
-  consumer_registers();
-  key_consumer<T, kHeadDim, kFusedDq, kLayouts>(sm, kb, p, segment_tiles, warpgroup - 1,
-                                                 stats.nonfinite);
+    const int warpgroup = warpgroup_index();
+    if (warpgroup == 0) {
+      producer_registers<Config>();
+      if (threadIdx.x == 0)
+        produce(sm, maps, static_cast<int>(kb.sequence(p).k_row(kb.k0)),
+                static_cast<int>(kb.hk), static_cast<int>(kb.sequence(p).batch), kb.tiles,
+                kb.walk(p, stats.padded), stats);
+      else if (kFusedDq && threadIdx.x == 32)
+        write_dq(sm, kb, p, stats, dq_accum);
+      return;
+    }
+    consumer_registers<Config>();
+    key_consumer<T, kHeadDim, kFusedDq, kLayouts>(sm, kb, p, segment_tiles, warpgroup - 1,
+                                                   stats.nonfinite);
+  });
 }
 
 // dQ of a block of 128 query rows, and those rows' shares of dsinks.
 template <class T, int kHeadDim, Layouts kLayouts>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     hopper_query_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                         const __grid_constant__ TensorRef D_all,
                         const __grid_constant__ TensorRef dsink_rows, const VarlenWorkList list,
                         const __grid_constant__ SegmentTiles segment_tiles, int* nonfinite) {
+  using Config = TileConfig<kHeadDim>;
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
-  const QueryBlock<kLayouts> qb(p, list, segment_tiles);
-  if (!qb.valid) return;
-  sm.init();
+  using Block = QueryBlock<Config, kLayouts>;
+  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& qb) {
+    sm.init();
 
-  const int warpgroup = threadIdx.x / 128;  // (uniform: the query consumer spilled)
-  if (warpgroup == 0) {
-    producer_registers();
-    if (threadIdx.x == 0)
-      produce(sm, maps, static_cast<int>(qb.seq.q_row(qb.q0)), static_cast<int>(qb.h),
-              static_cast<int>(qb.seq.batch), qb.tiles,
-              qb.walk(), RowStats{});
-    return;
-  }
-  consumer_registers();
-  query_consumer<T, kHeadDim, kLayouts>(sm, qb, p, segment_tiles, warpgroup - 1, D_all,
-                                        dsink_rows, nonfinite);
+    const int warpgroup = threadIdx.x / 128;  // (uniform: the query consumer spilled)
+    if (warpgroup == 0) {
+      producer_registers<Config>();
+      if (threadIdx.x == 0)
+        produce(sm, maps, static_cast<int>(qb.seq.q_row(qb.q0)), static_cast<int>(qb.h),
+                static_cast<int>(qb.seq.batch), qb.tiles, qb.walk(), RowStats{});
+      return;
+    }
+    consumer_registers<Config>();
+    query_consumer<T, kHeadDim, kLayouts>(sm, qb, p, segment_tiles, warpgroup - 1, D_all,
+                                          dsink_rows, nonfinite);
+  });
 }
 
 // dK, dV and the shares of dQ of a block of 64 keys, head dims 129-256.
 template <class T>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
     hopper_wide_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                            const RowStats stats, float* dq_accum) {
+  using Config = WideTileConfig;
   extern __shared__ unsigned char smem_raw[];
   WideSmem sm(smem_raw);
-  const KeyBlock<wide::kKeys> kb(p, VarlenWorkList{}, SegmentTiles{});
-  const int warpgroup = warpgroup_index();
-  if (warpgroup == 0) {
-    producer_registers();
-    if (threadIdx.x == 0) produce_wide(sm, maps, kb, p, stats);
-    return;
-  }
-  consumer_registers();
-  wide_consumer<T>(sm, kb, p, stats, dq_accum, warpgroup - 1);
+  using Block = KeyBlock<Config>;
+  using Schedule = BlockSchedule<Block>;  // (uniform layouts only: no list, no segments)
+  for_each_work_tile(Schedule{p, VarlenWorkList{}, SegmentTiles{}}, [&](const Block& kb) {
+    const int warpgroup = warpgroup_index();
+    if (warpgroup == 0) {
+      producer_registers<Config>();
+      if (threadIdx.x == 0) produce_wide(sm, maps, kb, p, stats);
+      return;
+    }
+    consumer_registers<Config>();
+    wide_consumer<T>(sm, kb, p, stats, dq_accum, warpgroup - 1);
+  });
 }
 
 #else  // not compiled for sm_90a: never launched (hopper_backward_supports says no)

@@ -35,12 +35,12 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
 
 template <class T, int kHeadDim, Layouts kLayouts>
 cudaError_t configure_kernels() {
-  constexpr int kSmem = smem_bytes<kHeadDim>();
+  constexpr int kSmem = KeyKernelConfig<kHeadDim>::kSmemBytes;
   static DeviceOnce configured;
   return configured([] {
     if constexpr (kWide<kHeadDim>) {
       return allow_smem(hopper_wide_key_kernel<T>, kSmem);
-    } else {
+    } else {  // (the query kernel's configuration is the key kernel's)
       cudaError_t status = cudaSuccess;
       for (cudaError_t e : {allow_smem(hopper_key_kernel<T, kHeadDim, true, kLayouts>, kSmem),
                             allow_smem(hopper_key_kernel<T, kHeadDim, false, kLayouts>, kSmem),
@@ -77,8 +77,10 @@ cudaError_t build_blocks(const AttentionParams& p, const VarlenWorkList& list, b
 
 template <class T, int kHeadDim, Layouts kLayouts>
 cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
-  constexpr int kSmem = smem_bytes<kHeadDim>();
-  constexpr int kKeysPerBlock = kKeysPerCta<kHeadDim>;
+  using KeyConfig = KeyKernelConfig<kHeadDim>;
+  using QueryConfig = TileConfig<kHeadDim>;  // (used only up to head dim 128)
+  constexpr int kSmem = KeyConfig::kSmemBytes, kThreads = KeyConfig::kThreads;
+  constexpr int kKeysPerBlock = KeyConfig::kOwnRows;
   constexpr bool kVarlen = kLayouts != Layouts::kUniform;
   const bool fused = ws.dq_accum != nullptr;
   if (cudaError_t e = configure_kernels<T, kHeadDim, kLayouts>(); e != cudaSuccess) return e;
@@ -90,27 +92,34 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   BackwardMaps key_maps, query_maps;
   if (!map(&key_maps.own_a, p.k, ke, p.heads_kv, p.head_dim, kKeysPerBlock) ||
       !map(&key_maps.own_b, p.v, ke, p.heads_kv, p.head_dim_v, kKeysPerBlock) ||
-      !map(&key_maps.stream_a, p.q, qe, p.heads_q, p.head_dim, kStreamRows) ||
-      !map(&key_maps.stream_b, p.dout, qe, p.heads_q, p.head_dim_v, kStreamRows) ||
-      !map(&query_maps.own_a, p.q, qe, p.heads_q, p.head_dim, kOwnRows) ||
-      !map(&query_maps.own_b, p.dout, qe, p.heads_q, p.head_dim_v, kOwnRows) ||
-      !map(&query_maps.stream_a, p.k, ke, p.heads_kv, p.head_dim, kStreamRows) ||
-      !map(&query_maps.stream_b, p.v, ke, p.heads_kv, p.head_dim_v, kStreamRows))
+      !map(&key_maps.stream_a, p.q, qe, p.heads_q, p.head_dim, KeyConfig::kStreamRows) ||
+      !map(&key_maps.stream_b, p.dout, qe, p.heads_q, p.head_dim_v, KeyConfig::kStreamRows))
     return cudaErrorInvalidValue;
+  int64_t query_blocks = 0;
+  if constexpr (!kWide<kHeadDim>) {  // (no query kernel above head dim 128)
+    static_assert(QueryConfig::kSmemBytes == kSmem && QueryConfig::kThreads == kThreads,
+                  "the key and query kernels share their launch shape");
+    constexpr int kQueriesPerBlock = QueryConfig::kOwnRows;
+    if (!map(&query_maps.own_a, p.q, qe, p.heads_q, p.head_dim, kQueriesPerBlock) ||
+        !map(&query_maps.own_b, p.dout, qe, p.heads_q, p.head_dim_v, kQueriesPerBlock) ||
+        !map(&query_maps.stream_a, p.k, ke, p.heads_kv, p.head_dim, QueryConfig::kStreamRows) ||
+        !map(&query_maps.stream_b, p.v, ke, p.heads_kv, p.head_dim_v, QueryConfig::kStreamRows))
+      return cudaErrorInvalidValue;
+    query_blocks = block_grid(p, false, kQueriesPerBlock, p.heads_q);
+  }
   const int64_t key_blocks = block_grid(p, true, kKeysPerBlock, p.heads_kv);
-  const int64_t query_blocks = block_grid(p, false, kOwnRows, p.heads_q);
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if constexpr (kLayouts == Layouts::kSegments) {
     if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
     if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
   }
-  if (kVarlen) {
+  if constexpr (kVarlen) {
     if (cudaError_t e = build_blocks(p, ws.key_list, true, kKeysPerBlock, p.heads_kv, key_blocks,
                                      stream);
         e != cudaSuccess)
       return e;
     if (!fused)
-      if (cudaError_t e = build_blocks(p, ws.query_list, false, kOwnRows, p.heads_q,
+      if (cudaError_t e = build_blocks(p, ws.query_list, false, QueryConfig::kOwnRows, p.heads_q,
                                        query_blocks, stream);
           e != cudaSuccess)
         return e;

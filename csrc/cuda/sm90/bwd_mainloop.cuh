@@ -45,13 +45,16 @@ namespace flashjax::cuda::hopper_bwd {
 // a and b: k_major_desc of the tiles' k-step 0.
 template <class T, int kHeadDim>
 __device__ __forceinline__ void issue_abt(float (&c)[32], uint64_t a, uint64_t b) {
+  using C = TileConfig<kHeadDim>;
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk)
-    wgmma_ss_n64<T>(c, k_major_step<kOwnRows>(a, kk), k_major_step<kStreamRows>(b, kk), kk > 0);
+    wgmma_ss_n64<T>(c, k_major_step<C::kOwnRows>(a, kk), k_major_step<C::kStreamRows>(b, kk),
+                    kk > 0);
 }
 
-// The N-major descriptor of a streamed tile (64 rows of keys or queries; the
-// next 64 head dims kStreamRows * 128 B on, the next 8 rows 1024 B on).
+// The N-major descriptor of a streamed tile (kStreamRows rows of keys or
+// queries; the next 64 head dims kStreamRows * 128 B on, the next 8 rows 1024 B on).
+template <int kStreamRows>
 __device__ __forceinline__ uint64_t stream_n_major_desc(const unsigned char* tile) {
   return smem_desc(tile, kStreamRows * 128, 1024);
 }
@@ -82,9 +85,10 @@ __device__ __forceinline__ uint64_t mn_major_desc(const unsigned char* tile) {
 template <class T, int kHeadDim>
 __device__ __forceinline__ void issue_dq(float (&dq)[32], uint64_t ds_tile, uint64_t k_tile,
                                          int consumer) {
-  constexpr bool kOwnKeys = kHeadDim == 64;
+  using C = TileConfig<kHeadDim>;
+  constexpr bool kOwnKeys = C::kDqOfOwnKeys;
   const int key0 = kOwnKeys ? consumer * 64 : 0;
-  const uint64_t k_cols = desc_advance(k_tile, kOwnKeys ? 0 : consumer * kOwnRows * 128);
+  const uint64_t k_cols = desc_advance(k_tile, kOwnKeys ? 0 : consumer * C::kOwnRows * 128);
   // The first product overwrites dq; zeroing it first tells the compiler that
   // the last tile's values are dead (they would stay live through the softmax).
 #pragma unroll
@@ -167,11 +171,12 @@ __device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, in
 // sees it (bwd_kernel.cuh), so that descriptors live in uniform registers.
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
 __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
-                                             const KeyBlock<kOwnRows, kLayouts>& kb,
+                                             const KeyBlock<TileConfig<kHeadDim>, kLayouts>& kb,
                                              const AttentionParams& p,
                                              const SegmentTiles& segment_tiles, int consumer,
                                              int* nonfinite) {
-  using L = Layout<kHeadDim>;
+  using C = TileConfig<kHeadDim>;
+  constexpr int kOwnRows = C::kOwnRows, kStreamRows = C::kStreamRows;
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int64_t my_key = kb.k0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
   // Descriptors, built once: the owned rows', and each ring's stage 0 (a
@@ -180,8 +185,8 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   const uint64_t v_rows = k_major_desc<kOwnRows>(sm.own_b + consumer * 64 * 128, 0);
   const uint64_t q_k_major = k_major_desc<kStreamRows>(sm.stream_a, 0);
   const uint64_t do_k_major = k_major_desc<kStreamRows>(sm.stream_b, 0);
-  const uint64_t q_n_major = stream_n_major_desc(sm.stream_a);
-  const uint64_t do_n_major = stream_n_major_desc(sm.stream_b);
+  const uint64_t q_n_major = stream_n_major_desc<kStreamRows>(sm.stream_a);
+  const uint64_t do_n_major = stream_n_major_desc<kStreamRows>(sm.stream_b);
   const uint64_t ds_mn_major = mn_major_desc(sm.ds), k_mn_major = mn_major_desc(sm.own_a);
   // This thread's columns of a tile's lse2 and D: 8 n + 2 t and the next, n < 8.
   const uint32_t my_stats = smem_u32(sm.stats) + 4 * 2 * t;
@@ -192,11 +197,11 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   float dq[32];
   // The current tile: its slot in the Q/dO ring, its first query row, its
   // dS^T buffer and dQ stage (stepped in release: no division per tile).
-  RingSlot<L::kStages> tile;
-  RingSlot<L::kDqStages> dq_stage;
+  RingSlot<C::kStages> tile;
+  RingSlot<C::kDqStages> dq_stage;
   int ds_buffer = 0;
   int64_t q0 = kb.row_begin;
-  const auto stream_offset = [&] { return static_cast<uint32_t>(tile.stage * L::kStreamBytes); };
+  const auto stream_offset = [&] { return static_cast<uint32_t>(tile.stage * C::kStreamBytes); };
   const int zeroed = barrier_id(NamedBarrier::kTileZeroed, consumer);
   // (kSegments: this consumer's 64 keys are one segment-id tile.)
   const FragmentSegments<kLayouts> segments(p, segment_tiles, kb.seq, kb.b, FragmentRows::kKeys,
@@ -221,7 +226,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
       [&](int64_t) {  // P^T, dS^T
         // The tile's lse2 and D (loaded before the waits: their latency hides there).
         float lse2[16], D[16] = {};  // (D: loaded in the wait below)
-        const uint32_t stats = my_stats + tile.stage * L::kStatBytes;
+        const uint32_t stats = my_stats + tile.stage * C::kStatBytes;
 #pragma unroll
         for (int n = 0; n < 8; ++n) ld_shared(stats + 4 * 8 * n, lse2[2 * n], lse2[2 * n + 1]);
         wgmma_wait<1>();
@@ -248,7 +253,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         pack_fragments<T, 4>(pa, st);
         pack_fragments<T, 4>(dsa, dpt);
         if constexpr (kFusedDq) {
-          store_transposed(sm.ds + ds_buffer * L::kDsBytes, consumer * 64, 0, dsa);
+          store_transposed(sm.ds + ds_buffer * C::kDsBytes, consumer * 64, 0, dsa);
           fence_proxy_async();
         }
       },
@@ -257,11 +262,11 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         issue_ab<T, kHeadDim>(dv, pa, desc_advance(do_n_major, stream_offset()));
         if constexpr (kFusedDq) {
           // Both halves of dS^T (or this consumer's, at head dim 64) are stored.
-          if constexpr (kHeadDim == 64)
+          if constexpr (C::kDqOfOwnKeys)
             named_sync(barrier_id(NamedBarrier::kDsStored, consumer), 128);
           else
             named_sync(barrier_id(NamedBarrier::kDsStored));
-          issue_dq<T, kHeadDim>(dq, desc_advance(ds_mn_major, ds_buffer * L::kDsBytes),
+          issue_dq<T, kHeadDim>(dq, desc_advance(ds_mn_major, ds_buffer * C::kDsBytes),
                                 k_mn_major, consumer);
           wgmma_commit();
           issue_ab<T, kHeadDim>(dk, dsa, desc_advance(q_n_major, stream_offset()));
@@ -269,9 +274,9 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
           // dQ is staged for the writer while dK's product runs.
           wgmma_wait<1>();
           fence_operands(dq);
-          const int slot = consumer * L::kDqStages + dq_stage.stage;
+          const int slot = consumer * C::kDqStages + dq_stage.stage;
           mbar_wait(&sm.dq_empty[slot], dq_stage.phase ^ 1);
-          stage_dq<64>(sm.dq_stage + slot * kDqBlock<64>, dq, 0);
+          stage_dq<C::kDqCols>(sm.dq_stage + slot * kDqBlock<C::kDqCols>, dq, 0);
           fence_proxy_async();
           mbar_arrive(&sm.dq_full[slot]);
         } else {
@@ -300,12 +305,14 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
 // A query-kernel consumer: dQ of its 64 rows over the block's key tiles, then
 // its rows of dq and their shares of dsinks.
 template <class T, int kHeadDim, Layouts kLayouts>
-__device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBlock<kLayouts>& qb,
+__device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm,
+                                               const QueryBlock<TileConfig<kHeadDim>, kLayouts>& qb,
                                                const AttentionParams& p,
                                                const SegmentTiles& segment_tiles, int consumer,
                                                const TensorRef& D_all,
                                                const TensorRef& dsink_rows, int* nonfinite) {
-  using L = Layout<kHeadDim>;
+  using C = TileConfig<kHeadDim>;
+  constexpr int kOwnRows = C::kOwnRows, kStreamRows = C::kStreamRows;
   const int lane = threadIdx.x % 32;
   RowSoftmax rows{qb.q0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4};
   const FragmentSegments<kLayouts> segments(p, segment_tiles, qb.seq, qb.b,
@@ -322,8 +329,8 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
   }
   float dq[kHeadDim / 2] = {};
 
-  const auto k_tile = [&](int64_t it) { return sm.stream_a + (it % L::kStages) * L::kStreamBytes; };
-  const auto v_tile = [&](int64_t it) { return sm.stream_b + (it % L::kStages) * L::kStreamBytes; };
+  const auto k_tile = [&](int64_t it) { return sm.stream_a + (it % C::kStages) * C::kStreamBytes; };
+  const auto v_tile = [&](int64_t it) { return sm.stream_b + (it % C::kStages) * C::kStreamBytes; };
   float s[32], dp[32];
   uint32_t dsa[4][4];
   const int zeroed = barrier_id(NamedBarrier::kTileZeroed, consumer);
@@ -333,7 +340,7 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
   pipeline<true>(
       qb.tiles,
       [&](int64_t it) {  // S = Q K_j^T, dP = dO V_j^T
-        mbar_wait(&sm.full[it % L::kStages], (it / L::kStages) & 1);
+        mbar_wait(&sm.full[it % C::kStages], (it / C::kStages) & 1);
         if (qb.tile_crosses_end(it))
           zero_rows_of_pair<kStreamRows, kHeadDim>(k_tile(it), v_tile(it),
                                                    qb.first_unused_row(it), zeroed);
@@ -358,12 +365,12 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm, const QueryBl
       [&](int64_t) { pack_fragments<T, 4>(dsa, dp); },
       [&](int64_t it) {  // dQ += dS K_j
         wgmma_fence();
-        issue_ab<T, kHeadDim>(dq, dsa, stream_n_major_desc(k_tile(it)));
+        issue_ab<T, kHeadDim>(dq, dsa, stream_n_major_desc<kStreamRows>(k_tile(it)));
         wgmma_commit();
       },
       [&](int64_t it) {
         fence_operands(dq);
-        if (lane == 0) mbar_arrive(&sm.empty[it % L::kStages]);
+        if (lane == 0) mbar_arrive(&sm.empty[it % C::kStages]);
       });
   store_block<T, kHeadDim>(qb.seq.template q_at<T>(p.dq, 0, qb.h), p.dq.row_stride,
                            qb.seq.q_slot, p.head_dim, qb.q0 + consumer * 64, dq, p.softmax_scale);

@@ -43,7 +43,7 @@ __device__ __forceinline__ void store_group(T* dst, const float (&v)[kConvertCol
 template <class T, int kHeadDim, class Index>
 __device__ __forceinline__ void convert_dense_dq(const AttentionParams& p, const float* dq_accum,
                                                  const PaddedRows& padded, int* nonfinite) {
-  constexpr int kCols = kDqCols<kHeadDim>;
+  constexpr int kCols = KeyKernelConfig<kHeadDim>::kDqCols;
   static_assert(kCols % kConvertCols == 0, "a group must not straddle dQ blocks");
   const Index groups = static_cast<Index>(p.head_dim / kConvertCols);
   const Index heads = static_cast<Index>(p.heads_q), seqlen = static_cast<Index>(p.seqlen_q);
@@ -79,7 +79,7 @@ __device__ __forceinline__ void convert_dense_dq(const AttentionParams& p, const
 template <class T, int kHeadDim>
 __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum,
                                   const PaddedRows padded, int* nonfinite) {
-  constexpr int kCols = kDqCols<kHeadDim>;
+  constexpr int kCols = KeyKernelConfig<kHeadDim>::kDqCols;
   if (!p.packed()) {
     const int64_t n = p.batch * p.seqlen_q * p.heads_q * (p.head_dim / kConvertCols);
     if (n < (int64_t(1) << 31))

@@ -20,25 +20,28 @@ namespace flashjax::cuda::hopper_bwd {
 // pairs, from the walk's first. With stats.lse2, also those rows' lse2 and D.
 template <int kHeadDim>
 __device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_row, int own_head,
-                        int batch, int64_t tiles, StreamWalk tile, const RowStats& stats) {
-  using L = Layout<kHeadDim>;
-  mbar_expect_tx(sm.owned, 2 * L::kOwnBytes);
-  tma_tile<kHeadDim, kOwnRows>(sm.own_a, &maps.own_a, sm.owned, own_row, own_head, batch);
-  tma_tile<kHeadDim, kOwnRows>(sm.own_b, &maps.own_b, sm.owned, own_row, own_head, batch);
+                        int batch, int64_t tiles,
+                        StreamWalk<TileConfig<kHeadDim>::kStreamRows> tile,
+                        const RowStats& stats) {
+  using C = TileConfig<kHeadDim>;
+  mbar_expect_tx(sm.owned, 2 * C::kOwnBytes);
+  tma_tile<kHeadDim, C::kOwnRows>(sm.own_a, &maps.own_a, sm.owned, own_row, own_head, batch);
+  tma_tile<kHeadDim, C::kOwnRows>(sm.own_b, &maps.own_b, sm.owned, own_row, own_head, batch);
   for (int64_t it = 0; it < tiles; ++it) {
-    const int stage = it % L::kStages, phase = (it / L::kStages) & 1;
+    const int stage = it % C::kStages, phase = (it / C::kStages) & 1;
     mbar_wait_idle(&sm.empty[stage], phase ^ 1);
-    mbar_expect_tx(&sm.full[stage], 2 * L::kStreamBytes + (stats.lse2 ? L::kStatBytes : 0));
+    mbar_expect_tx(&sm.full[stage], 2 * C::kStreamBytes + (stats.lse2 ? C::kStatBytes : 0));
     if (stats.lse2) {
-      float* dst = sm.stats + stage * (L::kStatBytes / 4);
-      bulk_load(dst, stats.lse2 + tile.padded_row, L::kStatBytes / 2, &sm.full[stage]);
-      bulk_load(dst + kStreamRows, stats.D + tile.padded_row, L::kStatBytes / 2, &sm.full[stage]);
+      float* dst = sm.stats + stage * (C::kStatBytes / 4);
+      bulk_load(dst, stats.lse2 + tile.padded_row, C::kStatBytes / 2, &sm.full[stage]);
+      bulk_load(dst + C::kStreamRows, stats.D + tile.padded_row, C::kStatBytes / 2,
+                &sm.full[stage]);
     }
     const int row = static_cast<int>(tile.row);
-    tma_tile<kHeadDim, kStreamRows>(sm.stream_a + stage * L::kStreamBytes, &maps.stream_a,
-                                    &sm.full[stage], row, tile.head, batch);
-    tma_tile<kHeadDim, kStreamRows>(sm.stream_b + stage * L::kStreamBytes, &maps.stream_b,
-                                    &sm.full[stage], row, tile.head, batch);
+    tma_tile<kHeadDim, C::kStreamRows>(sm.stream_a + stage * C::kStreamBytes, &maps.stream_a,
+                                       &sm.full[stage], row, tile.head, batch);
+    tma_tile<kHeadDim, C::kStreamRows>(sm.stream_b + stage * C::kStreamBytes, &maps.stream_b,
+                                       &sm.full[stage], row, tile.head, batch);
     tile.next();
   }
 }
@@ -47,9 +50,11 @@ __device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_ro
 // lse2) and dO (with D), each in its own ring: Q is released after dK, dO
 // after dV.
 inline __device__ void produce_wide(WideSmem& sm, const BackwardMaps& maps,
-                                    const KeyBlock<wide::kKeys>& kb, const AttentionParams& p,
+                                    const KeyBlock<WideTileConfig>& kb, const AttentionParams& p,
                                     const RowStats& stats) {
-  using namespace wide;
+  using C = WideTileConfig;
+  constexpr int kHeadDim = C::kHeadDim, kKeys = C::kOwnRows, kStreamRows = C::kStreamRows;
+  constexpr int kQStages = C::kQStages, kTileBytes = C::kTileBytes, kStatBytes = C::kStatBytes;
   const int batch = static_cast<int>(kb.b), k0 = static_cast<int>(kb.k0);
   mbar_expect_tx(sm.owned, 2 * kTileBytes);
   tma_tile<kHeadDim, kKeys>(sm.k, &maps.own_a, sm.owned, k0, static_cast<int>(kb.hk), batch);

@@ -1,9 +1,11 @@
 // Which rows a Hopper backward CTA owns and which tiles it streams past them:
 // KeyBlock for the key kernels (keys of one kv head; query tiles of every
 // query head of its group), QueryBlock for the query kernel (queries of one
-// head; key tiles). One CTA per block: uniform calls number the blocks from
-// the shapes; packed / seqused calls take the longest-first work list
-// (work_list.h), whose grid may have slots past its items (invalid blocks).
+// head; key tiles). One CTA per block (BlockSchedule, walked with
+// for_each_work_tile as the forward's schedules are): uniform calls number
+// the blocks from the shapes; packed / seqused calls take the longest-first
+// work list (work_list.h), whose grid may have slots past its items (invalid
+// blocks: the CTA has no work).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +19,7 @@
 #include "../common/work_list.h"
 #include "bwd_tile_config.h"
 #include "flashjax/seqlen.h"
+#include "tile_scheduler.cuh"
 
 namespace flashjax::cuda::hopper_bwd {
 
@@ -26,6 +29,7 @@ namespace flashjax::cuda::hopper_bwd {
 // `per_head` row tiles of a head, then the next head's; stepped without
 // divisions (these loops run on few registers, and the consumers wait on the
 // dQ writer's).
+template <int kStreamRows>
 struct StreamWalk {
   int64_t row, padded_row;
   int head;
@@ -75,11 +79,15 @@ __device__ __forceinline__ BlockIndex block_index(int64_t tiles_per_head, int64_
 // The keys [k0, last_key] of kv head hk a key-kernel CTA owns (kRows of them;
 // slot rows of sequence b, the used ones), and the streamed query tiles that
 // see them: tile it is slot rows [row(it), +kStreamRows) of query head head(it).
-template <int kRows, Layouts kLayouts = Layouts::kUniform>
+// Config: the key kernel's (TileConfig or WideTileConfig).
+template <class Config, Layouts kLayouts = Layouts::kUniform>
 struct KeyBlock {
+  static constexpr int kRows = Config::kOwnRows;
+  static constexpr int kStreamRows = Config::kStreamRows;
   int64_t b, hk, k0, last_key, row_begin, q_tiles, tiles;
   SeqlenInfo seq;
   bool valid;
+  KeyBlock() = default;
   __device__ KeyBlock(const AttentionParams& p, const VarlenWorkList& list,
                       const SegmentTiles& segment_tiles) {
     const BlockIndex i =
@@ -121,7 +129,8 @@ struct KeyBlock {
     if constexpr (kLayouts == Layouts::kUniform) return padded.start_of<false>(seq, b, h);
     else return padded.start(seq, b, h);
   }
-  __device__ StreamWalk walk(const AttentionParams& p, const PaddedRows& padded) const {
+  __device__ StreamWalk<kStreamRows> walk(const AttentionParams& p,
+                                          const PaddedRows& padded) const {
     const int64_t h0 = hk * p.group_size();
     return {sequence(p).q_row(row_begin), padded_start(p, padded, h0) + row_begin,
             static_cast<int>(h0), q_tiles, 0, padded.rows - q_tiles * kStreamRows};
@@ -172,15 +181,18 @@ struct KeyBlock {
 
 // The query rows [q0, last_row] of head h a query-kernel CTA owns (kOwnRows of
 // them), and the streamed key tiles they see: tile it is slot keys
-// [key_tile(it), +kStreamRows) of kv head hk.
-template <Layouts kLayouts = Layouts::kUniform>
+// [key_tile(it), +kStreamRows) of kv head hk. Config: a TileConfig.
+template <class Config, Layouts kLayouts = Layouts::kUniform>
 struct QueryBlock {
+  static constexpr int kOwnRows = Config::kOwnRows;
+  static constexpr int kStreamRows = Config::kStreamRows;
   int64_t b, h, hk, q0;
   SeqlenInfo seq;
   int64_t last_row;
   KeyRange keys;
   int64_t tiles;
   bool valid;
+  QueryBlock() = default;
   __device__ QueryBlock(const AttentionParams& p, const VarlenWorkList& list,
                         const SegmentTiles& segment_tiles)
       : QueryBlock(p, query_index(p, list)) {
@@ -201,7 +213,7 @@ struct QueryBlock {
   __device__ int first_unused_row(int64_t it) const {
     return static_cast<int>(max(seq.seqlen_k - key_tile(it), int64_t(0)));
   }
-  __device__ StreamWalk walk() const {  // (one head, no statistics)
+  __device__ StreamWalk<kStreamRows> walk() const {  // (one head, no statistics)
     return {seq.k_row(keys.tile_begin), 0, static_cast<int>(hk), tiles, 0, 0};
   }
 
@@ -225,6 +237,22 @@ struct QueryBlock {
         keys(seq, q0, last_row, kStreamRows),
         tiles(i.valid ? keys.tiles(kStreamRows) : 0),
         valid(i.valid) {}
+};
+
+// The backward's schedule: each CTA does one block (Block: a KeyBlock or a
+// QueryBlock, which finds its own from blockIdx.x), none where the grid
+// reaches past the work list's blocks.
+template <class Block>
+struct BlockSchedule {
+  using Item = Block;
+  static constexpr bool kOneItemPerCta = true;
+  const AttentionParams& p;
+  const VarlenWorkList& list;
+  const SegmentTiles& segment_tiles;
+  __device__ ScheduleStep tile(int64_t, Block& out) const {
+    out = Block(p, list, segment_tiles);
+    return out.valid ? ScheduleStep::kTile : ScheduleStep::kEnd;
+  }
 };
 
 }  // namespace flashjax::cuda::hopper_bwd

@@ -1,6 +1,6 @@
-// The Hopper backward kernels' shared memory: the layouts of
-// bwd_tile_config.h carved into tiles and mbarriers, and the barriers'
-// initialisation.
+// The Hopper backward kernels' shared memory: the plans of bwd_tile_config.h
+// (TileConfig::kSmem, WideTileConfig::kSmem) carved into tiles and mbarriers,
+// and the barriers' initialisation.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,12 @@
 namespace flashjax::cuda::hopper_bwd {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// The region at byte `offset` of the aligned shared-memory base, as T.
+template <class T>
+__device__ __forceinline__ T* smem_region(unsigned char* base, int offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
 
 // Shared memory and barriers of the key and query kernels: two owned [128][d]
 // tensors, a ring of (a, b) streamed tile pairs (with their rows' lse2 and D)
@@ -23,30 +29,30 @@ struct Smem {
   float *dq_stage, *stats;
   uint64_t *owned, *full, *empty, *dq_full, *dq_empty;
   __device__ explicit Smem(unsigned char* raw) {
-    using L = Layout<kHeadDim>;
+    constexpr auto at = TileConfig<kHeadDim>::kSmem;
     unsigned char* base = align_smem(raw);
-    own_a = base;
-    own_b = own_a + L::kOwnBytes;
-    stream_a = own_b + L::kOwnBytes;
-    stream_b = stream_a + L::kStages * L::kStreamBytes;
-    ds = base + L::kDsOffset;
-    dq_stage = reinterpret_cast<float*>(base + L::kDqStageOffset);
-    stats = reinterpret_cast<float*>(base + L::kStatOffset);
-    owned = reinterpret_cast<uint64_t*>(base + L::kBarrierOffset);
-    full = owned + 1;
-    empty = full + L::kStages;
-    dq_full = empty + L::kStages;
-    dq_empty = dq_full + 2 * L::kDqStages;
+    own_a = base + at.own_a;
+    own_b = base + at.own_b;
+    stream_a = base + at.stream_a;
+    stream_b = base + at.stream_b;
+    ds = base + at.ds;
+    dq_stage = smem_region<float>(base, at.dq_stage);
+    stats = smem_region<float>(base, at.stats);
+    owned = smem_region<uint64_t>(base, at.owned);
+    full = smem_region<uint64_t>(base, at.full);
+    empty = smem_region<uint64_t>(base, at.empty);
+    dq_full = smem_region<uint64_t>(base, at.dq_full);
+    dq_empty = smem_region<uint64_t>(base, at.dq_empty);
   }
   __device__ void init() {
     if (threadIdx.x == 0) {
       mbar_init(owned, 1);
-      using L = Layout<kHeadDim>;
-      for (int s = 0; s < L::kStages; ++s) {
+      using Config = TileConfig<kHeadDim>;
+      for (int s = 0; s < Config::kStages; ++s) {
         mbar_init(&full[s], 1);
         mbar_init(&empty[s], 8);  // one arrival per consumer warp
       }
-      for (int s = 0; s < 2 * L::kDqStages; ++s) {
+      for (int s = 0; s < Config::kConsumers * Config::kDqStages; ++s) {
         mbar_init(&dq_full[s], 128);  // every thread of the consumer
         mbar_init(&dq_empty[s], 1);   // the dQ writer
       }
@@ -65,24 +71,24 @@ struct WideSmem {
   float *dq_stage, *lse2, *D;
   uint64_t *owned, *q_full, *q_empty, *do_full, *do_empty;
   __device__ explicit WideSmem(unsigned char* raw) {
-    using namespace wide;
+    constexpr auto at = WideTileConfig::kSmem;
     unsigned char* base = align_smem(raw);
-    k = base;
-    v = base + kTileBytes;
-    q = base + kQOffset;
-    dout = base + kDoOffset;
-    grads = base + kGradOffset;
-    dq_stage = reinterpret_cast<float*>(base + kDqStageOffset);
-    lse2 = reinterpret_cast<float*>(base + kStatOffset);
-    D = lse2 + kQStages * kStreamRows;
-    owned = reinterpret_cast<uint64_t*>(base + kBarrierOffset);
-    q_full = owned + 1;
-    q_empty = q_full + kQStages;
-    do_full = q_empty + kQStages;
-    do_empty = do_full + 1;
+    k = base + at.k;
+    v = base + at.v;
+    q = base + at.q;
+    dout = base + at.dout;
+    grads = base + at.grads;
+    dq_stage = smem_region<float>(base, at.dq_stage);
+    lse2 = smem_region<float>(base, at.lse2);
+    D = smem_region<float>(base, at.D);
+    owned = smem_region<uint64_t>(base, at.owned);
+    q_full = smem_region<uint64_t>(base, at.q_full);
+    q_empty = smem_region<uint64_t>(base, at.q_empty);
+    do_full = smem_region<uint64_t>(base, at.do_full);
+    do_empty = smem_region<uint64_t>(base, at.do_empty);
     if (threadIdx.x == 0) {
       mbar_init(owned, 1);
-      for (int s = 0; s < kQStages; ++s) {
+      for (int s = 0; s < WideTileConfig::kQStages; ++s) {
         mbar_init(&q_full[s], 1);
         mbar_init(&q_empty[s], 8);  // one arrival per consumer warp
       }
@@ -94,8 +100,10 @@ struct WideSmem {
   }
   // Tile it's P^T and dS^T (double-buffered: the other consumer may still
   // read tile it - 1's while this one writes tile it's).
-  __device__ unsigned char* pt(int64_t it) const { return grads + (it % 2) * 2 * wide::kGradBytes; }
-  __device__ unsigned char* dst(int64_t it) const { return pt(it) + wide::kGradBytes; }
+  __device__ unsigned char* pt(int64_t it) const {
+    return grads + (it % 2) * 2 * WideTileConfig::kGradBytes;
+  }
+  __device__ unsigned char* dst(int64_t it) const { return pt(it) + WideTileConfig::kGradBytes; }
 };
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

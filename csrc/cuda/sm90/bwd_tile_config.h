@@ -1,21 +1,16 @@
-// The Hopper backward's configuration, in one place: tile sizes, warp roles
-// and their registers, named barriers, pipeline depths, the kernels'
-// shared-memory layouts and the layout of the float32 dQ buffer.
+// The Hopper backward's configuration, in one place: per kernel shape
+// (TileConfig for the key and query kernels at head dims 64 and 128,
+// WideTileConfig for the wide key kernel) the tile rows, warp roles and their
+// registers, pipeline depths and the shared-memory plan; the named barriers
+// and the layout of the float32 dQ buffer.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace flashjax::cuda::hopper_bwd {
-
-constexpr int kOwnRows = 128;   // rows a CTA owns (keys or queries): 64 per consumer
-constexpr int kStreamRows = 64; // rows of each streamed tile
-constexpr int kThreads = 384;
-// Registers per thread (setmaxnreg): warpgroup 0 (the producer, and the fused
-// key kernel's dQ writer) gives its share to the two consumer warpgroups.
-constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = 240;
 
 // Named barriers among the consumers (id 0 is __syncthreads'); an id plus a
 // consumer index is that consumer's own barrier (128 threads).
@@ -60,64 +55,153 @@ __host__ __device__ __forceinline__ int64_t dq_block_start(int64_t padded_row,
   return (padded_row / 64 * (kHeadDim / kCols) + col_block) * kDqBlock<kCols>;
 }
 
-// Head dims above 128 take the wide key kernel (fused dQ only).
-template <int kHeadDim>
-constexpr bool kWide = kHeadDim > 128;
-template <int kHeadDim>
-constexpr int kDqCols = kWide<kHeadDim> ? 32 : 64;
+// Shared memory is planned as regions appended in order, each at the next
+// offset its use allows (a plan runs in a constexpr function: its offsets are
+// constants).
+constexpr int kSmemLimit = 227 * 1024;  // the opt-in shared memory of sm_90
+constexpr int kSmemBaseAlign = 1024;    // align_smem rounds the kernel's base up to this
+constexpr int kTileAlign = 1024;        // a swizzled tile (8 rows of 128 B)
+constexpr int kBulkAlign = 16;          // a bulk copy's or bulk reduction's buffer
+constexpr int kBarrierAlign = 8;        // an mbarrier
+constexpr int kBarrierBytes = 8;
 
-// The key and query kernels' shared memory (Smem carves it).
-template <int kHeadDim>
-struct Layout {
+struct SmemPlan {
+  int end = 0;
+  // Appends `bytes` at the first multiple of `align` not before the end; returns its offset.
+  constexpr int append(int bytes, int align) {
+    const int offset = (end + align - 1) / align * align;
+    end = offset + bytes;
+    return offset;
+  }
+  constexpr int barriers(int count) { return append(count * kBarrierBytes, kBarrierAlign); }
+  // What a kernel asks for: the regions and room to align their base.
+  constexpr int smem_bytes() const { return end + kSmemBaseAlign; }
+};
+
+// The key and query kernels at head dims 64 and 128: a CTA owns 128 rows (keys
+// or queries), 64 per consumer warpgroup, and streams 64-row tiles of the
+// other side (bwd_mainloop.cuh: S^T, dP^T or S, dP from shared memory; the
+// updates dV, dK or dQ with their left operand in registers).
+template <int kHeadDimBucket>
+struct TileConfig {
+  static constexpr int kHeadDim = kHeadDimBucket;
+  static constexpr int kConsumers = 2;
+  static constexpr int kOwnRows = 64 * kConsumers;  // rows a CTA owns
+  static constexpr int kStreamRows = 64;            // rows of each streamed tile
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // Registers per thread (setmaxnreg): warpgroup 0 (the producer, and the
+  // fused key kernel's dQ writer) gives its share to the consumers.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
   // Streamed tile stages (3: the next tile loads while one is computed and one
-  // drains) and dQ stages per consumer (2: a reduction's reads need not finish
-  // before the next tile stages dQ).
+  // drains) and dQ stages per consumer (2 at head dim 64: a reduction's reads
+  // need not finish before the next tile stages dQ; at 128 the shared memory
+  // holds one).
   static constexpr int kStages = 3;
   static constexpr int kDqStages = kHeadDim == 64 ? 2 : 1;
+  static constexpr int kDqCols = 64;  // of a float32 dQ block
+  // Fused dQ = dS K: at head dim 64 each consumer takes its own 64 keys and all
+  // head dims (the reductions add the halves); at 128 the consumers split the
+  // head dims and share all keys.
+  static constexpr bool kDqOfOwnKeys = kHeadDim == 64;
+
   static constexpr int kOwnBytes = kOwnRows * kHeadDim * 2;       // one owned tensor
   static constexpr int kStreamBytes = kStreamRows * kHeadDim * 2; // one streamed tile
   static constexpr int kDsBytes = kOwnRows * kStreamRows * 2;     // dS^T [keys][queries]
   static constexpr int kStatBytes = 2 * kStreamRows * 4;          // a tile's lse2 and D
-  static constexpr int kDsOffset = 2 * kOwnBytes + 2 * kStages * kStreamBytes;
-  static constexpr int kDqStageOffset = kDsOffset + 2 * kDsBytes;  // dS^T double-buffered
-  static constexpr int kStatOffset = kDqStageOffset + 2 * kDqStages * kDqBlockBytes<64>;
-  static constexpr int kBarrierOffset = kStatOffset + kStages * kStatBytes;
-  static constexpr int kBarriers = 1 + 2 * kStages + 2 * 2 * kDqStages;
-  static constexpr int kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of sm_90");
+
+  // Shared memory (Smem carves it): the owned tensors (a, b), the rings of
+  // streamed tiles (a, b) and their rows' statistics, two dS^T buffers and
+  // each consumer's dQ stages (fused key kernel), then the mbarriers: owned;
+  // full and empty per stage; dQ full and empty per consumer and dQ stage.
+  struct Offsets {
+    int own_a, own_b, stream_a, stream_b, ds, dq_stage, stats;
+    int owned, full, empty, dq_full, dq_empty;
+    int bytes;
+  };
+  static constexpr Offsets kSmem = [] {
+    SmemPlan plan;
+    Offsets at{};
+    at.own_a = plan.append(kOwnBytes, kTileAlign);
+    at.own_b = plan.append(kOwnBytes, kTileAlign);
+    at.stream_a = plan.append(kStages * kStreamBytes, kTileAlign);
+    at.stream_b = plan.append(kStages * kStreamBytes, kTileAlign);
+    at.ds = plan.append(2 * kDsBytes, kTileAlign);
+    at.dq_stage = plan.append(kConsumers * kDqStages * kDqBlockBytes<kDqCols>, kBulkAlign);
+    at.stats = plan.append(kStages * kStatBytes, kBulkAlign);
+    at.owned = plan.barriers(1);
+    at.full = plan.barriers(kStages);
+    at.empty = plan.barriers(kStages);
+    at.dq_full = plan.barriers(kConsumers * kDqStages);
+    at.dq_empty = plan.barriers(kConsumers * kDqStages);
+    at.bytes = plan.smem_bytes();
+    return at;
+  }();
+  static constexpr int kSmemBytes = kSmem.bytes;
+  static_assert(kSmemBytes <= kSmemLimit, "exceeds the opt-in shared memory of sm_90");
 };
 
-// The wide key kernel (head dims 129-256, bwd_wide_mainloop.cuh): a CTA owns
-// 64 keys. Shared memory (WideSmem carves it): K, V, two Q stages and one dO
-// stage (dO is released after dV, the first update; a second stage measured no
-// faster), two P^T/dS^T pairs and two 8 KB dQ stages per consumer: 224 KB.
-namespace wide {
-constexpr int kKeys = 64;
-constexpr int kHeadDim = 256;
-constexpr int kQStages = 2;
-constexpr int kTileBytes = 64 * kHeadDim * 2;  // K, V, a Q or a dO tile
-constexpr int kGradBytes = kKeys * kStreamRows * 2;  // one P^T or dS^T tile
-constexpr int kColBlock = 64 * 128;  // one 64-column block of a 64-row tile
-constexpr int kDqStageFloats = kDqBlock<kDqCols<kHeadDim>>;
-constexpr int kQOffset = 2 * kTileBytes;
-constexpr int kDoOffset = kQOffset + kQStages * kTileBytes;
-constexpr int kGradOffset = kDoOffset + kTileBytes;
-constexpr int kDqStageOffset = kGradOffset + 2 * 2 * kGradBytes;
-constexpr int kStatOffset = kDqStageOffset + 2 * 2 * kDqStageFloats * 4;
-constexpr int kStatBytes = kStreamRows * 4;  // a tile's lse2 (with Q) or D (with dO)
-constexpr int kBarrierOffset = kStatOffset + (kQStages + 1) * kStatBytes;
-constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kQStages + 2) + 1024;
-static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of sm_90");
-}  // namespace wide
+// The wide key kernel (head dims 129-256, bwd_wide_mainloop.cuh): dK and dV of
+// 128 keys do not fit in registers, so a CTA owns 64 keys and its consumers
+// split each streamed tile's queries (S^T, dP^T) and then the head dims (dV,
+// dK, dQ), with every update's operands in shared memory.
+struct WideTileConfig {
+  static constexpr int kHeadDim = 256;  // tiles span it whole
+  static constexpr int kConsumers = 2;
+  static constexpr int kOwnRows = 64;     // keys a CTA owns
+  static constexpr int kStreamRows = 64;  // queries of each streamed tile
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  // Q stages (with their rows' lse2) and one dO stage (with D): dO is released
+  // after dV, the first update; a second stage measured no faster.
+  static constexpr int kQStages = 2;
+  static constexpr int kDqCols = 32;  // of a float32 dQ block: a dQ stage is 8 KB
+  static constexpr int kDqStagesPerConsumer = 2;  // one 64-column product's halves
 
-template <int kHeadDim>
-constexpr int smem_bytes() {
-  if constexpr (kWide<kHeadDim>) return wide::kSmemBytes;
-  else return Layout<kHeadDim>::kSmemBytes;
-}
+  static constexpr int kTileBytes = 64 * kHeadDim * 2;              // K, V, a Q or a dO tile
+  static constexpr int kGradBytes = kOwnRows * kStreamRows * 2;     // one P^T or dS^T tile
+  static constexpr int kColBlock = 64 * 128;  // one 64-column block of a 64-row tile
+  static constexpr int kDqStageFloats = kDqBlock<kDqCols>;
+  static constexpr int kStatBytes = kStreamRows * 4;  // a tile's lse2 (with Q) or D (with dO)
 
-// Keys a key-kernel CTA owns.
+  // Shared memory (WideSmem carves it): K, V, the Q ring, dO, two P^T/dS^T
+  // pairs, each consumer's dQ stages, lse2 per Q stage and D, then the
+  // mbarriers: owned; Q full and empty per stage; dO full and empty. 224 KB.
+  struct Offsets {
+    int k, v, q, dout, grads, dq_stage, lse2, D;
+    int owned, q_full, q_empty, do_full, do_empty;
+    int bytes;
+  };
+  static constexpr Offsets kSmem = [] {
+    SmemPlan plan;
+    Offsets at{};
+    at.k = plan.append(kTileBytes, kTileAlign);
+    at.v = plan.append(kTileBytes, kTileAlign);
+    at.q = plan.append(kQStages * kTileBytes, kTileAlign);
+    at.dout = plan.append(kTileBytes, kTileAlign);
+    at.grads = plan.append(2 * 2 * kGradBytes, kTileAlign);
+    at.dq_stage =
+        plan.append(kConsumers * kDqStagesPerConsumer * kDqStageFloats * 4, kBulkAlign);
+    at.lse2 = plan.append(kQStages * kStatBytes, kBulkAlign);
+    at.D = plan.append(kStatBytes, kBulkAlign);
+    at.owned = plan.barriers(1);
+    at.q_full = plan.barriers(kQStages);
+    at.q_empty = plan.barriers(kQStages);
+    at.do_full = plan.barriers(1);
+    at.do_empty = plan.barriers(1);
+    at.bytes = plan.smem_bytes();
+    return at;
+  }();
+  static constexpr int kSmemBytes = kSmem.bytes;
+  static_assert(kSmemBytes <= kSmemLimit, "exceeds the opt-in shared memory of sm_90");
+};
+
+// Head dims above 128 take the wide key kernel (fused dQ only).
 template <int kHeadDim>
-constexpr int kKeysPerCta = kWide<kHeadDim> ? wide::kKeys : kOwnRows;
+constexpr bool kWide = kHeadDim > 128;
+// The key kernel's configuration at a head dim (the query kernel's is TileConfig).
+template <int kHeadDim>
+using KeyKernelConfig = std::conditional_t<kWide<kHeadDim>, WideTileConfig, TileConfig<kHeadDim>>;
 
 }  // namespace flashjax::cuda::hopper_bwd

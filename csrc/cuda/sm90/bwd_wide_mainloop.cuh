@@ -9,7 +9,7 @@
 //    64-column products, added to the float32 buffer by 32-column bulk
 //    reductions.
 // Registers: dK, dV 64 each, dQ 2 x 32; S^T, dP^T 16 each (dead by then).
-// Shared memory: wide:: in bwd_tile_config.h.
+// Tiles and shared memory: WideTileConfig in bwd_tile_config.h.
 #pragma once
 
 #include <cstdint>
@@ -33,13 +33,15 @@ namespace flashjax::cuda::hopper_bwd {
 // Consumer c: dK and dV of head dims [128c, +128) of the block's 64 keys over
 // its query tiles, and their shares of dQ, then its columns of dk and dv.
 template <class T>
-__device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<wide::kKeys>& kb,
+__device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<WideTileConfig>& kb,
                                               const AttentionParams& p, const RowStats& stats,
                                               float* dq_accum, int c) {
-  using namespace wide;
+  using C = WideTileConfig;
+  constexpr int kHeadDim = C::kHeadDim, kKeys = C::kOwnRows, kStreamRows = C::kStreamRows;
+  constexpr int kQStages = C::kQStages, kTileBytes = C::kTileBytes, kColBlock = C::kColBlock;
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int key_row = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
-  float* stages = sm.dq_stage + 2 * c * kDqStageFloats;
+  float* stages = sm.dq_stage + c * C::kDqStagesPerConsumer * C::kDqStageFloats;
   float dk[64] = {}, dv[64] = {};
   mbar_wait(sm.owned, 0);
   for (int64_t it = 0; it < kb.tiles; ++it) {

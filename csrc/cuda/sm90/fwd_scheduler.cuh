@@ -12,8 +12,9 @@
 // knows: a varlen work list (work_list.cuh) of pairs of query tiles, longest
 // sequences first.
 //
-// Every role walks the items the same way (for_each_work_tile), and
-// WorkItem says what an item is: its rows, its sequence and the key tiles it visits.
+// Every role walks the items the same way (for_each_work_tile,
+// tile_scheduler.cuh), and WorkItem says what an item is: its rows, its
+// sequence and the key tiles it visits.
 #pragma once
 
 #include <cstdint>
@@ -27,11 +28,10 @@
 #include "flashjax/params.h"
 #include "flashjax/seqlen.h"
 #include "fwd_tile_config.h"
+#include "tile_scheduler.cuh"
 #include "work_list.cuh"
 
 namespace flashjax::cuda::hopper_fwd {
-
-enum class ScheduleStep { kTile, kSkip, kEnd };
 
 // The item of this CTA's k-th tile (two tiles per item), zig-zag over rounds.
 __device__ __forceinline__ int64_t scheduled_item(int64_t k) {
@@ -59,6 +59,8 @@ __device__ __forceinline__ ScheduleStep tile_of_pair(int64_t k, int64_t local, i
 // head's group of query heads, so K and V are read once for the group; the
 // "heads" of the schedule are then the kv heads.
 struct TileSchedule {
+  using Item = QueryTile;
+  static constexpr bool kOneItemPerCta = false;
   int64_t q_tiles, pairs_per_head, total_pairs;
   int64_t packed_rows;  // 0: one query head per tile
   // The k-th tile of this CTA.
@@ -71,6 +73,8 @@ struct TileSchedule {
 };
 
 struct VarlenTileSchedule {
+  using Item = QueryTile;
+  static constexpr bool kOneItemPerCta = false;
   static constexpr int64_t packed_rows = 0;  // (GQA packing is uniform-only)
   VarlenWorkList list;
   int64_t heads;
@@ -89,23 +93,6 @@ struct VarlenTileSchedule {
 template <Layouts kLayouts>
 using ScheduleOf =
     std::conditional_t<kLayouts == Layouts::kUniform, TileSchedule, VarlenTileSchedule>;
-
-// The walk every role of a CTA shares (the producer, the consumers and the
-// recompute warp, which must agree on the items): calls visit(tile) for each
-// of this CTA's tiles, in order. (An initial_work() / next_work(work) pair,
-// one call before the loop and one per iteration, compiled the schedule's
-// 64-bit divisions twice per role: +120 to +460 instructions and more spills
-// at d128; one loop keeps one copy.)
-template <class Schedule, class Visit>
-__device__ __forceinline__ void for_each_work_tile(const Schedule& schedule, Visit&& visit) {
-  QueryTile tile;
-  for (int64_t k = 0;; ++k) {
-    const ScheduleStep step = schedule.tile(k, tile);
-    if (step == ScheduleStep::kEnd) break;
-    if (step == ScheduleStep::kSkip) continue;
-    visit(tile);
-  }
-}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
