@@ -96,7 +96,7 @@ def kvcache(cfg: Config, present: tuple, splits: int, appends: bool, *operands):
     batch, seqlen_q, heads_q, _ = q.shape
     dim_v = v_cache.shape[3]
     # The split partials (float32 out and lse per split and row; unused for one split),
-    # as Partials::bytes in csrc/cuda/kvcache_attention.cu, per (sequence, head) so that
+    # as Partials::bytes in csrc/cuda/kvcache/kvcache_attention.cu, per (sequence, head) so that
     # the workspace shards like q.
     per_head = splits * seqlen_q * (dim_v + 1) if splits > 1 else 1
     results = [(q.shape[:-1] + (dim_v,), q.dtype), ((batch, heads_q, seqlen_q), jnp.float32),

@@ -189,7 +189,7 @@ __device__ __forceinline__ void recompute_query_if_nonfinite(const AttentionPara
     exact_query_gradient<T>(p, D_rows, b, h, i, lane);
 }
 
-// A tensor-core fragment (fragment_softmax.cuh's layout: a thread holds rows
+// A tensor-core fragment (common/fragment.cuh's layout: a thread holds rows
 // g = lane / 4 and g + 8 of its warp's 16, as elements 4n + 0, 1 and 4n + 2, 3)
 // is probed when it is written: probe[r] becomes NaN when a value of the
 // thread's row half r is NaN or inf (x * 0 is 0 for finite x only).

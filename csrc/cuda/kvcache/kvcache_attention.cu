@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kThreads)
       softmax.scores<kKeyTiles>(s, p, seq, k0, masked);
       softmax.update<kKeyTiles, kDimTiles>(s, o);
       // A masked slice whose V holds NaN or inf takes the exact product
-      // (fragment_softmax.cuh says why); the check costs masked slices only.
+      // (common/nonfinite.cuh says why); the check costs masked slices only.
       if (masked && __any_sync(0xffffffffu, tile_has_nonfinite<T>(sV, kKeysPerWarp * kHeadDim,
                                                                   lane, 32))) {
         float hidden[kKeyTiles * 4] = {};
