@@ -159,14 +159,17 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lead_bytes
          (static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
-// Operand of k-step kk (kMmaKBytes: 16 16-bit elements) of a K-major
-// [rows][d] tile: 4 k-steps per swizzle row, then the next column block.
+// Where k-step kk (kMmaKBytes: 16 16-bit elements) starts in a K-major
+// [kRows][d] tile: 4 k-steps per swizzle row, then the next column block.
+template <int kRows>
+__host__ __device__ constexpr int k_step_offset(int kk) {
+  constexpr int kStepsPerBlock = kSwizzleBytes / kMmaKBytes;
+  return (kk / kStepsPerBlock) * kRows * kSwizzleBytes + (kk % kStepsPerBlock) * kMmaKBytes;
+}
+// Operand of k-step kk of a K-major [kRows][d] tile.
 template <int kRows>
 __device__ __forceinline__ uint64_t k_major_desc(const unsigned char* tile, int kk) {
-  constexpr int kStepsPerBlock = kSwizzleBytes / kMmaKBytes;
-  return smem_desc(tile + (kk / kStepsPerBlock) * kRows * kSwizzleBytes +
-                       (kk % kStepsPerBlock) * kMmaKBytes,
-                   16, 1024);
+  return smem_desc(tile + k_step_offset<kRows>(kk), 16, 1024);
 }
 // A descriptor moved `bytes` further into shared memory: an add to its
 // address field (addresses / 16, 14 bits: shared memory is < 256 KB, so the
@@ -179,7 +182,7 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
 // k-step kk of a K-major [kRows][d] tile whose k-step 0 is `desc` (k_major_desc's layout).
 template <int kRows>
 __device__ __forceinline__ uint64_t k_major_step(uint64_t desc, int kk) {
-  return desc_advance(desc, (kk / 4) * kRows * 128 + (kk % 4) * 32);
+  return desc_advance(desc, k_step_offset<kRows>(kk));
 }
 
 __device__ __forceinline__ void wgmma_fence() {
