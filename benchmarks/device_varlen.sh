@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # One device call (H100): build this tree (and optionally the baseline snapshot in
-# .baseline/), run the GPU tests, the varlen benchmark and the dense A/B.
+# .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
+# the dense A/B, the peers side by side, profiles.
 # Usage: benchmarks/device_varlen.sh STEP...   (steps: build base ptx tests kvtests sanitize
-#   kvsanitize varlen decode decodebase trace ncu dense ring)
+#   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
 # and passed to the device call with carry: [".baseline"]. REV: the commit to compare with
 # (e.g. 0184a42, the last commit before the varlen restructure).
+# `peers` and `bwdncu` need the peers' wheels in .peers/ (../shared/peers/README.md), carried.
 set -uo pipefail
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PY=python3
+if [ -d .peers ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .peers/*.whl > "$OUT/peers_install.log" 2>&1 && export PYTHONPATH=/tmp/site
+fi
 for step in "$@"; do
   case $step in
     build)
@@ -27,7 +33,10 @@ for step in "$@"; do
         /tmp/base/flashjax/  # same timing code
       echo "baseline built" ;;
     tests)
-      $PY -m pytest -q -n 8 -m gpu -x tests/test_gpu_varlen.py tests/test_gpu.py 2>&1 | tail -25 ;;
+      # GPU_TESTS=tests runs every GPU test (1363, ~5 min with GPU_WORKERS=12); GPU_K picks.
+      $PY -m pytest -q -n ${GPU_WORKERS:-8} -m gpu -x ${GPU_TESTS:-tests/test_gpu_varlen.py tests/test_gpu.py} \
+        ${GPU_K:+-k "$GPU_K"} > "$OUT/gpu_tests.log" 2>&1
+      tail -25 "$OUT/gpu_tests.log" ;;
     kvtests)
       $PY -m pytest -q -n 8 -m gpu tests/test_gpu_kvcache.py > "$OUT/kvtests.log" 2>&1
       tail -30 "$OUT/kvtests.log" ;;
@@ -43,7 +52,10 @@ for step in "$@"; do
         -k "${PTX_K:-cuda:mma or cuda:simt}" > "$OUT/ptx_tests.log" 2>&1
       tail -15 "$OUT/ptx_tests.log" ;;
     sanitize)
-      compute-sanitizer --tool memcheck $PY tools/sanitize_varlen.py 2>&1 | tail -8 ;;
+      for script in ${SANITIZE_SCRIPTS:-tools/sanitize_dense.py tools/sanitize_varlen.py}; do
+        compute-sanitizer --tool memcheck $PY $script > "$OUT/sanitize_$(basename $script .py).log" 2>&1
+        echo "$script: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$(basename $script .py).log")"
+      done ;;
     kvsanitize)
       compute-sanitizer --tool memcheck $PY tools/sanitize_kvcache.py > "$OUT/kvsanitize.log" 2>&1
       tail -8 "$OUT/kvsanitize.log" ;;
@@ -107,5 +119,43 @@ for (mode, d, s, c), v in sorted(rows.items()):
     print(f"{mode:6s} {d:3d} {s:5d} {int(c)}  {n or 0:6.1f} {b or 0:6.1f}  {(n or 0) / (b or 1):.3f}")
 PYEOF
       ;;
+    peers)
+      # ../shared/peers/peers_gpu.py (carried in .peers/): flashjax, FA3, cuDNN (PEERS_IMPLS)
+      # in one process at the FA3 shapes (PEERS_ONLY picks tags).
+      timeout ${PEERS_TIMEOUT:-300} $PY .peers/peers_gpu.py "$OUT/peers" --impls ${PEERS_IMPLS:-flashjax,fa3-jax,jax-cudnn} \
+        ${PEERS_ONLY:+--only "$PEERS_ONLY"} > "$OUT/peers.log" 2>&1
+      grep -v "^\s*$" "$OUT/peers.log" | tail -${PEERS_TAIL:-40} ;;
+    traintrace)
+      # Kernels per fwd+bwd step (tools/profile_train.py), TRAIN_CASES "D:S:causal|full:IMPL,IMPL;..."
+      # (impl "base": flashjax from the baseline build).
+      IFS=';' read -ra cases <<< "${TRAIN_CASES:-128:2048:causal:flashjax,fa3,cudnn}"
+      for c in "${cases[@]}"; do
+        IFS=: read -r d s m impls <<< "$c"
+        for impl in ${impls//,/ }; do
+          pp=${PYTHONPATH:-}; who=$impl
+          [ "$impl" = base ] && { pp=/tmp/base:$pp; who=flashjax; echo "[baseline build]"; }
+          PYTHONPATH=$pp $PY tools/profile_train.py "$d" "$s" "$m" "$who" 2>&1 \
+            | grep -v "^W\|^I0\|^E0" | head -${TRAIN_LINES:-14}
+        done
+      done ;;
+    bwdncu)
+      # Nsight Compute on our key kernel and FA3's backward kernel, one fwd+bwd step each
+      # (tools/profile_train.py --once), BWD_NCU_SHAPES "D:S:causal|full ...": details and
+      # the SASS with executed counts and stall samples (csv), tarred into $OUT.
+      for shape in ${BWD_NCU_SHAPES:-128:2048:causal}; do
+        IFS=: read -r d s c <<< "$shape"
+        for impl in ${BWD_NCU_IMPLS:-flashjax fa3}; do
+          tag="${impl}_d${d}_s${s}_${c}"
+          ncu --clock-control none --set full --kernel-name-base demangled \
+            -k regex:"hopper_key_kernel|FlashAttnBwd" -c 1 --launch-skip 1 \
+            -o "/tmp/ncu_$tag" $PY tools/profile_train.py --once "$d" "$s" "$c" "$impl" > "/tmp/ncu_$tag.log" 2>&1 \
+            || tail -5 "/tmp/ncu_$tag.log"
+          ncu -i "/tmp/ncu_$tag.ncu-rep" --page details --print-units base > "/tmp/details_$tag.txt" 2>&1
+          ncu -i "/tmp/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$tag.csv" 2>&1
+          echo "== $tag: $(grep -m1 -E 'Duration' /tmp/details_$tag.txt)"
+        done
+      done
+      tar -czf "$OUT/ncu_text.tgz" -C /tmp $(cd /tmp && ls details_*.txt sass_*.csv) ;;
+    *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -9,7 +9,7 @@ heads * d = 2048, bf16).
 IMPL: flashjax | fa3 (flash-attn3-jax, from the peers' wheels) | cudnn (default: all).
 Prints per implementation the GPU busy time per step and each kernel's count and mean
 time per step (profile_decode.summarize). --once runs two plain steps, no trace: run it
-under ncu with a kernel filter (benchmarks/device_bwd.sh ncu), the second step's
+under ncu with a kernel filter (benchmarks/device_varlen.sh bwdncu), the second step's
 kernels are past first-use work.
 """
 import sys
