@@ -36,7 +36,8 @@ def _intervals_busy(intervals):
     return busy
 
 
-def summarize(trace_dir: str):
+def summarize(trace_dir: str, steps: int = LOOP):
+    """Kernels per step of a trace of `steps` steps."""
     from jax.profiler import ProfileData
 
     path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
@@ -61,10 +62,10 @@ def summarize(trace_dir: str):
         print("  (no GPU events in the trace)")
     else:
         span = max(e for _, e in intervals) - min(s for s, _ in intervals)
-        print(f"  GPU busy {_intervals_busy(intervals) / LOOP / 1e3:.1f} us per step, "
-              f"span {span / LOOP / 1e3:.1f} us per step")
+        print(f"  GPU busy {_intervals_busy(intervals) / steps / 1e3:.1f} us per step, "
+              f"span {span / steps / 1e3:.1f} us per step")
         for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
-            print(f"    {len(times) / LOOP:5.2f}/step {sum(times) / len(times) / 1e3:8.2f} us  {name}")
+            print(f"    {len(times) / steps:5.2f}/step {sum(times) / len(times) / 1e3:8.2f} us  {name}")
     print("  host (top events by total time):")
     for name, times in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:TOP_HOST_EVENTS]:
         print(f"    {len(times):5d} x {sum(times) / len(times) / 1e3:8.2f} us  {name}")

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import profile_decode
 
 LOOP = 10
-profile_decode.LOOP = LOOP
 
 
 def attention(impl):
@@ -87,7 +86,7 @@ def main(d="128", s="2048", mask="causal", *impls):
             with tempfile.TemporaryDirectory() as trace_dir:
                 with jax.profiler.trace(trace_dir):
                     jax.block_until_ready(step(q, k, v, do))
-                profile_decode.summarize(trace_dir)
+                profile_decode.summarize(trace_dir, LOOP)
         except Exception as e:  # noqa: BLE001 -- one implementation failing is a result
             print(f"{impl}: {type(e).__name__}: {str(e)[:200]}")
 
