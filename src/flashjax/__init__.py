@@ -1,6 +1,7 @@
 """flashjax: exact, fast FlashAttention for JAX (C++/CUDA kernels via the XLA FFI)."""
 
 from . import reference, ring
+from ._dropout import dropout_mask
 from ._ffi import has_cuda_kernels
 from ._introspection import info, version as _version
 from .attention import flash_attention
@@ -8,6 +9,6 @@ from .kvcache import flash_attention_with_kvcache
 from .ring import ring_attention
 from .varlen import flash_attention_varlen
 
-__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
+__all__ = ["dropout_mask", "flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
            "has_cuda_kernels", "info", "reference", "ring", "ring_attention"]
 __version__ = _version()  # the installed distribution's (pyproject.toml)

@@ -1,5 +1,5 @@
 """Loads the compiled flashjax library and registers its XLA FFI handlers (one per
-target of _spec.TARGETS and platform)."""
+target of _spec.TARGETS and platform, and the CPU-only targets of _TEST_TARGETS)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from . import _spec
 
 # XLA's platform names and the library's symbol suffixes.
 _PLATFORMS = {"cpu": "Cpu", "CUDA": "Cuda"}
+# CPU targets outside the attention table, for the tests: target -> symbol.
+# flashjax_dropout_mask: dropout's keep mask from csrc/include/flashjax/dropout.h
+# (csrc/ffi/dropout_mask.cc), compared with the pure-JAX generator (_dropout.py).
+_TEST_TARGETS = {"flashjax_dropout_mask": "FlashjaxDropoutMaskCpu"}
 
 
 def _library_path() -> pathlib.Path:
@@ -64,6 +68,10 @@ def _register() -> frozenset[str]:
                 target, jax.ffi.pycapsule(getattr(lib, symbol)), platform=platform
             )
         platforms.add(platform)
+    for target, symbol in _TEST_TARGETS.items():
+        if hasattr(lib, symbol):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
     return frozenset(platforms)
 
 
