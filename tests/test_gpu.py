@@ -130,6 +130,26 @@ def test_gradients(case, deterministic, gpu_device):
     check_gradients(case, device=gpu_device, deterministic=deterministic)
 
 
+# Scales that are not positive: the kernels scale scores before masking them
+# (score_mod.cuh, scores_prescaled), as a masked -inf times such a scale is not -inf.
+NONPOSITIVE_SCALE_CASES = [
+    Case(batch=1, seqlen_q=200, seqlen_k=300, heads_q=4, heads_kv=2, head_dim=d, dtype="bfloat16", causal=True,
+         window_size=window, softmax_scale=scale, sinks=sinks)
+    for d, scale, window, sinks in ((64, -0.125, (-1, -1), False), (128, -0.1, (50, 0), True),
+                                    (128, 0.0, (-1, -1), False), (256, -0.07, (-1, -1), False))]
+
+
+@pytest.mark.parametrize("case", NONPOSITIVE_SCALE_CASES, ids=ids(NONPOSITIVE_SCALE_CASES))
+def test_nonpositive_scale_forward(case, kernel_path, gpu_device):
+    check_forward(case, device=gpu_device)
+
+
+@pytest.mark.parametrize("case", NONPOSITIVE_SCALE_CASES, ids=ids(NONPOSITIVE_SCALE_CASES))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_nonpositive_scale_gradients(case, deterministic, gpu_device):
+    check_gradients(case, device=gpu_device, deterministic=deterministic)
+
+
 SIMT_GRADIENT_CASES = GRADIENT_CASES[::7] + LARGE_CASES[:3]
 
 

@@ -30,6 +30,19 @@ __device__ __forceinline__ void scores_log2(float (&s)[kN], const AttentionParam
   }
 }
 
+// Whether raw q.k products must become scores (scores_log2) before they are
+// masked: with softcap, or with a scale that is not positive (a masked -inf
+// times it would not stay -inf). Otherwise the kernels mask the raw products
+// and fold the scale into the exponent's FFMA, exp2(s * scale - m * scale),
+// one instruction per score instead of a multiply and a subtraction.
+__device__ __forceinline__ bool scores_prescaled(const AttentionParams& p) {
+  return p.softcap > 0.0f || !(p.softmax_scale > 0.0f);
+}
+// The factor that brings such masked scores to log2 units in the exponent.
+__device__ __forceinline__ float exponent_scale(const AttentionParams& p) {
+  return scores_prescaled(p) ? 1.0f : p.softmax_scale * kLog2e;
+}
+
 // The softcap's derivative d score / d (scale * dot) at a capped score s,
 // given t = s / cap (tanh's derivative, 1 - tanh^2).
 __device__ __forceinline__ float softcap_slope(float t) { return 1.0f - t * t; }

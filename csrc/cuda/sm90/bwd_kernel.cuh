@@ -33,13 +33,6 @@ template <class Config>
 __device__ __forceinline__ void consumer_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Config::kConsumerRegs));
 }
-// This thread's warpgroup, through a shuffle so that the compiler knows it is
-// warp-uniform: addresses and wgmma descriptors derived from it then live in
-// uniform registers (from threadIdx.x directly, each product re-encoded its
-// descriptors in per-thread registers and moved them over: R2UR).
-__device__ __forceinline__ int warpgroup_index() {
-  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
-}
 
 // dK and dV of a block of 128 keys (and, with kFusedDq, its shares of dQ).
 // kLayouts: any; `list`: the blocks of non-uniform ones; `segment_tiles`: kSegments'.

@@ -231,15 +231,13 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         for (int n = 0; n < 8; ++n) ld_shared(stats + 4 * 8 * n, lse2[2 * n], lse2[2 * n + 1]);
         wgmma_wait<1>();
         fence_operands(st);
-        // Without softcap the scale is folded into the exponent's FMA.
-        const bool softcap = p.softcap > 0.0f;
-        if (softcap) scores_log2(st, p);
+        if (scores_prescaled(p)) scores_log2(st, p);  // (else the scale rides in the exponent)
         kb.template mask<8>(st, p, my_key, q0);
         segments.template mask<8>(st, q0);
         // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
         const auto column = [](int i) { return 2 * (i / 4) + (i & 1); };
         probabilities_then_grad(
-            st, dpt, p, softcap ? 1.0f : p.softmax_scale * kLog2e,
+            st, dpt, p, exponent_scale(p),
             [&](int i) { return lse2[column(i)]; }, [&](int i) { return D[column(i)]; },
             [&] {
 #pragma unroll

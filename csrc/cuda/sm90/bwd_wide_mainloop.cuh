@@ -66,15 +66,13 @@ __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<WideT
     wgmma_wait<1>();
     fence_operands(st);
     const int64_t col0 = kb.row(it) + 32 * c;
-    // Without softcap the scale is folded into the exponent's FMA.
-    const bool softcap = p.softcap > 0.0f;
-    if (softcap) scores_log2(st, p);
+    if (scores_prescaled(p)) scores_log2(st, p);  // (else the scale rides in the exponent)
     kb.mask<4>(st, p, kb.k0 + key_row, col0);
     // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
     const float* lse2 = sm.lse2 + s * kStreamRows + 32 * c;
     const float* D = sm.D + 32 * c;
     const auto column = [&](int i) { return (i / 4) * 8 + 2 * t + (i & 1); };
-    probabilities_then_grad(st, dpt, p, softcap ? 1.0f : p.softmax_scale * kLog2e,
+    probabilities_then_grad(st, dpt, p, exponent_scale(p),
                             [&](int i) { return lse2[column(i)]; },
                             [&](int i) { return D[column(i)]; }, [&] {
                               wgmma_wait<0>();

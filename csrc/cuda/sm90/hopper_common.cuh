@@ -87,6 +87,14 @@ __device__ __forceinline__ void mbar_wait_idle(uint64_t* bar, int parity) {
       "r"(parity), "n"(kIdleWaitNs));
 }
 
+// This thread's warpgroup, through a shuffle so that the compiler knows it is
+// warp-uniform: addresses and wgmma descriptors derived from it then live in
+// uniform registers (from threadIdx.x directly, each product re-encoded its
+// descriptors in per-thread registers and moved them over: R2UR).
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
+
 // A position in a ring of kStages shared-memory stages: the stage and the
 // parity of its mbarriers' phase, stepped without divisions (a 64-bit
 // `it % kStages` per tile costs ~15 instructions in a consumer's loop).
