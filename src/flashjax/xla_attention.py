@@ -580,7 +580,8 @@ def no_work_attention(q, k, v, extras: Extras, layout: Layout, cfg: Config):
     return out, (lse[0] if cfg.packed else lse)
 
 
-def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg: Config):
+def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg: Config,
+              needed: Extras = Extras()):
     sinks = extras.sinks
     dout = dout.astype(jnp.float32)
     dlse = dlse.astype(jnp.float32)
