@@ -554,6 +554,21 @@ struct BackwardHead {
       }
     return true;
   }
+
+  // Loads query rows [q0, q0 + rows) and walks the key tiles they see: loads each,
+  // recomputes its gradients (adding to dbias's rows when given) and calls body() on
+  // the tile pairs that segment ids do not rule out.
+  template <class Body>
+  void each_key_tile(BackwardTiles& t, int64_t q0, int64_t rows, float* dbias, int64_t ld,
+                     Body&& body) const {
+    load_rows(t, q0, rows);
+    const KeySpan keys(seq, q0, rows);
+    for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
+      const int64_t cols = std::min(kBlockK, keys.end - k0);
+      load_keys(t, k0, cols);
+      if (gradients(t, q0, rows, k0, cols, dbias ? dbias + k0 : nullptr, ld)) body();
+    }
+  }
 };
 
 // C += A B for one of the products that sum over tile pairs (P^T dO, dS^T Q,
@@ -674,15 +689,10 @@ void backward_query_tile(const AttentionParams& p, const Shape& shape, const Ten
   std::fill(dQ, dQ + kBlockQ * shape.dp, 0.0f);
 
   const BackwardHead<T> head{p, shape, D_all, seq, segments, b, h};
-  head.load_rows(t, q0, used);
-  const KeySpan keys(seq, q0, used);
-  for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
-    const int64_t cols = std::min(kBlockK, keys.end - k0);
-    head.load_keys(t, k0, cols);
-    if (!head.gradients(t, q0, used, k0, cols)) continue;
+  head.each_key_tile(t, q0, used, nullptr, 0, [&] {
     pair_product(t, t.keys_finite, dQ, shape.dp, t.dS, false, t.Kr, shape.dp, kBlockQ, shape.dp,
                  kBlockK);
-  }
+  });
   store_tile<T>(query_rows(p.dq, seq, h), q0, rows, p.head_dim, dQ, shape.dp, p.softmax_scale);
 
   if (p.sinks) dsink_parts[task] = dsink_share(p, b, h, t.lse, t.D, used);
@@ -749,13 +759,7 @@ void backward_bias_tile(const AttentionParams& p, const Shape& shape, const Tens
     if (used == 0) continue;
     for (int64_t h = eh * dbias.head_div; h < (eh + 1) * dbias.head_div; ++h) {
       const BackwardHead<T> head{p, shape, D_all, seq, segments, b, h};
-      head.load_rows(t, q0, used);
-      const KeySpan keys(seq, q0, used);
-      for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
-        const int64_t cols = std::min(kBlockK, keys.end - k0);
-        head.load_keys(t, k0, cols);
-        head.gradients(t, q0, used, k0, cols, out + k0, dbias.row_stride);
-      }
+      head.each_key_tile(t, q0, used, out, dbias.row_stride, [] {});
     }
   }
 }
