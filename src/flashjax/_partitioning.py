@@ -147,8 +147,9 @@ def _batchable(call, fold: bool):
         # every operand's and result's first dim (batch, or 1 for a broadcast bias)
         results = batchable(*(x.reshape((axis_size * x.shape[1],) + x.shape[2:])
                               for x in operands))
-        return (tuple(r.reshape((axis_size, r.shape[0] // axis_size) + r.shape[1:])
-                      for r in results), (True,) * len(results))
+        batch = lambda r: r.shape[0] // axis_size if axis_size else operands[0].shape[1]
+        return (tuple(r.reshape((axis_size, batch(r)) + r.shape[1:]) for r in results),
+                (True,) * len(results))
     return batchable
 
 
