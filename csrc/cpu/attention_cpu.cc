@@ -98,6 +98,40 @@ class TileSegments {
   IdRange q_, k_;
 };
 
+// The bias, mask and ALiBi terms of one (sequence, query head): score (i, j) gets
+// bias[i][j] - slope * |i + diagonal - j| and is hidden where mask[i][j] is false
+// (slot rows and keys; bias and mask: dense layout only). Inactive (the common case):
+// the tile code takes its plain path, one branch per tile.
+struct ScoreTerms {
+  const float* bias = nullptr;
+  const bool* mask = nullptr;
+  int64_t bias_ld = 0, mask_ld = 0;
+  float slope = 0.0f;
+  bool alibi = false;
+  int64_t diagonal = 0;
+
+  ScoreTerms() = default;
+  ScoreTerms(const AttentionParams& p, const SeqlenInfo& seq, int64_t b, int64_t h)
+      : diagonal(seq.diagonal_offset()) {
+    if (p.bias) bias = p.bias.at<const float>(b, h), bias_ld = p.bias.row_stride;
+    if (p.mask) mask = p.mask.at<const bool>(b, h), mask_ld = p.mask.row_stride;
+    if (p.alibi_slopes) alibi = true, slope = p.alibi_slopes[b * p.heads_q + h];
+  }
+  bool active() const { return bias || mask || alibi; }
+  // Adds the bias and ALiBi terms to s[lo, hi): row i, keys k0 + lo .. k0 + hi - 1.
+  void add(float* s, int64_t i, int64_t k0, int64_t lo, int64_t hi) const {
+    if (bias) {
+      const float* row = bias + i * bias_ld + k0;
+      for (int64_t j = lo; j < hi; ++j) s[j] += row[j];
+    }
+    if (alibi) {
+      const int64_t d = i + diagonal - k0;  // |d - j| is the distance of key k0 + j
+      for (int64_t j = lo; j < hi; ++j) s[j] -= slope * static_cast<float>(d > j ? d - j : j - d);
+    }
+  }
+  bool allows(int64_t i, int64_t j) const { return !mask || mask[i * mask_ld + j]; }
+};
+
 // Which (row, key) pairs of a tile pair are visible: inside the row's key
 // window, among the tile's `cols` valid keys and, with segment ids, in the
 // row's segment. The one definition both the score mask and the careful
@@ -107,6 +141,7 @@ struct TileMask {
   const SegmentIds& segments;
   int64_t q0, rows, k0, cols;
   bool needs_mask, needs_segment_mask;
+  const ScoreTerms* terms = nullptr;  // bias, mask, ALiBi (null or inactive: none)
 
   // Visible columns [lo, hi) of row r before segment ids.
   void window(int64_t r, int64_t& lo, int64_t& hi) const {
@@ -119,13 +154,45 @@ struct TileMask {
     if (r >= rows) return false;
     int64_t lo, hi;
     window(r, lo, hi);
-    return lo <= j && j < hi && (!needs_segment_mask || segments.visible(q0 + r, k0 + j));
+    return lo <= j && j < hi && (!needs_segment_mask || segments.visible(q0 + r, k0 + j)) &&
+           (!terms || terms->allows(q0 + r, k0 + j));
   }
 };
+
+// mask_scores with score terms: after the softcap (kept in `capped` when given: the
+// backward's softcap derivative needs it), the bias and ALiBi terms, then the window,
+// segment ids and the mask.
+void mask_scores_with_terms(float* S, float softcap, const TileMask& mask, bool* seen,
+                            float* capped) {
+  const ScoreTerms& terms = *mask.terms;
+  for (int64_t r = 0; r < mask.rows; ++r) {
+    float* s = S + r * kBlockK;
+    if (softcap > 0.0f)
+      for (int64_t j = 0; j < kBlockK; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+    if (capped) std::copy(s, s + kBlockK, capped + r * kBlockK);
+    int64_t lo, hi;
+    mask.window(r, lo, hi);
+    std::fill(s, s + lo, kNegInf);
+    std::fill(s + hi, s + kBlockK, kNegInf);
+    const int64_t i = mask.q0 + r;
+    terms.add(s, i, mask.k0, lo, hi);
+    bool any = false;
+    for (int64_t j = lo; j < hi; ++j) {
+      const int64_t key = mask.k0 + j;
+      if (terms.allows(i, key) &&
+          (!mask.needs_segment_mask || mask.segments.visible(i, key)))
+        any = true;
+      else
+        s[j] = kNegInf;
+    }
+    if (seen && any) seen[r] = true;
+  }
+}
 
 // Turns q.k products (q pre-scaled) into scores: softcap, then -inf where the
 // mask hides a pair. seen[r] (when given) is set for rows that see a key here.
 void mask_scores(float* S, float softcap, const TileMask& mask, bool* seen) {
+  if (mask.terms && mask.terms->active()) return mask_scores_with_terms(S, softcap, mask, seen, nullptr);
   for (int64_t r = 0; r < mask.rows; ++r) {
     float* s = S + r * kBlockK;
     if (softcap > 0.0f)
@@ -301,6 +368,7 @@ void forward_tile(const AttentionParams& p, const Shape& shape, const ConvertedK
   const HeadRows k_rows = key_rows(p.k, seq, hk), v_rows = key_rows(p.v, seq, hk);
   load_tile<T>(Q, dp, kForwardBlockQ, query_rows(p.q, seq, h), q0, used, p.head_dim,
                p.softmax_scale);
+  const ScoreTerms terms = p.has_score_terms() ? ScoreTerms(p, seq, b, h) : ScoreTerms();
 
   const KeySpan keys(seq, q0, used);
   for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
@@ -322,8 +390,9 @@ void forward_tile(const AttentionParams& p, const Shape& shape, const ConvertedK
       transpose(Kt, kBlockK, Kr, dp, kBlockK, dp);
       load_tile<T>(V, dvp, kBlockK, v_rows, k0, cols, p.head_dim_v);
     }
-    const TileMask mask{seq, segments, q0, used, k0, cols,
-                        tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform()};
+    const TileMask mask{seq,   segments, q0, used, k0, cols,
+                        tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform(),
+                        &terms};
     // Masked tiles: ragged, chunks of rows up to their last visible key (the
     // scores past it are masked, their P exactly 0); others: one chunk.
     const int64_t chunk = mask.needs_mask ? kRaggedChunkRows : kForwardBlockQ;
@@ -384,14 +453,14 @@ void forward_tile(const AttentionParams& p, const Shape& shape, const ConvertedK
 // whether the loaded rows hold no inf / NaN (else the products that sum over
 // masked pairs take the careful path).
 struct BackwardTiles {
-  float *Q, *dO, *Kr, *Kt, *Vr, *Vt, *S, *P, *dS;
+  float *Q, *dO, *Kr, *Kt, *Vr, *Vt, *S, *P, *dS, *C;  // C: softcapped scores (score terms)
   float *lse, *D;
   bool rows_finite = true, keys_finite = true;
   int64_t rows = 0;  // used rows of the loaded Q / dO tile (the rest is padding)
   BackwardTiles(Scratch& scratch, const Shape& s) {
     const int64_t tile = kBlockQ * kBlockK;
     Q = scratch.get(kBlockQ * s.dp + kBlockQ * s.dvp + 2 * kBlockK * s.dp +
-                    2 * s.dvp * kBlockK + 3 * tile + 2 * kBlockQ);
+                    2 * s.dvp * kBlockK + 4 * tile + 2 * kBlockQ);
     dO = Q + kBlockQ * s.dp;
     Kr = dO + kBlockQ * s.dvp;
     Kt = Kr + kBlockK * s.dp;
@@ -402,6 +471,7 @@ struct BackwardTiles {
     dS = P + tile;
     lse = dS + tile;
     D = lse + kBlockQ;
+    C = D + kBlockQ;
   }
 };
 
@@ -447,21 +517,57 @@ struct BackwardHead {
   }
 
   // Recomputes S and P for the loaded tiles and leaves dS in t.dS; false (and
-  // nothing computed) when segment ids rule the whole tile pair out.
-  bool gradients(BackwardTiles& t, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+  // nothing computed) when segment ids rule the whole tile pair out. With dbias
+  // (rows of `ld` floats from key k0's column), adds the tile's gradient of the
+  // score terms to it: dS before the softcap derivative.
+  bool gradients(BackwardTiles& t, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                 float* dbias = nullptr, int64_t ld = 0) const {
     const TileSegments tile_segments(segments, q0, rows, k0, cols);
     if (!tile_segments.meet()) return false;
     const TileKernels& kernels = tile_kernels();
-    const TileMask mask{seq, segments, q0, rows, k0, cols,
-                        tile_needs_mask(seq, q0, rows, k0, cols), !tile_segments.uniform()};
+    const ScoreTerms terms = p.has_score_terms() ? ScoreTerms(p, seq, b, h) : ScoreTerms();
+    const TileMask mask{seq,   segments, q0, rows, k0, cols,
+                        tile_needs_mask(seq, q0, rows, k0, cols), !tile_segments.uniform(),
+                        &terms};
     kernels.gemm(t.S, kBlockK, t.Q, shape.dp, false, t.Kt, kBlockK, kBlockQ, kBlockK, shape.dp,
                  false);
-    mask_scores(t.S, p.softcap, mask, nullptr);
+    if (!terms.active()) {
+      mask_scores(t.S, p.softcap, mask, nullptr);
+      kernels.gemm(t.dS, kBlockK, t.dO, shape.dvp, false, t.Vt, kBlockK, kBlockQ, kBlockK,
+                   shape.dvp, false);
+      kernels.backward_scores(t.S, t.P, t.dS, kBlockK, rows, kBlockQ, kBlockK, t.lse, t.D,
+                              p.softcap);
+      return true;
+    }
+    // The softcap derivative reads the capped scores before the terms were added.
+    const bool capped = p.softcap > 0.0f;
+    mask_scores_with_terms(t.S, p.softcap, mask, nullptr, capped ? t.C : nullptr);
     kernels.gemm(t.dS, kBlockK, t.dO, shape.dvp, false, t.Vt, kBlockK, kBlockQ, kBlockK,
                  shape.dvp, false);
-    kernels.backward_scores(t.S, t.P, t.dS, kBlockK, rows, kBlockQ, kBlockK, t.lse, t.D,
-                            p.softcap);
+    kernels.backward_scores(t.S, t.P, t.dS, kBlockK, rows, kBlockQ, kBlockK, t.lse, t.D, 0.0f);
+    for (int64_t r = 0; dbias && r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) dbias[r * ld + j] += t.dS[r * kBlockK + j];
+    for (int64_t r = 0; capped && r < rows; ++r)
+      for (int64_t j = 0; j < kBlockK; ++j) {
+        const float c = t.C[r * kBlockK + j] / p.softcap;
+        t.dS[r * kBlockK + j] *= 1.0f - c * c;
+      }
     return true;
+  }
+
+  // Loads query rows [q0, q0 + rows) and walks the key tiles they see: loads each,
+  // recomputes its gradients (adding to dbias's rows when given) and calls body() on
+  // the tile pairs that segment ids do not rule out.
+  template <class Body>
+  void each_key_tile(BackwardTiles& t, int64_t q0, int64_t rows, float* dbias, int64_t ld,
+                     Body&& body) const {
+    load_rows(t, q0, rows);
+    const KeySpan keys(seq, q0, rows);
+    for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
+      const int64_t cols = std::min(kBlockK, keys.end - k0);
+      load_keys(t, k0, cols);
+      if (gradients(t, q0, rows, k0, cols, dbias ? dbias + k0 : nullptr, ld)) body();
+    }
   }
 };
 
@@ -583,15 +689,10 @@ void backward_query_tile(const AttentionParams& p, const Shape& shape, const Ten
   std::fill(dQ, dQ + kBlockQ * shape.dp, 0.0f);
 
   const BackwardHead<T> head{p, shape, D_all, seq, segments, b, h};
-  head.load_rows(t, q0, used);
-  const KeySpan keys(seq, q0, used);
-  for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
-    const int64_t cols = std::min(kBlockK, keys.end - k0);
-    head.load_keys(t, k0, cols);
-    if (!head.gradients(t, q0, used, k0, cols)) continue;
+  head.each_key_tile(t, q0, used, nullptr, 0, [&] {
     pair_product(t, t.keys_finite, dQ, shape.dp, t.dS, false, t.Kr, shape.dp, kBlockQ, shape.dp,
                  kBlockK);
-  }
+  });
   store_tile<T>(query_rows(p.dq, seq, h), q0, rows, p.head_dim, dQ, shape.dp, p.softmax_scale);
 
   if (p.sinks) dsink_parts[task] = dsink_share(p, b, h, t.lse, t.D, used);
@@ -630,6 +731,35 @@ void backward_group(const AttentionParams& p, const Shape& shape, const TensorRe
       head.load_stats(t, q0, used);
       dsink_parts[(b * p.heads_q + h) * shape.q_tiles + qt] =
           dsink_share(p, b, h, t.lse, t.D, used);
+    }
+  }
+}
+
+// dbias rows [q0, q0 + kBlockQ) of one bias entry (batch entry, head entry, query
+// tile): dS before the softcap derivative, summed over the sequences and query heads
+// that read the entry in a fixed order (deterministic; the task owns these rows). A
+// pass of its own, run only when dbias is wanted: it recomputes S and dP.
+template <class T>
+void backward_bias_tile(const AttentionParams& p, const Shape& shape, const TensorRef& D_all,
+                        int64_t task) {
+  const ScoreArray& dbias = p.dbias;
+  const auto [eb, eh, qt] = Task(task, shape.q_tiles, p.heads_q / dbias.head_div);
+  const int64_t q0 = qt * kBlockQ;
+  if (q0 >= p.seqlen_q) return;
+  const int64_t rows = std::min(kBlockQ, p.seqlen_q - q0);
+  float* out = dbias.at<float>(eb * dbias.batch_div, eh * dbias.head_div) + q0 * dbias.row_stride;
+  for (int64_t r = 0; r < rows; ++r)
+    std::fill(out + r * dbias.row_stride, out + r * dbias.row_stride + p.seqlen_k, 0.0f);
+  thread_local Scratch scratch;
+  BackwardTiles t(scratch, shape);
+  for (int64_t b = eb * dbias.batch_div; b < (eb + 1) * dbias.batch_div; ++b) {
+    const SeqlenInfo seq(p, b);
+    const SegmentIds segments(p, b);
+    const int64_t used = used_rows(seq.seqlen_q, q0, rows);
+    if (used == 0) continue;
+    for (int64_t h = eh * dbias.head_div; h < (eh + 1) * dbias.head_div; ++h) {
+      const BackwardHead<T> head{p, shape, D_all, seq, segments, b, h};
+      head.each_key_tile(t, q0, used, out, dbias.row_stride, [] {});
     }
   }
 }
@@ -687,6 +817,11 @@ void backward_impl(const AttentionParams& p) {
     parallel_for(bh_q * shape.q_tiles, [&](int64_t task) {
       backward_query_tile<T>(p, shape, D_all, task, dsink_parts.data());
     });
+  }
+  if (p.dbias) {
+    const int64_t entries = (p.batch / p.dbias.batch_div) * (p.heads_q / p.dbias.head_div);
+    parallel_for(entries * shape.q_tiles,
+                 [&](int64_t task) { backward_bias_tile<T>(p, shape, D_all, task); });
   }
   if (p.sinks && p.dsinks) {  // fixed-order sum: deterministic
     for (int64_t bh = 0; bh < bh_q; ++bh) {

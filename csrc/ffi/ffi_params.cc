@@ -113,6 +113,25 @@ ffi::Error check_input(const char* name, InputKind kind, const ffi::AnyBuffer& b
       if (p.packed()) return invalid("segment ids are for the dense layout only");
       if (is_int32_array(buffer, p.batch, {p.seqlen_k})) return ffi::Error::Success();
       return expected("(batch, seqlen_k)");
+    case InputKind::kScores:
+    case InputKind::kScoreMask: {
+      const bool is_mask = kind == InputKind::kScoreMask;
+      if (p.packed() || p.cache.active())
+        return invalid(std::string(name) + " is for the dense layout only");
+      auto d = buffer.dimensions();
+      const auto type = is_mask ? ffi::DataType::PRED : ffi::DataType::F32;
+      bool ok = buffer.element_type() == type && d.size() >= 3;
+      if (ok) {
+        const size_t r = d.size();
+        const int64_t entries = leading_product(d, 3), heads = d[r - 3];
+        ok = d[r - 2] == p.seqlen_q && d[r - 1] == p.seqlen_k && entries >= 1 &&
+             p.batch % entries == 0 && (heads == 1 || heads == p.heads_kv || heads == p.heads_q);
+      }
+      if (ok) return ffi::Error::Success();
+      return invalid(std::string(name) + " must be " + (is_mask ? "bool" : "float32") +
+                     " [batch.. or 1, heads_q, heads_kv or 1, seqlen_q, seqlen_k]; got " +
+                     shape_string(d));
+    }
     case InputKind::kPageTable: {
       auto d = buffer.dimensions();
       if (buffer.element_type() == ffi::DataType::S32 && d.size() == 2 && d[0] == p.batch &&
@@ -227,12 +246,46 @@ ffi::Error fill_packed_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
   return check_and_set_attention(p, q, k, v, options);
 }
 
+ScoreArray score_array(const AttentionParams& p, const ffi::AnyBuffer& buffer) {
+  auto d = buffer.dimensions();
+  const size_t r = d.size();
+  const int64_t entries = leading_product(d, 3), heads = d[r - 3];
+  ScoreArray a;
+  a.data = buffer.untyped_data();
+  a.row_stride = d[r - 1];
+  a.head_stride = d[r - 2] * d[r - 1];
+  a.batch_stride = heads * a.head_stride;
+  a.batch_div = p.batch / entries;
+  a.head_div = p.heads_q / heads;
+  return a;
+}
+
+ffi::Error expect_dbias(const ffi::AnyBuffer& buffer, const AttentionParams& p) {
+  if (ffi::Error e = check_input("dbias", InputKind::kScores, buffer, p); e.failure()) return e;
+  const ScoreArray d = score_array(p, buffer);
+  if (d.batch_div != p.bias.batch_div || d.head_div != p.bias.head_div)
+    return invalid("dbias must have bias's shape; got " + shape_string(buffer.dimensions()));
+  return ffi::Error::Success();
+}
+
+namespace {
+// The AttentionParams field of an optional input: a pointer to its data, or a
+// ScoreArray view.
+template <class T>
+void set_input(const T*& field, const ffi::AnyBuffer& buffer, const AttentionParams&) {
+  field = static_cast<const T*>(buffer.untyped_data());
+}
+void set_input(ScoreArray& field, const ffi::AnyBuffer& buffer, const AttentionParams& p) {
+  field = score_array(p, buffer);
+}
+}  // namespace
+
 // Points p.field at an optional input once its shape (kind) is checked.
 #define FLASHJAX_FILL_INPUT(name, flag, kind, field)                                    \
   if (inputs.name) {                                                                     \
     if (ffi::Error e = check_input(#name, InputKind::kind, *inputs.name, p); e.failure()) \
       return e;                                                                          \
-    p.field = static_cast<decltype(p.field)>(inputs.name->untyped_data());              \
+    set_input(p.field, *inputs.name, p);                                                 \
   }
 
 ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs) {

@@ -35,6 +35,8 @@ enum class InputKind {
   kQueryRows,     // int32 [batch.., seqlen_q] (dense layout only)
   kKeyRows,       // int32 [batch.., seqlen_k] (dense layout only)
   kPageTable,     // int32 [batch, max_pages >= 1]
+  kScores,        // float32 [batch.. | 1, heads_q | heads_kv | 1, seqlen_q, seqlen_k] (bias)
+  kScoreMask,     // bool, the same shapes (mask); dense layout only, like kScores
 };
 
 // A slot per optional input of a target, filled when present.
@@ -74,6 +76,13 @@ ffi::Error fill_packed_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
 // Checks each present optional input and points its AttentionParams field at
 // it (after fill_*_inputs).
 ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs);
+
+// A ScoreArray view of a checked kScores / kScoreMask buffer (or of dbias, shaped
+// like its bias).
+ScoreArray score_array(const AttentionParams& p, const ffi::AnyBuffer& buffer);
+
+// Checks dbias: float32 and shaped like the call's bias.
+ffi::Error expect_dbias(const ffi::AnyBuffer& buffer, const AttentionParams& p);
 
 // Per-layout views of a buffer shaped like q/k (query_side) with `heads` and
 // `dim`, and of an lse-like per-row float32 array.

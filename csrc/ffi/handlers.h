@@ -4,7 +4,8 @@
 //
 // Targets (the same four on every platform):
 //   forward         (q, k, v, [optional..]) -> (out, lse)
-//   backward        (q, k, v, out, dout, lse, dlse, [optional..]) -> (dq, dk, dv, dsinks)
+//   backward        (q, k, v, out, dout, lse, dlse, [optional..]) -> (dq, dk, dv, dsinks
+//                   [, dbias]): dbias (bias's shape) when Options::bias_gradient
 //   varlen_forward  (q, k, v, cu_seqlens_q, cu_seqlens_k, [optional..]) -> (out, lse)
 //   varlen_backward (q, k, v, cu_seqlens_q, cu_seqlens_k, out, dout, lse, dlse, [optional..])
 //                   -> (dq, dk, dv, dsinks)
@@ -66,8 +67,8 @@ struct BackwardInputs {
 template <class Run>
 ffi::Error backward_handler(const Inputs& in, const BackwardInputs& b,
                             const ffi::RemainingArgs& rest, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
-                            ffi::AnyBuffer dv, ffi::AnyBuffer dsinks, const Options& options,
-                            Run&& run) {
+                            ffi::AnyBuffer dv, ffi::AnyBuffer dsinks,
+                            const ffi::RemainingRets& more, const Options& options, Run&& run) {
   AttentionParams p;
   if (ffi::Error e = fill_inputs(p, in, rest, options); e.failure()) return e;
   if (ffi::Error e = expect_output("out", b.out, in.q, p); e.failure()) return e;
@@ -86,6 +87,16 @@ ffi::Error backward_handler(const Inputs& in, const BackwardInputs& b,
   p.dk = row_tensor(p, dk.untyped_data(), false, p.heads_kv, p.head_dim);
   p.dv = row_tensor(p, dv.untyped_data(), false, p.heads_kv, p.head_dim_v);
   p.dsinks = static_cast<float*>(dsinks.untyped_data());
+  if (more.size() != (options.bias_gradient ? 1u : 0u) || (options.bias_gradient && !p.bias))
+    return ffi::Error::InvalidArgument(
+        "flashjax: a backward returns dbias (one more result) exactly when bias_gradient is "
+        "set, which needs a bias");
+  if (options.bias_gradient) {
+    auto dbias = more.get<ffi::AnyBuffer>(0);
+    if (dbias.has_error()) return ffi::Error::InvalidArgument("flashjax: unreadable dbias");
+    if (ffi::Error e = expect_dbias(**dbias, p); e.failure()) return e;
+    p.dbias = score_array(p, **dbias);
+  }
   if (p.batch == 0) return ffi::Error::Success();  // (no zero-block kernel launches)
   return run(p);
 }
@@ -166,6 +177,7 @@ auto bind_backward_tail(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // dk
       .template Ret<ffi::AnyBuffer>()  // dv
       .template Ret<ffi::AnyBuffer>()  // dsinks
+      .RemainingRets()                 // dbias, when bias_gradient
       .template Attrs<Options>();
 }
 
@@ -227,10 +239,10 @@ struct Handlers {
                              ffi::AnyBuffer dlse, ffi::RemainingArgs rest,
                              ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                              ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dsinks,
-                             Options options) {
+                             ffi::RemainingRets more, Options options) {
     return backward_handler(
         Inputs{q, k, v}, BackwardInputs{out, dout, lse, dlse}, rest, *dq, *dk, *dv, *dsinks,
-        options, [&](const AttentionParams& p) { return Platform::backward(ctx..., p); });
+        more, options, [&](const AttentionParams& p) { return Platform::backward(ctx..., p); });
   }
   static ffi::Error varlen_backward(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                     ffi::AnyBuffer v, ffi::AnyBuffer cu_q, ffi::AnyBuffer cu_k,
@@ -239,10 +251,11 @@ struct Handlers {
                                     ffi::Result<ffi::AnyBuffer> dq,
                                     ffi::Result<ffi::AnyBuffer> dk,
                                     ffi::Result<ffi::AnyBuffer> dv,
-                                    ffi::Result<ffi::AnyBuffer> dsinks, Options options) {
+                                    ffi::Result<ffi::AnyBuffer> dsinks, ffi::RemainingRets more,
+                                    Options options) {
     return backward_handler(
         Inputs{q, k, v, &cu_q, &cu_k}, BackwardInputs{out, dout, lse, dlse}, rest, *dq, *dk, *dv,
-        *dsinks, options, [&](const AttentionParams& p) { return Platform::backward(ctx..., p); });
+        *dsinks, more, options, [&](const AttentionParams& p) { return Platform::backward(ctx..., p); });
   }
 };
 

@@ -69,6 +69,39 @@ def check_sinks(sinks, heads_q: int) -> None:
         raise TypeError(f"sinks must be float32, got {sinks.dtype}")
 
 
+def check_scores(name: str, x, batch: int, heads_q: int, heads_kv: int, seqlen_q: int,
+                 seqlen_k: int):
+    """A bias (float) or mask (bool) of shape (1 or batch, 1 or heads_q or heads_kv,
+    seqlen_q, seqlen_k): the bias as float32, the mask as it is (None stays None)."""
+    if x is None:
+        return None
+    s = shape_of(name, x)
+    expected = (f"(1 or batch, 1 or heads_q or heads_kv, seqlen_q, seqlen_k) = "
+                f"({{1, {batch}}}, {{1, {heads_q}, {heads_kv}}}, {seqlen_q}, {seqlen_k})")
+    if name == "mask" and x.dtype != jnp.bool_:
+        raise TypeError(f"mask must be a bool array (True: may attend), got dtype {x.dtype}")
+    if name != "mask" and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
+    if (len(s) != 4 or s[0] not in (1, batch) or s[1] not in (1, heads_q, heads_kv)
+            or s[2:] != (seqlen_q, seqlen_k)):
+        raise ValueError(f"{name} must have shape {expected}, got {s}")
+    return x if name == "mask" else jnp.asarray(x, jnp.float32)
+
+
+def check_alibi_slopes(slopes, batch: int, heads_q: int):
+    """float32 ALiBi slopes of shape (heads_q,) or (batch, heads_q), as (batch, heads_q)
+    (None stays None)."""
+    if slopes is None:
+        return None
+    s = shape_of("alibi_slopes", slopes)
+    if slopes.dtype != jnp.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if s not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or "
+                         f"(batch, heads_q) = ({batch}, {heads_q}), got {s}")
+    return jnp.broadcast_to(slopes, (batch, heads_q))
+
+
 def check_int_array(name: str, x, shape: tuple, meaning: str) -> None:
     """An int32 array of exactly `shape` (traced values are fine)."""
     if x is None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+import dataclasses
+
 from . import _ffi_calls, _partitioning, _route, _sharded, xla_attention
 from ._autodiff import differentiable
-from ._spec import (DQ, DK, DV, LSE, OUT, Config, Extras, Layout, attention_targets,
-                    gradients)
+from ._spec import (DQ, DK, DV, EXTRA_OPERANDS, LSE, OPERANDS, OUT, Config, Extras, Layout,
+                    attention_targets, gradients)
 
 __all__ = ["attention", "attention_core"]
 
@@ -48,10 +50,22 @@ def _partitioned(target, local, ring, results, values: dict, cfg: Config):
     """The partitioned call of `target` on `values` (name -> array)."""
     present, operands = target.operands(values)
     q, k = values["q"], values["k"]
+    # Score arrays (bias, mask) and dbias: dims of their own broadcast shape.
+    scores = {name: _partitioning.score_dims(values[name].shape, q.shape[-4], q.shape[-2],
+                                             k.shape[-2])
+              for name in present if OPERANDS[name].shape == "scores"}
+    scores.update({"dbias": scores["bias"]} if "bias" in scores else {})
+    dims = lambda names, default: tuple(scores.get(n, d) for n, d in zip(names, default))
     spec = _partitioning.CallSpec(
-        target.name, local, (cfg, present), target.operand_dims(present, cfg.packed),
-        tuple(op.dims_in(cfg.packed) for op in results), q.shape[-2] // k.shape[-2],
-        k.shape[-2], None if cfg.packed else ring, fold_vmap=not cfg.packed)
+        target.name, local, (cfg, present),
+        dims([op.name for op in target.inputs] + list(present),
+             target.operand_dims(present, cfg.packed)),
+        dims([op.name for op in results], [op.dims_in(cfg.packed) for op in results]),
+        # (the ring's blocks carry no score terms: a sequence-sharded call with them
+        # is gathered)
+        q.shape[-2] // k.shape[-2], k.shape[-2],
+        None if cfg.packed or scores or values.get("alibi_slopes") is not None else ring,
+        fold_vmap=not cfg.packed)
     return _partitioning.partitioned(spec)(*operands)
 
 
@@ -62,14 +76,20 @@ def _forward(q, k, v, extras: Extras, layout: Layout, cfg: Config):
                         _ffi_calls.values(q, k, v, rows, layout), cfg)
 
 
-def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg: Config):
+def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg: Config,
+              needed: Extras):
     rows = _ffi_calls.extra_rows(q, extras, layout, cfg)
     _, target = attention_targets(cfg.packed)
+    # dbias only when bias is perturbed (a constant bias: no O(seqlen^2) gradient)
+    cfg = dataclasses.replace(cfg, bias_gradient=extras.bias is not None and bool(needed.bias))
+    grads = gradients(extras, cfg)
     dq, dk, dv, *d_rows = _partitioned(
-        target, _local_backward, _sharded.sharded_backward, (DQ, DK, DV) + gradients(extras),
+        target, _local_backward, _sharded.sharded_backward, (DQ, DK, DV) + grads,
         _ffi_calls.values(q, k, v, rows, layout, out=out, dout=dout.astype(out.dtype), lse=lse,
                           dlse=dlse.astype(jnp.float32)), cfg)
-    return dq, dk, dv, _ffi_calls.from_rows(rows.with_given(d_rows), extras)
+    by_name = dict(zip((g.name for g in grads), d_rows))
+    d_rows = Extras(*(by_name.get(op.gradient) for op in EXTRA_OPERANDS))
+    return dq, dk, dv, _ffi_calls.from_rows(d_rows, extras)
 
 
 attention_core = differentiable(_forward, _backward)
@@ -91,5 +111,11 @@ def attention(q, k, v, extras: Extras, layout: Layout, cfg: Config, *arrays):
         _route.check_platform(cfg, q, *arrays)
         return xla_attention.no_work_attention(*args, cfg)
     kernels = lambda *a: attention_core(*a, cfg)
-    return _route.run(cfg, args, cuda=kernels, cpu=kernels,
-                      xla=lambda *a: xla_attention.attention_core(*a, cfg), arrays=(q, *arrays))
+    in_jax = lambda *a: xla_attention.attention_core(*a, cfg)
+    cuda = _route.without_score_terms(cfg, kernels, in_jax, score_terms(extras, layout))
+    return _route.run(cfg, args, cuda=cuda, cpu=kernels, xla=in_jax, arrays=(q, *arrays))
+
+
+def score_terms(extras: Extras, layout: Layout) -> bool:
+    """The call has bias, mask or ALiBi slopes."""
+    return any(x is not None for x in (extras.bias, layout.mask, layout.alibi_slopes))

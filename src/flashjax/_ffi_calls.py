@@ -3,9 +3,10 @@ targets' forward and backward, dense or packed, and the KV-cache target. Operand
 attributes and results come from the table (_spec): the required operands, then the
 present optional ones; an attribute per option and per has_* flag.
 
-The differentiable extras (sinks) go to the FFI as rows, one per sequence
-(`extra_rows`: vmap then folds them into batch like q) and their gradients come back
-per sequence (`from_rows` sums them).
+The differentiable extras go to the FFI as rows: sinks one per sequence (`extra_rows`:
+vmap then folds them into batch like q), their gradients per sequence (`from_rows`
+sums them); a bias in its own broadcasting shape (the kernels read it broadcast and
+return dbias in that shape, summed).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ def values(q, k, v, extras: Extras, layout: Layout, **more) -> dict:
     return dict(q=q, k=k, v=v, **extras._asdict(), **layout._asdict(), **more)
 
 
-def _rows_shape(operand, q, layout: Layout, cfg: Config) -> tuple:
-    """The FFI shape of a per-head extra (or its gradient): a row per sequence."""
+def _rows_shape(operand, x, q, layout: Layout, cfg: Config) -> tuple:
+    """The FFI shape of extra x (or its gradient): per-head ones a row per sequence,
+    score ones (bias) their own."""
+    if operand.shape == "scores":
+        return x.shape
     assert operand.shape == "per_head", operand
     if cfg.packed:
         return (layout.cu_seqlens_q.shape[-1] - 1, q.shape[-2])
@@ -45,13 +49,14 @@ def _rows_shape(operand, q, layout: Layout, cfg: Config) -> tuple:
 
 def extra_rows(q, extras: Extras, layout: Layout, cfg: Config) -> Extras:
     """The present extras as the FFI takes them: broadcast to a row per sequence."""
-    return Extras(*(None if x is None else jnp.broadcast_to(x, _rows_shape(op, q, layout, cfg))
+    return Extras(*(None if x is None else
+                    jnp.broadcast_to(x, _rows_shape(op, x, q, layout, cfg))
                     for op, x in zip(EXTRA_OPERANDS, extras)))
 
 
 def from_rows(rows: Extras, extras: Extras) -> Extras:
     """The extras' gradients from their rows' (summed over the sequences)."""
-    return Extras(*(None if x is None else
+    return Extras(*(None if x is None or r is None else
                     jnp.sum(r, axis=tuple(range(r.ndim - x.ndim))).astype(x.dtype)
                     for r, x in zip(rows, extras)))
 
@@ -77,14 +82,16 @@ def backward(q, k, v, out, dout, lse, dlse, rows: Extras, layout: Layout, cfg: C
     present, operands = target.operands(values(q, k, v, rows, layout, out=out, dout=dout,
                                                lse=lse, dlse=dlse))
     shapes = {"dq": (q.shape, q.dtype), "dk": (k.shape, k.dtype), "dv": (v.shape, v.dtype)}
-    shapes.update({op.gradient: (_rows_shape(op, q, layout, cfg), OPERANDS[op.gradient].dtype)
-                   for op in EXTRA_OPERANDS})
-    returned = target.returned(present)
+    shapes.update({op.gradient: (_rows_shape(op, x, q, layout, cfg),
+                                 OPERANDS[op.gradient].dtype)
+                   for op, x in zip(EXTRA_OPERANDS, rows) if x is not None})
+    shapes["dsinks"] = (_rows_shape(OPERANDS["sinks"], None, q, layout, cfg), jnp.float32)
+    returned = target.returned(present, cfg.options())
     call = _ffi_call(target, q, operands, [shapes[op.name] for op in returned], _vmap_method(cfg))
     results = dict(zip((op.name for op in returned),
                        call(*operands, **target.attributes(cfg.options(), present))))
     return (results["dq"], results["dk"], results["dv"],
-            Extras(*(None if x is None else results[op.gradient]
+            Extras(*(None if x is None else results.get(op.gradient)
                      for op, x in zip(EXTRA_OPERANDS, rows))))
 
 

@@ -38,7 +38,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 # calls: r cache rows, c cache entries or pages (a pool shared by the sequences), w new
 # rows, p pages per sequence, z workspace.
 # Never sharded by the rule (s, t: unless a ring).
-KEPT_WHOLE = ("s", "t", "d", "e", "g", "T", "U", "m", "n", "r", "c", "w", "p", "z")
+# x, y: a score array's broadcast (size-1) batch and heads (score_dims).
+KEPT_WHOLE = ("s", "t", "d", "e", "g", "T", "U", "m", "n", "r", "c", "w", "p", "z", "x", "y")
+
+
+def score_dims(shape, batch: int, heads_q: int, heads_kv: int) -> str:
+    """The dims of a score array (bias, mask: (1 or batch, 1 or heads_kv or heads_q,
+    seqlen_q, seqlen_k)): batch and heads shard with q's where they are q's."""
+    b = "b" if shape[0] == batch else "x"
+    h = "H" if shape[1] == heads_q else "h" if shape[1] == heads_kv else "y"
+    return f"{b} {h} s t"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +144,11 @@ def _batchable(call, fold: bool):
         if not fold:
             results = jax.lax.map(lambda entry: batchable(*entry), operands)
             return tuple(results), (True,) * len(results)
-        batch = operands[0].shape[1]  # every operand's and result's first dim
-        results = batchable(*(x.reshape((axis_size * batch,) + x.shape[2:]) for x in operands))
-        return (tuple(r.reshape((axis_size, batch) + r.shape[1:]) for r in results),
+        # every operand's and result's first dim (batch, or 1 for a broadcast bias)
+        results = batchable(*(x.reshape((axis_size * x.shape[1],) + x.shape[2:])
+                              for x in operands))
+        batch = lambda r: r.shape[0] // axis_size if axis_size else operands[0].shape[1]
+        return (tuple(r.reshape((axis_size, batch(r)) + r.shape[1:]) for r in results),
                 (True,) * len(results))
     return batchable
 

@@ -7,7 +7,7 @@ option an `Option` (the FFI attribute's name and type). A `Target` lists them in
 order the handler reads them. Everything else is derived from this table: the FFI
 operands and attributes of a call (`Target.operands`, `Target.attributes`), the dims
 of its `custom_partitioning` rule, the fields of `Layout` (traced integer metadata)
-and `Extras` (differentiable inputs besides q, k, v: sinks; their gradients are the
+and `Extras` (differentiable inputs besides q, k, v: sinks, bias; their gradients are the
 backward's extra results), and the checks in tests/test_ffi.py.
 
 The C++ side of the same table is csrc/include/flashjax/operands.h (the attribute
@@ -44,14 +44,16 @@ class Operand:
     dtype: "float32" / "int32", or None: q's dtype (k's, v's for their kind).
     shape: its shape kind ("rows": (batch, rows, heads, dim) like q, k or v;
       "row_stats": lse-like; for optional inputs the C++ InputKind: "per_head",
-      "per_sequence", "query_rows", "key_rows", "page_table").
+      "per_sequence", "query_rows", "key_rows", "page_table", "scores": (batch or 1,
+      heads_q, heads_kv or 1, seqlen_q, seqlen_k), broadcast by the kernels, dense
+      layout only).
     dims / packed_dims: its dims in dense / packed (varlen) calls as factors of the
       sharding rule (_partitioning: b batch, s query rows, t key rows, H query heads,
       h kv heads, d, e head dims; T, U packed query / key rows, m sequences, n =
       m + 1; KV cache: r cache rows, w new rows, p pages per sequence, z
       workspace); None: not part of such calls.
     flag: for optional inputs, the bool attribute that announces them (a result with
-      a flag is returned when that flag is set).
+      a flag is returned when that flag, or the bool option of that name, is set).
     differentiable / gradient: a differentiable input and the backward's result
       holding its gradient.
     """
@@ -110,10 +112,11 @@ class Target:
         return tuple(OPERANDS[name].dims_in(packed)
                      for name in [op.name for op in self.inputs] + list(present))
 
-    def returned(self, present: tuple) -> tuple:
-        """The results a call with these optional inputs returns."""
+    def returned(self, present: tuple, options: Mapping = {}) -> tuple:
+        """The results a call with these optional inputs (and options) returns."""
         flags = {OPERANDS[name].flag for name in present}
-        return tuple(op for op in self.results if op.flag is None or op.flag in flags)
+        return tuple(op for op in self.results
+                     if op.flag is None or op.flag in flags or options.get(op.flag))
 
     def attributes(self, options: Mapping, present: tuple) -> dict:
         """Every attribute of a call: `options` (name -> value; extra names are
@@ -132,7 +135,8 @@ SHARED_OPTIONS = (Option("softmax_scale", F32), Option("window_left", I64),
                   Option("kernel_cap", I64))
 ATTENTION_OPTIONS = SHARED_OPTIONS + (
     Option("max_seqlen_q", I64), Option("max_seqlen_k", I64),  # packed calls' slot bounds
-    Option("deterministic", BOOL))
+    Option("deterministic", BOOL),
+    Option("bias_gradient", BOOL))  # the backward also returns dbias
 KVCACHE_OPTIONS = SHARED_OPTIONS + (Option("num_splits", I64),)
 
 Q = Operand("q", None, "rows", "b s H d", "T H d", differentiable=True, gradient="dq")
@@ -153,6 +157,14 @@ DV = Operand("dv", None, "rows", "b t h e", "U h e")
 SINKS = Operand("sinks", "float32", "per_head", "b H", "m H", flag="has_sinks",
                 differentiable=True, gradient="dsinks")
 DSINKS = Operand("dsinks", "float32", "per_head", "b H", "m H")
+# Bias and mask go to the FFI in their own (broadcasting) shape: the kernels read entry
+# (b // (batch / entries), h // (heads_q / heads)); dims "b H s t" are those of a
+# full-size one (_partitioning.score_dims gives a broadcast one's). dbias comes back in
+# bias's shape, summed over what it broadcasts, only when the backward's bias_gradient
+# option is set (custom_vjp's symbolic zeros tell when bias is perturbed).
+BIAS = Operand("bias", "float32", "scores", "b H s t", flag="has_bias", differentiable=True,
+               gradient="dbias")
+DBIAS = Operand("dbias", "float32", "scores", "b H s t", flag="bias_gradient")
 
 # The optional inputs of the attention targets, in the order the handlers take them.
 ATTENTION_OPTIONAL = (
@@ -163,12 +175,16 @@ ATTENTION_OPTIONAL = (
     Operand("kv_segment_ids", "int32", "key_rows", "b t", flag="has_segment_ids"),
     # (sequences,): query row i's diagonal is key i + offset (q position - k position)
     Operand("diagonal_offset", "int32", "per_sequence", "b", "m", flag="has_diagonal_offset"),
+    BIAS,
+    Operand("mask", "bool", "scores", "b H s t", flag="has_mask"),  # True: may attend
+    # (sequences, heads_q): ALiBi, -slope * |i + diagonal - j| added to the scores
+    Operand("alibi_slopes", "float32", "per_head", "b H", "m H", flag="has_alibi_slopes"),
 )
 
 FORWARD = Target("flashjax_fwd", "FlashjaxForward", (Q, K, V), ATTENTION_OPTIONAL, (OUT, LSE),
                  ATTENTION_OPTIONS)
 BACKWARD = Target("flashjax_bwd", "FlashjaxBackward", (Q, K, V, OUT, DOUT, LSE, DLSE),
-                  ATTENTION_OPTIONAL, (DQ, DK, DV, DSINKS), ATTENTION_OPTIONS)
+                  ATTENTION_OPTIONAL, (DQ, DK, DV, DSINKS, DBIAS), ATTENTION_OPTIONS)
 VARLEN_FORWARD = dataclasses.replace(FORWARD, name="flashjax_varlen_fwd",
                                      symbol="FlashjaxVarlenForward",
                                      inputs=(Q, K, V, CU_SEQLENS_Q, CU_SEQLENS_K))
@@ -203,7 +219,8 @@ def attention_targets(packed: bool) -> tuple:
 
 
 # attention_core's arguments besides q, k, v: the differentiable extras, and the
-# layout (traced int32 metadata: where sequences are; gets float0 cotangents).
+# layout (traced metadata: where sequences are, the mask, the ALiBi slopes; no
+# cotangents).
 EXTRA_OPERANDS = tuple(op for op in ATTENTION_OPTIONAL if op.differentiable)
 LAYOUT_OPERANDS = (CU_SEQLENS_Q, CU_SEQLENS_K) + tuple(
     op for op in ATTENTION_OPTIONAL if not op.differentiable)
@@ -242,14 +259,17 @@ class Extras(_Fields, collections.namedtuple("Extras", **_fields(EXTRA_OPERANDS)
 
 
 class Layout(_Fields, collections.namedtuple("Layout", **_fields(LAYOUT_OPERANDS))):
-    """Traced int32 metadata of where sequences are (None: absent)."""
+    """Traced metadata (None: absent): where sequences are (int32), and the score terms
+    that take no gradient (mask, alibi_slopes)."""
 
     __slots__ = ()
 
 
-def gradients(extras: Extras) -> tuple:
-    """The backward's results that hold the present extras' gradients."""
-    return tuple(OPERANDS[op.gradient] for op, x in zip(EXTRA_OPERANDS, extras) if x is not None)
+def gradients(extras: Extras, cfg: "Config") -> tuple:
+    """The backward's results that hold the present extras' gradients (dbias only
+    when cfg.bias_gradient)."""
+    return tuple(OPERANDS[op.gradient] for op, x in zip(EXTRA_OPERANDS, extras)
+                 if x is not None and (op.gradient != "dbias" or cfg.bias_gradient))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +287,7 @@ class Config:
     max_seqlen_k: int = 0
     implementation: str = "auto"  # "auto", "cuda", "cpu" or "xla" (_route.IMPLEMENTATIONS)
     kernel_cap: int = 0       # the CUDA kernels allowed: 0 any, 1 mma.sync, 2 SIMT
+    bias_gradient: bool = False  # backward: dbias wanted (set by _core from symbolic zeros)
 
     @property
     def window(self) -> Window:

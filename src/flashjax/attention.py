@@ -24,7 +24,7 @@ def _check_arrays(q, k, v, sinks):
 
 
 def _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
-            kv_offset) -> Layout:
+            kv_offset, mask=None, alibi_slopes=None) -> Layout:
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     _checks.check_int_array("seqused_q", seqused_q, (batch,), "(batch,)")
     _checks.check_int_array("seqused_k", seqused_k, (batch,), "(batch,)")
@@ -36,13 +36,17 @@ def _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
                             "(batch, seqlen_k)")
     return Layout(seqused_q=seqused_q, seqused_k=seqused_k, q_segment_ids=q_segment_ids,
                   kv_segment_ids=kv_segment_ids,
-                  diagonal_offset=_checks.diagonal_offset(q_offset, kv_offset, batch, "(batch,)"))
+                  diagonal_offset=_checks.diagonal_offset(q_offset, kv_offset, batch, "(batch,)"),
+                  mask=_checks.check_scores("mask", mask, batch, q.shape[2], k.shape[2], seqlen_q,
+                                            seqlen_k),
+                  alibi_slopes=_checks.check_alibi_slopes(alibi_slopes, batch, q.shape[2]))
 
 
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, sinks=None, return_lse=False, deterministic=False,
                     q_segment_ids=None, kv_segment_ids=None, seqused_q=None, seqused_k=None,
-                    q_offset=None, kv_offset=None, implementation=None):
+                    q_offset=None, kv_offset=None, bias=None, mask=None, alibi_slopes=None,
+                    implementation=None):
     """Exact attention softmax(q k^T * scale) v, computed tile by tile.
 
     Args:
@@ -73,6 +77,20 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         sees key j, causal, iff kv_offset + j <= q_offset + i) instead of
         aligning bottom-right: for rows that are a part of a longer sequence,
         e.g. a query shard inside shard_map (docs/sharding.md).
+      bias: optional float array (1 or batch, 1 or heads_q or heads_kv, seqlen_q,
+        seqlen_k) added to the scores after scale and softcap:
+        s = softcap(scale * q.k) + bias (a heads_kv bias serves each query head of its
+        group). Differentiable; its gradient is summed over the broadcast dims and
+        computed only when bias is differentiated (a constant bias costs none).
+      mask: optional bool array of the same shapes: True = may attend (jax.nn's
+        convention), on top of causal / window / segment ids.
+      alibi_slopes: optional float32 (heads_q,) or (batch, heads_q): ALiBi,
+        -slope * |i + seqlen_k - seqlen_q - j| added to query i / key j's score after
+        the softcap (positions by q_offset / kv_offset when given); never materialised.
+        Not differentiated.
+        bias, mask and alibi_slopes run on the CPU kernels and the pure-JAX path; on a
+        CUDA GPU, implementation=None takes the pure-JAX path for such calls for now
+        (the CUDA kernels do not read them yet: "cuda" raises ValueError).
       implementation: None (flashjax's kernels on CUDA GPUs and the CPU, the pure-JAX
         path elsewhere), "cuda" (the fastest CUDA kernels: Hopper, else mma.sync, else
         SIMT), "cuda:mma" / "cuda:simt" (at most the mma.sync / only the SIMT kernels),
@@ -86,9 +104,11 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     """
     _check_arrays(q, k, v, sinks)
     layout = _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
-                     kv_offset)
+                     kv_offset, mask, alibi_slopes)
+    bias = _checks.check_scores("bias", bias, q.shape[0], q.shape[2], k.shape[2], q.shape[1],
+                                k.shape[1])
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
                               deterministic, implementation, return_lse)
     _ffi.load()
-    out, lse = _core.attention(q, k, v, Extras(sinks=sinks), layout, cfg)
+    out, lse = _core.attention(q, k, v, Extras(sinks=sinks, bias=bias), layout, cfg)
     return (out, lse) if return_lse else out

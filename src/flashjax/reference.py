@@ -63,18 +63,21 @@ def _used_mask(seqlen_q, seqlen_k, causal, window_size, seqused_q, seqused_k, of
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
               sinks=None, return_lse=False, compute_dtype=None, q_segment_ids=None,
               kv_segment_ids=None, seqused_q=None, seqused_k=None, q_offset=None,
-              kv_offset=None):
-    """softmax(scale * q k^T [softcapped, masked, + sink]) v, materialised.
+              kv_offset=None, bias=None, mask=None, alibi_slopes=None):
+    """softmax(scale * q k^T [softcapped, + bias and ALiBi, masked, + sink]) v,
+    materialised.
 
     q: (..., seqlen_q, heads_q, head_dim); k: (..., seqlen_k, heads_kv, head_dim);
     v: (..., seqlen_k, heads_kv, head_dim_v); sinks: (heads_q,) or None.
-    Segment ids ((batch, seqlen)), seqused ((batch,)) and q_offset / kv_offset (int,
-    () or (batch,)) as in flashjax.flash_attention (they need exactly one leading
-    batch dim).
+    Segment ids ((batch, seqlen)), seqused ((batch,)), q_offset / kv_offset (int,
+    () or (batch,)), bias / mask ((1 or batch, 1 or heads_q or heads_kv, seqlen_q,
+    seqlen_k)) and alibi_slopes ((heads_q,) or (batch, heads_q)) as in
+    flashjax.flash_attention (they need exactly one leading batch dim).
     Returns out (..., seqlen_q, heads_q, head_dim_v) and, if return_lse, the
     log-sum-exp (..., heads_q, seqlen_q) (float32, or float64 when computing in float64).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    mask_arg = mask
     dtype = jnp.dtype(jnp.float32 if compute_dtype is None else compute_dtype)
     high = dtype == jnp.float64
     out_dtype = jnp.float64 if high else q.dtype
@@ -93,6 +96,8 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * jnp.asarray(softmax_scale, dtype)
     if softcap > 0:
         scores = jnp.asarray(softcap, dtype) * jnp.tanh(scores / jnp.asarray(softcap, dtype))
+    if bias is not None:
+        scores = scores + _per_query_head(jnp.asarray(bias).astype(dtype), group, heads_q)
     row_used = None
     positional = q_offset is not None or kv_offset is not None
     if seqused_q is not None or seqused_k is not None or positional:
@@ -107,6 +112,22 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
             jnp.full((batch,), seqlen_k) if seqused_k is None else seqused_k, offset)
     else:
         mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
+    if alibi_slopes is not None:  # -slope * |i + diagonal offset - j|
+        if row_used is None:
+            offset = seqlen_k - seqlen_q
+        else:
+            offset = diagonal_offset(
+                used_rows(None if seqused_q is None else jnp.asarray(seqused_q), seqlen_q),
+                used_rows(None if seqused_k is None else jnp.asarray(seqused_k), seqlen_k),
+                offset)
+            offset = jnp.reshape(jnp.broadcast_to(offset, (q.shape[0],)), (-1, 1, 1, 1))
+        i = jnp.arange(seqlen_q)[:, None]
+        j = jnp.arange(seqlen_k)[None, :]
+        distance = jnp.abs(i + offset - j).astype(dtype)
+        slopes = jnp.asarray(alibi_slopes).astype(dtype)[..., None, None]
+        scores = scores - slopes * distance
+    if mask_arg is not None:
+        mask = mask & _per_query_head(jnp.asarray(mask_arg), group, heads_q)
     if q_segment_ids is not None:
         same = jnp.asarray(q_segment_ids)[:, :, None] == jnp.asarray(kv_segment_ids)[:, None, :]
         mask = mask & same[:, None]
@@ -142,6 +163,13 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         return out
     lse = jnp.where(nonempty, jnp.log(safe) + row_max, -jnp.inf)[..., 0]
     return out, lse.astype(lse_dtype)
+
+
+def _per_query_head(x, group: int, heads_q: int):
+    """A (batch, heads, seqlen_q, seqlen_k) bias or mask with 1, heads_kv or heads_q
+    heads, broadcastable to the scores' (batch, heads_q, ...): a heads_kv one repeated
+    over each group."""
+    return jnp.repeat(x, group, axis=1) if x.shape[1] not in (1, heads_q) else x
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

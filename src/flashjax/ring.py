@@ -33,7 +33,8 @@ def _ring_forward(q, k, v, extras: Extras, layout: Layout, static):
                    axis_name, plan)
 
 
-def _ring_backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, static):
+def _ring_backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, static,
+                   _needed):
     axis_name, plan = static
     _, backward = ENGINES[plan.strategy]
     dq, dk, dv, d_rows = backward(

@@ -98,11 +98,15 @@ class _Rows:
       included; INT32_MIN + 1 / INT32_MAX when unbounded);
     q_id, k_id (batch, seqlen) int32 or None: ids that must be equal;
     k_pos (batch, seqlen_k) int32: key positions, INT32_MIN for keys no row sees.
+    q_diag (batch, seqlen_q) float32: the row's diagonal key position (ALiBi);
+    q_seq (batch, seqlen_q) int32 or None: packed: the row's sequence.
     Static: use_lo / use_hi / use_id: which comparisons the element mask needs.
     """
 
-    def __init__(self, q_valid, q_lo, q_hi, q_id, k_pos, k_id, use_lo, use_hi):
+    def __init__(self, q_valid, q_lo, q_hi, q_id, k_pos, k_id, use_lo, use_hi, q_diag=None,
+                 q_seq=None):
         self.q_valid, self.q_lo, self.q_hi, self.q_id = q_valid, q_lo, q_hi, q_id
+        self.q_diag, self.q_seq = q_diag, q_seq
         self.k_pos, self.k_id = k_pos, k_id
         self.use_lo, self.use_hi, self.use_id = use_lo, use_hi, q_id is not None
 
@@ -132,7 +136,8 @@ def _dense_rows(seqlen_q, seqlen_k, batch, layout: Layout, cfg: Config) -> _Rows
         q_id, k_id = _i32(layout.q_segment_ids), _i32(layout.kv_segment_ids)
     return _Rows(q_valid, q_lo, q_hi, q_id, k_pos, k_id,
                  use_lo=cfg.window.left >= 0 or layout.seqused_k is not None,
-                 use_hi=cfg.window.right >= 0)
+                 use_hi=cfg.window.right >= 0,
+                 q_diag=(i + offset[:, None].astype(jnp.float32)).astype(jnp.float32))
 
 
 def _slots(cu, total: int, max_len: int):
@@ -168,8 +173,10 @@ def _packed_rows(total_q, total_k, layout: Layout, cfg: Config) -> _Rows:
     k_seq, k_pos, k_valid = _sequence_of_rows(start_k, used_k, total_k)
     q_lo, q_hi = _window(offset[q_seq], q_pos, q_valid, cfg)
     k_pos = jnp.where(k_valid, k_pos, _i32(_NO_KEY))
+    q_diag = q_pos.astype(jnp.float32) + offset[q_seq].astype(jnp.float32)
     return _Rows(q_valid[None], q_lo[None], q_hi[None], q_seq[None], k_pos[None], k_seq[None],
-                 use_lo=True, use_hi=cfg.window.right >= 0)
+                 use_lo=True, use_hi=cfg.window.right >= 0, q_diag=q_diag[None],
+                 q_seq=q_seq[None])
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -196,8 +203,10 @@ class _Plan:
     """Block layout of one call: sizes, blocked metadata and the block summaries that
     decide which block pairs are skipped, computed unmasked, or masked."""
 
-    def __init__(self, rows: _Rows, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
+    def __init__(self, rows: _Rows, batch, seqlen_q, seqlen_k, heads_q, heads_kv,
+                 user_mask=False):
         self.batch, self.seqlen_q, self.seqlen_k = batch, seqlen_q, seqlen_k
+        self.user_mask = user_mask  # a mask= array: every visited block pair is masked
         self.heads_kv, self.group = heads_kv, heads_q // heads_kv
         self.bq, self.nq = _block_size(seqlen_q, BLOCK_Q)
         self.bk, self.nk = _block_size(seqlen_k, BLOCK_K)
@@ -257,6 +266,8 @@ class _Plan:
             meets &= (q(self.qid_min) <= k(self.kid_max)) & (k(self.kid_min) <= q(self.qid_max))
             full &= ((q(self.qid_min) == q(self.qid_max)) & (k(self.kid_min) == k(self.kid_max))
                      & (q(self.qid_min) == k(self.kid_min)))
+        if self.user_mask:
+            full = jnp.zeros_like(full)
         return meets, full
 
     def mask(self, b, qb, kb):
@@ -271,9 +282,17 @@ class _Plan:
             mask &= self.q_id[b, qb][:, None] == self.k_id[b, kb][None, :]
         return mask
 
+    def visible(self, b, qb, kb, terms: "_Terms"):
+        """(heads_kv, group * bq, bk) bool: query row sees key, for the masked block
+        pairs (the window, ids, and the mask= array)."""
+        visible = jnp.broadcast_to(self.mask(b, qb, kb)[None, None],
+                                   (self.heads_kv, self.group, self.bq, self.bk))
+        visible = visible.reshape(self.heads_kv, self.group * self.bq, self.bk)
+        return visible if terms.mask is None else visible & terms.block(terms.mask, b, qb, kb)
+
     @property
     def needs_mask(self) -> bool:
-        return self.use_lo or self.use_hi or self.use_id
+        return self.use_lo or self.use_hi or self.use_id or self.user_mask
 
 
 def _schedule(meets, full):
@@ -370,25 +389,6 @@ def _scores(qs, kf, cfg: Config):
     return s, None
 
 
-def _apply_mask(x, mask, plan: _Plan, fill):
-    h, m, k = x.shape
-    x = x.reshape(h, plan.group, plan.bq, k)
-    x = jnp.where(mask[None, None], x, fill)
-    return x.reshape(h, m, k)
-
-
-def _apply_mask_like(mask, plan: _Plan, like):
-    """The (bq, bk) mask as a bool array shaped like the scores (heads_kv, group*bq, bk)."""
-    h, m, k = like.shape
-    return jnp.broadcast_to(mask[None, None], (h, plan.group, plan.bq, k)).reshape(h, m, k)
-
-
-def _rows_of(row_flags, plan: _Plan):
-    """(bq,) per-row flags of a query block as (heads_kv, group*bq)."""
-    return jnp.broadcast_to(row_flags, (plan.heads_kv, plan.group, plan.bq)).reshape(
-        plan.heads_kv, plan.group * plan.bq)
-
-
 def _masked_dot(spec, w, visible, x, signed=False):
     """_dot(spec, w, x) of a masked block, w 0 at the masked entries: the masked entries
     must not meet a non-finite x (0 * NaN); only blocks whose x has one pay for the
@@ -399,10 +399,85 @@ def _masked_dot(spec, w, visible, x, signed=False):
                     lambda: dot(w, x))
 
 
+class _Terms:
+    """The score terms of a call (bias, mask, ALiBi) per block pair, shaped like the
+    scores (heads_kv, group * bq, bk): bias and mask sliced from their own broadcasting
+    shape (1 or batch, 1 or heads_kv or heads_q, seqlen_q, seqlen_k), zero-/False-padded
+    to whole blocks; ALiBi computed from the rows' diagonals and the keys' positions."""
+
+    def __init__(self, bias, mask, slopes, rows: _Rows, plan: _Plan):
+        self.plan = plan
+        pad = lambda x, value: None if x is None else _pad_rows(
+            _pad_rows(x, 2, plan.nq * plan.bq, value), 3, plan.nk * plan.bk, value)
+        self.bias = pad(None if bias is None else bias.astype(jnp.float32), 0.0)
+        self.mask = pad(mask, False)
+        self.slopes = self.diag = None
+        if slopes is not None:  # (sequences, heads_q) -> per row (batch, heads_q, rows)
+            slopes = slopes.astype(jnp.float32)
+            if rows.q_seq is None:
+                per_row = jnp.broadcast_to(slopes[:, :, None], slopes.shape + (plan.seqlen_q,))
+            else:
+                per_row = jnp.swapaxes(slopes[rows.q_seq[0]], 0, 1)[None]
+            self.slopes = _rows_to_blocks(per_row, plan)  # (batch, nq, heads_kv, group * bq)
+            diag = _pad_rows(rows.q_diag, 1, plan.nq * plan.bq)
+            self.diag = diag.reshape(plan.batch, plan.nq, plan.bq)
+            self.k_pos = plan.k_pos.astype(jnp.float32)
+
+    @property
+    def active(self) -> bool:
+        return self.bias is not None or self.mask is not None or self.slopes is not None
+
+    def block(self, x, b, qb, kb):
+        """Block (qb, kb) of sequence b of a bias or mask, as (heads_kv, group * bq, bk)."""
+        plan = self.plan
+        zero = jnp.zeros((), jnp.int32)
+        entry = _i32(b) if x.shape[0] > 1 else zero
+        blk = lax.dynamic_slice(x, (entry, zero, _i32(qb * plan.bq), _i32(kb * plan.bk)),
+                                (1, x.shape[1], plan.bq, plan.bk))[0]
+        heads = x.shape[1]
+        if heads == plan.heads_kv * plan.group:  # heads_q
+            blk = blk.reshape(plan.heads_kv, plan.group, plan.bq, plan.bk)
+        else:  # heads_kv (each serves its group) or 1
+            blk = blk.reshape(heads, 1, plan.bq, plan.bk)
+        blk = jnp.broadcast_to(blk, (plan.heads_kv, plan.group, plan.bq, plan.bk))
+        return blk.reshape(plan.heads_kv, plan.group * plan.bq, plan.bk)
+
+    def add(self, s, b, qb, kb):
+        """The scores of block pair (qb, kb) plus the bias and ALiBi terms."""
+        plan = self.plan
+        if self.bias is not None:
+            s = s + self.block(self.bias, b, qb, kb)
+        if self.slopes is not None:
+            distance = jnp.abs(self.diag[b, qb][:, None] - self.k_pos[b, kb][None, :])
+            distance = jnp.broadcast_to(distance[None, None], (plan.heads_kv, plan.group,
+                                                             plan.bq, plan.bk))
+            s = s - self.slopes[b, qb][..., None] * distance.reshape(s.shape)
+        return s
+
+    def bias_gradient(self, ds, dbias, b, qb, kb):
+        """dbias plus block pair (qb, kb)'s dS (before the softcap derivative), summed
+        over what the bias broadcasts."""
+        plan = self.plan
+        heads = dbias.shape[1]
+        ds = ds.reshape(plan.heads_kv, plan.group, plan.bq, plan.bk)
+        if heads == plan.heads_kv * plan.group:
+            blk = ds.reshape(heads, plan.bq, plan.bk)
+        elif heads == plan.heads_kv:
+            blk = ds.sum(1)
+        else:
+            blk = ds.sum((0, 1))[None]
+        zero = jnp.zeros((), jnp.int32)
+        entry = _i32(b) if dbias.shape[0] > 1 else zero
+        at = (entry, zero, _i32(qb * plan.bq), _i32(kb * plan.bk))
+        old = lax.dynamic_slice(dbias, at, (1, heads, plan.bq, plan.bk))
+        return lax.dynamic_update_slice(dbias, old + blk[None], at)
+
+
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozenset):
+def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozenset,
+                    terms: _Terms):
     """Blocked forward: q (batch, nq, heads_kv, group*bq, d), k/v (batch, nk, heads_kv, bk, d)
     -> out (batch, nq, heads_kv, group*bq, dv) float32, lse (batch, nq, heads_kv, group*bq)."""
     batch, nq = plan.batch, plan.nq
@@ -427,10 +502,12 @@ def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozen
             kf = kb_[b, kb].astype(jnp.float32)
             vf = vb_[b, kb].astype(jnp.float32)
             s, _ = _scores(qs, kf, cfg)
+            if terms.active:
+                s = terms.add(s, b, qb, kb)
             if masked:
-                mask = plan.mask(b, qb, kb)
-                s = _apply_mask(s, mask, plan, -jnp.inf)
-                seen = seen | _rows_of(jnp.any(mask, axis=-1), plan)
+                visible = plan.visible(b, qb, kb, terms)
+                s = jnp.where(visible, s, -jnp.inf)
+                seen = seen | jnp.any(visible, axis=-1)
             else:
                 seen = jnp.ones_like(seen)
             m_new = jnp.maximum(mx, jnp.max(s, axis=-1))  # NaN-propagating
@@ -441,8 +518,8 @@ def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozen
             alpha = jnp.exp(mx - shift)
             l = l * alpha + jnp.sum(p, axis=-1)
             if masked:  # NaN rows give NaN p at masked entries: zero them, and keep them
-                p = _apply_mask(p, mask, plan, jnp.float32(0))  # from a non-finite v
-                pv = _masked_dot("hmk,hkd->hmd", p, _apply_mask_like(mask, plan, p), vf)
+                p = jnp.where(visible, p, jnp.float32(0))  # from a non-finite v
+                pv = _masked_dot("hmk,hkd->hmd", p, visible, vf)
             else:
                 pv = _dot("hmk,hkd->hmd", p, vf)
             acc = acc * alpha[..., None] + pv
@@ -471,37 +548,43 @@ def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozen
 
 
 def _backward_blocks(qb_, kb_, vb_, dob_, lseb_, deltab_, plan: _Plan, cfg: Config,
-                     axes: frozenset):
+                     axes: frozenset, terms: _Terms, dbias):
     """Blocked backward: (dq (batch, nq, heads_kv, group*bq, d), dk, dv (batch, nk, heads_kv,
-    bk, d[v])) float32, before the softmax scale (dq, dk) is applied."""
+    bk, d[v])) float32, before the softmax scale (dq, dk) is applied, and dbias (padded,
+    when `dbias` is its zero start, else None)."""
     batch, nk = plan.batch, plan.nk
     h, bk = plan.heads_kv, plan.bk
     d, dv = kb_.shape[-1], vb_.shape[-1]
     scale = _scale_of(cfg)
 
-    def key_block(dq, x):
+    def key_block(carry, x):
+        dq, dbias = carry
         b, kb, kblk, vblk = x
         kf, vf = kblk.astype(jnp.float32), vblk.astype(jnp.float32)
         schedule = _schedule(*plan.pairs(b, kb=kb))
 
         def step(masked, carry, qb):
-            dk, dvv, dq = carry
+            dk, dvv, dq, dbias = carry
             qf = qb_[b, qb].astype(jnp.float32)
             qs = qf * jnp.float32(scale)
             do = dob_[b, qb].astype(jnp.float32)
             s, t = _scores(qs, kf, cfg)
+            if terms.active:
+                s = terms.add(s, b, qb, kb)
             p = jnp.exp(s - lseb_[b, qb][..., None])  # lse +inf for rows without keys: 0
             dp = _dot("hmd,hkd->hmk", do, vf)
             ds = p * (dp - deltab_[b, qb][..., None])
-            if t is not None:
-                ds = ds * (1 - t * t)
             if masked:
                 # Masked (i, j) get P = dS = 0 (with a where: a NaN there stays out), and
                 # the products over i and j must not meet a non-finite row they mask.
-                mask = plan.mask(b, qb, kb)
-                visible = _apply_mask_like(mask, plan, p)
-                p = _apply_mask(p, mask, plan, jnp.float32(0))
-                ds = _apply_mask(ds, mask, plan, jnp.float32(0))
+                visible = plan.visible(b, qb, kb, terms)
+                p = jnp.where(visible, p, jnp.float32(0))
+                ds = jnp.where(visible, ds, jnp.float32(0))
+            if dbias is not None:  # d score = dS before the softcap derivative
+                dbias = terms.bias_gradient(ds, dbias, b, qb, kb)
+            if t is not None:
+                ds = ds * (1 - t * t)
+            if masked:
                 t_visible = jnp.swapaxes(visible, -1, -2)
                 dvv = dvv + _masked_dot("hkm,hmd->hkd", jnp.swapaxes(p, -1, -2), t_visible, do)
                 dk = dk + _masked_dot("hkm,hmd->hkd", jnp.swapaxes(ds, -1, -2), t_visible, qf,
@@ -515,19 +598,21 @@ def _backward_blocks(qb_, kb_, vb_, dob_, lseb_, deltab_, plan: _Plan, cfg: Conf
             at = (b, qb, zero, zero, zero)
             dq_blk = lax.dynamic_slice(dq, at, (1, 1) + dq.shape[2:])
             dq_blk = dq_blk + dq_add[None, None]
-            return dk, dvv, lax.dynamic_update_slice(dq, dq_blk, at)
+            return dk, dvv, lax.dynamic_update_slice(dq, dq_blk, at), dbias
 
         init = (vary_over(jnp.zeros((h, bk, d), jnp.float32), axes),
-                vary_over(jnp.zeros((h, bk, dv), jnp.float32), axes), dq)
-        dk, dvv, dq = _visit(schedule, step, plan.needs_mask, init)
-        return dq, (dk, dvv)
+                vary_over(jnp.zeros((h, bk, dv), jnp.float32), axes), dq, dbias)
+        dk, dvv, dq, dbias = _visit(schedule, step, plan.needs_mask, init)
+        return (dq, dbias), (dk, dvv)
 
     bs = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), nk)
     kbs = jnp.tile(jnp.arange(nk, dtype=jnp.int32), batch)
     flat = lambda x: x.reshape((batch * nk,) + x.shape[2:])
     dq0 = vary_over(jnp.zeros(qb_.shape, jnp.float32), axes)
-    dq, (dk, dvv) = lax.scan(key_block, dq0, (bs, kbs, flat(kb_), flat(vb_)))
-    return dq, dk.reshape(kb_.shape[:-1] + (d,)), dvv.reshape(vb_.shape[:-1] + (dv,))
+    if dbias is not None:
+        dbias = vary_over(dbias, axes)
+    (dq, dbias), (dk, dvv) = lax.scan(key_block, (dq0, dbias), (bs, kbs, flat(kb_), flat(vb_)))
+    return dq, dk.reshape(kb_.shape[:-1] + (d,)), dvv.reshape(vb_.shape[:-1] + (dv,)), dbias
 
 
 # ----------------------------------------------------------------------------- the call
@@ -540,17 +625,23 @@ def _as_dense(q, k, v, layout: Layout, cfg: Config):
     return q, k, v, _dense_rows(q.shape[1], k.shape[1], q.shape[0], layout, cfg)
 
 
-def _plan(q, k, rows: _Rows) -> _Plan:
-    return _Plan(rows, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+def _plan(q, k, rows: _Rows, layout: Layout) -> _Plan:
+    return _Plan(rows, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
+                 user_mask=layout.mask is not None)
+
+
+def _terms(extras: Extras, layout: Layout, rows: _Rows, plan: _Plan) -> _Terms:
+    return _Terms(extras.bias, layout.mask, layout.alibi_slopes, rows, plan)
 
 
 def _forward(q, k, v, extras: Extras, layout: Layout, cfg: Config):
     _check(q, k, v, cfg)
     qd, kd, vd, rows = _as_dense(q, k, v, layout, cfg)
-    plan = _plan(qd, kd, rows)
+    plan = _plan(qd, kd, rows, layout)
     out, lse = _forward_blocks(_to_blocks_q(qd, plan), _to_blocks_k(kd, plan),
                                _to_blocks_k(vd, plan), extras.sinks, plan, cfg,
-                               varying_axes(q, k, v, extras, layout))
+                               varying_axes(q, k, v, extras, layout),
+                               _terms(extras, layout, rows, plan))
     out = _from_blocks_q(out, plan).astype(q.dtype)
     lse = _rows_from_blocks(lse, plan)
     if cfg.packed:
@@ -580,7 +671,8 @@ def no_work_attention(q, k, v, extras: Extras, layout: Layout, cfg: Config):
     return out, (lse[0] if cfg.packed else lse)
 
 
-def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg: Config):
+def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg: Config,
+              needed: Extras):
     sinks = extras.sinks
     dout = dout.astype(jnp.float32)
     dlse = dlse.astype(jnp.float32)
@@ -593,20 +685,28 @@ def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg
     else:
         qd, kd, vd, dod, lsed, deltad = q, k, v, dout, lse, delta
         rows = _dense_rows(q.shape[1], k.shape[1], q.shape[0], layout, cfg)
-    plan = _plan(qd, kd, rows)
+    plan = _plan(qd, kd, rows, layout)
+    terms = _terms(extras, layout, rows, plan)
+    # dbias only when bias is perturbed (custom_vjp's symbolic zeros)
+    dbias = None
+    if extras.bias is not None and needed.bias:
+        dbias = jnp.zeros(terms.bias.shape, jnp.float32)
     # lse -inf (rows not used, or without any key and sink): +inf, so that P = 0.
     lse_safe = jnp.where(lsed == -jnp.inf, jnp.inf, lsed)
-    dq, dk, dvv = _backward_blocks(
+    dq, dk, dvv, dbias = _backward_blocks(
         _to_blocks_q(qd, plan), _to_blocks_k(kd, plan), _to_blocks_k(vd, plan),
         _to_blocks_q(dod, plan), _rows_to_blocks(lse_safe, plan, jnp.inf),
         _rows_to_blocks(deltad, plan), plan, cfg,
-        varying_axes(q, k, v, extras, layout, dout, dlse))
+        varying_axes(q, k, v, extras, layout, dout, dlse), terms, dbias)
     dq = _from_blocks_q(dq, plan) * jnp.float32(cfg.softmax_scale)
     dk = _from_blocks_k(dk, plan) * jnp.float32(cfg.softmax_scale)
     dvv = _from_blocks_k(dvv, plan)
     if cfg.packed:
         dq, dk, dvv = dq[0], dk[0], dvv[0]
     d_extras = Extras()
+    if dbias is not None:
+        d_extras = d_extras._replace(
+            bias=dbias[:, :, :q.shape[1], :k.shape[1]].astype(extras.bias.dtype))
     if sinks is not None:
         # d lse_i / d sink = P_sink = exp(sink - lse_i); d out_i / d sink = -out_i P_sink.
         sink = sinks.astype(jnp.float32)
@@ -614,7 +714,8 @@ def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg
         finite = jnp.isfinite(lse)
         p_sink = jnp.exp(jnp.where(finite, sink - jnp.where(finite, lse, 0), -jnp.inf))
         axes = (1,) if cfg.packed else (0, 2)
-        d_extras = Extras(sinks=-jnp.sum(p_sink * delta, axis=axes).astype(sinks.dtype))
+        d_extras = d_extras._replace(
+            sinks=-jnp.sum(p_sink * delta, axis=axes).astype(sinks.dtype))
     return dq.astype(q.dtype), dk.astype(k.dtype), dvv.astype(v.dtype), d_extras
 
 

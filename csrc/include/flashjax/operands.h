@@ -24,7 +24,8 @@
   FLASHJAX_SHARED_OPTIONS(X)                                                \
   X(int64_t, max_seqlen_q) /* packed targets: slot bound; dense: unused */ \
   X(int64_t, max_seqlen_k)                                                  \
-  X(bool, deterministic) /* backward only */
+  X(bool, deterministic) /* backward only */                                \
+  X(bool, bias_gradient) /* backward with bias: also return dbias */
 
 // X(name): a bool attribute saying whether the optional inputs that name it
 // as their flag are present.
@@ -33,7 +34,10 @@
   X(has_seqused_q)                  \
   X(has_seqused_k)                  \
   X(has_segment_ids)                \
-  X(has_diagonal_offset)
+  X(has_diagonal_offset)            \
+  X(has_bias)                       \
+  X(has_mask)                       \
+  X(has_alibi_slopes)
 
 // X(name, flag, kind, field): an optional input, present when attribute `flag`
 // is set; present ones follow the required inputs in this order (no
@@ -45,7 +49,10 @@
   X(seqused_k, has_seqused_k, kPerSequence, seqused_k)                 \
   X(q_segment_ids, has_segment_ids, kQueryRows, q_segment_ids)         \
   X(kv_segment_ids, has_segment_ids, kKeyRows, kv_segment_ids)         \
-  X(diagonal_offset, has_diagonal_offset, kPerSequence, diagonal_offset)
+  X(diagonal_offset, has_diagonal_offset, kPerSequence, diagonal_offset) \
+  X(bias, has_bias, kScores, bias)                                     \
+  X(mask, has_mask, kScoreMask, mask)                                  \
+  X(alibi_slopes, has_alibi_slopes, kPerHead, alibi_slopes)
 
 // The KV-cache target (flash_attention_with_kvcache).
 #define FLASHJAX_KVCACHE_OPTIONS(X) \

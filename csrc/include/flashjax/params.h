@@ -127,6 +127,25 @@ struct KvCache {
   }
 };
 
+// A (batch.., heads, seqlen_q, seqlen_k) array of per-score values (bias: float32,
+// mask: bool) whose batch and heads may broadcast: sequence b, query head h read
+// entry (b / batch_div, h / head_div) (batch entries 1 or batch: batch_div = batch
+// or 1, also after vmap folds its axis into batch; heads 1, heads_kv or heads_q:
+// head_div = heads_q, group or 1); row i (a slot row: dense layout only), key j at
+// i * row_stride + j. dbias has its bias's shape and strides.
+struct ScoreArray {
+  void* data = nullptr;
+  int64_t batch_div = 1, head_div = 1;
+  int64_t batch_stride = 0, head_stride = 0, row_stride = 0;  // elements
+
+  // Element (0, 0) of sequence b, query head h; T may be const.
+  template <class T>
+  FJ_HOST_DEVICE T* at(int64_t b, int64_t h) const {
+    return static_cast<T*>(data) + (b / batch_div) * batch_stride + (h / head_div) * head_stride;
+  }
+  explicit FJ_HOST_DEVICE operator bool() const { return data != nullptr; }
+};
+
 struct AttentionParams {
   // Shapes. `batch` is the number of sequences: the dense batch (every leading
   // dimension folded in: vmap adds them) or, packed, len(cu_seqlens) - 1.
@@ -161,6 +180,13 @@ struct AttentionParams {
   const int32_t* diagonal_offset = nullptr;
   KvCache cache;                           // keys from a KV cache (seqlen_k = its capacity)
 
+  // Score terms (dense layout only for bias and mask): the score of query i, key j is
+  // softcap(scale * q.k) + bias - slope * |i + diagonal - j| (SeqlenInfo's diagonal),
+  // and -inf where mask is false (on top of windows and segment ids).
+  ScoreArray bias;                         // float32 [batch|1, heads_q|heads_kv|1, seqlen_q, seqlen_k]
+  ScoreArray mask;                         // bool, the same shapes as bias
+  const float* alibi_slopes = nullptr;     // [batch, heads_q] ALiBi slopes
+
   // Forward tensors.
   TensorRef q;                   // [batch, seqlen_q, heads_q, head_dim]
   TensorRef k;                   // [batch, seqlen_k, heads_kv, head_dim]
@@ -176,6 +202,8 @@ struct AttentionParams {
   TensorRef dk;                  // like k
   TensorRef dv;                  // like v
   float* dsinks = nullptr;       // [batch, heads_q]
+  ScoreArray dbias;              // float32, bias's shape: summed over what bias broadcasts
+                                 // (null: not wanted, Options::bias_gradient false)
   bool deterministic = false;    // GPU: bitwise-repeatable dq accumulation
   KernelCap kernel_cap = KernelCap::kAny;
 
@@ -186,6 +214,10 @@ struct AttentionParams {
   FJ_HOST_DEVICE bool uniform() const {
     return !packed() && !seqused_q && !seqused_k && !has_segments() && !cache.active() &&
            !diagonal_offset;
+  }
+  // Bias, mask or ALiBi terms in the scores (no CUDA kernel reads them yet).
+  FJ_HOST_DEVICE bool has_score_terms() const {
+    return static_cast<bool>(bias) || static_cast<bool>(mask) || alibi_slopes != nullptr;
   }
 };
 
