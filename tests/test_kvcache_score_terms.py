@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import flashjax
+from flashjax._spec import KVCACHE
 from kvcache_helpers import KVCase, check, make_inputs
 
 B, SQ, H, HK, CAP = 3, 2, 4, 2, 24
@@ -92,12 +93,13 @@ def test_term_shapes(shape, implementation):
 
 def test_alibi_follows_the_decode_positions():
     """One decoding step of ALiBi equals the dense call over the cache's used rows with
-    the query at the last position (FlashAttention's |i + seqlen_k - seqlen_q - j|)."""
+    the query at the last position (FlashAttention's |i + seqlen_k - seqlen_q - j|);
+    implementation=None (also traces the other platforms' routes)."""
     case = KVCase(seqlen_q=1, seqlen_new=1, seqlens=(6, 6, 6), heads_q=H, heads_kv=HK)
     q, k_cache, v_cache, new, _ = make_inputs(case)
     slopes = jnp.asarray(SLOPES)
     out, k_cache, v_cache = flashjax.flash_attention_with_kvcache(
-        q, k_cache, v_cache, **new, cache_seqlens=6, alibi_slopes=slopes, implementation="cpu")
+        q, k_cache, v_cache, **new, cache_seqlens=6, alibi_slopes=slopes)
     want = flashjax.flash_attention(q, k_cache[:, :7], v_cache[:, :7], alibi_slopes=slopes,
                                     implementation="cpu")
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
@@ -124,6 +126,9 @@ def test_cpu_route_takes_the_dense_kernels():
     assert "flashjax_fwd" in with_terms and "flashjax_kvcache" in with_terms
     assert f"tensor<{B}x0x{H}x" in with_terms  # the KV-cache call has no query rows
     assert "flashjax_fwd" not in lowered()
+    # The route relies on the KV-cache target taking none (its handlers refuse extra
+    # operands): a kernel that reads them adds the slots and changes kvcache._kvcache.
+    assert not {"bias", "mask", "alibi_slopes"} & {op.name for op in KVCACHE.optional}
 
 
 def test_cuda_implementation_is_refused():
@@ -133,7 +138,7 @@ def test_cuda_implementation_is_refused():
         _call(alibi_slopes=jnp.asarray(SLOPES), implementation="cuda")()
 
 
-@pytest.mark.parametrize("name, value, error, match", [
+INVALID = [
     ("bias", np.zeros((B, H, SQ, 20), np.float32), ValueError, r"capacity.*24"),
     ("bias", np.zeros((2, H, SQ, CAP), np.float32), ValueError, r"bias must have shape"),
     ("bias", np.zeros((1, 3, SQ, CAP), np.float32), ValueError, r"heads_q or heads_kv"),
@@ -145,7 +150,12 @@ def test_cuda_implementation_is_refused():
     ("alibi_slopes", np.ones((H,), np.float16), TypeError, r"alibi_slopes must be float32"),
     ("alibi_slopes", np.ones((HK,), np.float32), ValueError, r"alibi_slopes must have shape"),
     ("alibi_slopes", np.ones((1, H), np.float32), ValueError, r"\(batch, heads_q\)"),
-], ids=lambda x: getattr(x, "shape", None) or getattr(x, "__name__", None) or "")
+]
+
+
+@pytest.mark.parametrize("name, value, error, match", INVALID,
+                         ids=[f"{c[0]}-{'x'.join(map(str, c[1].shape))}-{c[1].dtype}"
+                              for c in INVALID])
 def test_validation(name, value, error, match):
     with pytest.raises(error, match=match):
         _call(**{name: jnp.asarray(value)})()
