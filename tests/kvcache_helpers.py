@@ -132,8 +132,32 @@ def rotary_np(x, cos, sin, positions, interleaved):
     return out
 
 
-def expected(case: KVCase, q, k_cache, v_cache, new, extra):
-    """(out, lse, k_cache, v_cache) in float64, by hand."""
+def logical_terms(case: KVCase, terms, i, left, end):
+    """Sequence i's score terms at its keys, logical cache positions [left, end), for the
+    reference, padded to the capacity (one shape for every sequence and term): a float64
+    bias (1, heads_q, seqlen_q, capacity), the given one plus ALiBi written out,
+    -slope * |(end - seqlen_q + r) - p| for query r and position p, and a bool mask of
+    the same shape (True where none is given, False past the keys)."""
+    shape, n = (case.heads_q, case.seqlen_q, case.capacity), end - left
+    bias, mask = np.zeros(shape), np.zeros(shape, bool)
+    mask[..., :n] = True
+    for name, full in (("bias", bias), ("mask", mask)):
+        if terms.get(name) is not None:
+            x = np.asarray(terms[name])[min(i, terms[name].shape[0] - 1)]
+            x = np.repeat(x, case.heads_q // x.shape[0], axis=0)  # 1 or heads_kv heads
+            full[..., :n] = x[..., left:end]
+    if terms.get("alibi_slopes") is not None:
+        slopes = np.broadcast_to(np.asarray(terms["alibi_slopes"], np.float64),
+                                 (case.batch, case.heads_q))[i]
+        rows = end - case.seqlen_q + np.arange(case.seqlen_q)
+        distance = np.abs(rows[:, None] - np.arange(left, end)[None, :])
+        bias[..., :n] -= slopes[:, None, None] * distance[None]
+    return dict(bias=bias[None], mask=mask[None])
+
+
+def expected(case: KVCase, q, k_cache, v_cache, new, extra, terms=None):
+    """(out, lse, k_cache, v_cache) in float64, by hand (terms: bias, mask over logical
+    cache positions, alibi_slopes; see logical_terms)."""
     f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     q, kc, vc = f64(q), f64(k_cache), f64(v_cache)
     kn = f64(new["k"]) if new else None
@@ -169,17 +193,24 @@ def expected(case: KVCase, q, k_cache, v_cache, new, extra):
             sink = np.asarray(extra["sinks"], np.float64) if case.sinks else np.full(case.heads_q, -np.inf)
             lses.append(np.repeat(sink[:, None], case.seqlen_q, axis=1))
             continue
+        more = {}
+        if terms is not None:  # keys padded to the capacity (seqused_k): one reference shape
+            more = dict(logical_terms(case, terms, i, left, end),
+                        seqused_k=np.array([end - left], np.int32))
+            pad = ((0, case.capacity - (end - left)), (0, 0), (0, 0))
+            keys, vals = np.pad(keys, pad), np.pad(vals, pad)
         o, l = jitted_reference(
             qi[None], keys[None], vals[None], causal=case.causal, window_size=case.window_size,
             softcap=case.softcap, sinks=extra.get("sinks"), return_lse=True,
-            compute_dtype=jnp.float64)
+            compute_dtype=jnp.float64, **more)
         outs.append(np.asarray(o[0]))
         lses.append(np.asarray(l[0]))
     return np.stack(outs), np.stack(lses), kc, vc
 
 
-def run(case: KVCase, int_seqlens: bool = False, **options):
-    """int_seqlens: cache_seqlens passed as a Python int (every sequence's the same)."""
+def run(case: KVCase, int_seqlens: bool = False, terms=None, **options):
+    """int_seqlens: cache_seqlens passed as a Python int (every sequence's the same);
+    terms: bias / mask / alibi_slopes arrays."""
     q, k_cache, v_cache, new, extra = make_inputs(case)
     seqlens = jnp.asarray(case.seqlens, jnp.int32)
     if int_seqlens:
@@ -187,7 +218,7 @@ def run(case: KVCase, int_seqlens: bool = False, **options):
         seqlens = case.seqlens[0]
     # jitted, as decoding loops are (eagerly, each op of the call's set-up would compile
     # for every new shape): arrays as arguments, Python values static
-    named = dict(cache_seqlens=seqlens, **new, **extra)
+    named = dict(cache_seqlens=seqlens, **new, **extra, **(terms or {}))
     arrays = {n: x for n, x in named.items() if isinstance(x, (jax.Array, np.ndarray))}
     static = {n: x for n, x in named.items() if n not in arrays}
 
@@ -195,7 +226,9 @@ def run(case: KVCase, int_seqlens: bool = False, **options):
         return flashjax.flash_attention_with_kvcache(
             q, k_cache, v_cache, causal=case.causal, window_size=case.window_size,
             softcap=case.softcap, return_lse=True, **static, **arrays, **options)
-    return jax.jit(call)(q, k_cache, v_cache, arrays), _expected(case)
+    want = _expected(case) if terms is None else expected(case, q, k_cache, v_cache, new, extra,
+                                                          terms)
+    return jax.jit(call)(q, k_cache, v_cache, arrays), want
 
 
 @functools.lru_cache(maxsize=16)
@@ -205,6 +238,7 @@ def _expected(case: KVCase):
 
 
 def check(case: KVCase, **options):
+    """options: run's (int_seqlens, terms) and the call's keyword arguments."""
     result, (out, lse, kc, vc) = run(case, **options)
     tol = 2e-4 if case.dtype == "float32" else 3e-2
     if case.poison:  # rows no sequence reads are still NaN: compare the others

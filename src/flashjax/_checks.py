@@ -70,13 +70,14 @@ def check_sinks(sinks, heads_q: int) -> None:
 
 
 def check_scores(name: str, x, batch: int, heads_q: int, heads_kv: int, seqlen_q: int,
-                 seqlen_k: int):
+                 seqlen_k: int, keys: str = "seqlen_k"):
     """A bias (float) or mask (bool) of shape (1 or batch, 1 or heads_q or heads_kv,
-    seqlen_q, seqlen_k): the bias as float32, the mask as it is (None stays None)."""
+    seqlen_q, seqlen_k): the bias as float32, the mask as it is (None stays None).
+    `keys`: what the last dim is called in the error message."""
     if x is None:
         return None
     s = shape_of(name, x)
-    expected = (f"(1 or batch, 1 or heads_q or heads_kv, seqlen_q, seqlen_k) = "
+    expected = (f"(1 or batch, 1 or heads_q or heads_kv, seqlen_q, {keys}) = "
                 f"({{1, {batch}}}, {{1, {heads_q}, {heads_kv}}}, {seqlen_q}, {seqlen_k})")
     if name == "mask" and x.dtype != jnp.bool_:
         raise TypeError(f"mask must be a bool array (True: may attend), got dtype {x.dtype}")

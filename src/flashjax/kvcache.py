@@ -9,6 +9,13 @@ C++ path. Rotary embedding of q and the new k is a JAX elementwise op before it.
 the GPU, query blocks too large for decoding (prefill) attend with the dense kernels
 instead, after the same FFI call appends. Under jax.jit the call shards along heads,
 and along batch when each sequence owns its cache entry (_partitioning).
+
+Score terms (bias, mask, alibi_slopes) are not operands of the KV-cache target: a call
+with them appends through the FFI call and attends with flash_attention over the cache
+(the dense CPU kernels; on a CUDA GPU the whole call runs in JAX, as flash_attention's
+own calls with them do, until the CUDA kernels read them). Bias and mask are given over
+the logical cache positions (capacity columns) and sliced or gathered to the keys that
+flash_attention sees (`_terms_on_keys`).
 """
 
 from __future__ import annotations
@@ -96,6 +103,37 @@ def gather_rows(cache, logical, page_table=None, batch_idx=None):
     return cache[jnp.clip(slot, 0, cache.shape[0] - 1), row]
 
 
+def _score_terms(q, k_cache, page_table, bias, mask, alibi_slopes) -> dict:
+    """The present score terms, checked: bias (float32) and mask over the logical cache
+    positions, alibi_slopes as (batch, heads_q)."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    dims = (batch, heads_q, k_cache.shape[2], seqlen_q, cache_capacity(k_cache, page_table),
+            "capacity (seqlen_cache, or max_pages * page_size)")
+    terms = dict(bias=_checks.check_scores("bias", bias, *dims),
+                 mask=_checks.check_scores("mask", mask, *dims),
+                 alibi_slopes=_checks.check_alibi_slopes(alibi_slopes, batch, heads_q))
+    return {name: x for name, x in terms.items() if x is not None}
+
+
+def _terms_on_keys(terms: dict, first, rows: int) -> dict:
+    """bias and mask (over logical cache positions) at the keys an attention over the
+    cache sees: key j of sequence b is position j (first None) or first[b] + j (clamped
+    to the capacity: such keys are past the sequence's used ones), j < rows."""
+    out = dict(terms)
+    for name in ("bias", "mask"):
+        x = terms.get(name)
+        if x is None:
+            continue
+        if first is None:
+            out[name] = x[..., :rows]
+            continue
+        columns = jnp.minimum(first[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :],
+                              x.shape[3] - 1)
+        x = jnp.broadcast_to(x, (first.shape[0],) + x.shape[1:])
+        out[name] = jnp.take_along_axis(x, columns[:, None, None, :], axis=3)
+    return out
+
+
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
            page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse):
     """Checks every argument; returns the static options as Python values
@@ -173,6 +211,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                                  rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                                  softmax_scale=None, causal=False, window_size=(-1, -1),
                                  softcap=0.0, sinks=None, num_splits=0, return_lse=False,
+                                 bias=None, mask=None, alibi_slopes=None,
                                  implementation=None):
     """Attention of q over a KV cache, with new tokens k, v appended to it first.
 
@@ -201,6 +240,21 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         (0: chosen from batch, kv heads, the capacity and the SM count; 1: no
         split; at most 128). Other paths (CPU, float32, prefill blocks) ignore it.
       return_lse: also return the float32 lse (batch, heads_q, seqlen_q).
+      bias, mask: optional float / bool arrays (1 or batch, 1 or heads_q or heads_kv,
+        seqlen_q, capacity) over the sequence's logical cache positions after the
+        append (column p: logical row p, the cache row p of a contiguous entry, row
+        p % page_size of page page_table[i, p // page_size] of a paged one; columns
+        outside [cache_leftpad, cache_seqlens + seqlen_new) are not keys and are
+        ignored): added to the scores after scale and softcap / True = may attend, as
+        in flash_attention, on top of causal and windows.
+      alibi_slopes: optional float32 (heads_q,) or (batch, heads_q): FlashAttention's
+        ALiBi, -slope * |(end - seqlen_q + i) - p| for query i and the key at logical
+        position p, end = cache_seqlens + seqlen_new (clamped to the capacity): new
+        row i is at position cache_seqlens + i when seqlen_q == seqlen_new (leftpad
+        shifts both sides, so it does not change the distance).
+        With any of the three the call appends through the FFI call and attends with
+        flash_attention over the cache (the CPU kernels; on a CUDA GPU, pure JAX for
+        now: implementation="cuda" raises ValueError). Not differentiated.
       implementation: as in `flash_attention` ("xla": the new rows scattered into the
         caches and each sequence's rows gathered, in JAX).
 
@@ -220,6 +274,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     rotary_interleaved, return_lse, num_splits = _check(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
         rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
+    terms = _score_terms(q, k_cache, page_table, bias, mask, alibi_slopes)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap, False,
                               implementation, return_lse)
     static_seqlens = None
@@ -232,13 +287,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                                softcap=softcap, implementation=implementation),
                           num_splits, return_lse, static_seqlens),
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
-        rotary_cos, rotary_sin, sinks)
+        rotary_cos, rotary_sin, sinks, terms)
 
 
 def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_seqlens, q,
              k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, page_table,
-             rotary_cos, rotary_sin, sinks):
-    """options: flash_attention's keyword arguments (the prefill and "xla" routes)."""
+             rotary_cos, rotary_sin, sinks, terms):
+    """options: flash_attention's keyword arguments (the prefill and "xla" routes);
+    terms: the present score terms (bias, mask over logical cache positions)."""
     per_row_positions = cfg.window.masked  # causal or windowed
     batch, seqlen_q, heads_q, _ = q.shape
     capacity = cache_capacity(k_cache, page_table)
@@ -257,15 +313,18 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
     call = _KvcacheCall(cfg, cache_leftpad, cache_batch_idx, page_table,
                         None if sinks is None else jnp.broadcast_to(sinks, (batch, heads_q)))
     kv_heads = k_cache.shape[2]
-    options = dict(options, sinks=sinks)
-    in_kernel = functools.partial(_attend_in_kernel, call, num_splits)
-    on_cuda = in_kernel
+    options = dict(options, sinks=sinks, **terms)
+    on_cpu = on_cuda = functools.partial(_attend_in_kernel, call, num_splits)
+    dense = functools.partial(_prefill_dense, call, static_seqlens, options)
     if q.dtype != jnp.float32 and seqlen_q * (heads_q // kv_heads) > SPLIT_KV_MAX_ROWS:
         # Prefill: the dense kernels on the GPU (the split-KV kernel is for short blocks).
-        on_cuda = functools.partial(_prefill_dense, call, static_seqlens, options)
+        on_cuda = dense
     in_jax = functools.partial(_kvcache_in_jax, call, static_seqlens, options)
+    if terms:  # the KV-cache target takes none: flash_attention over the cache
+        on_cpu = dense
+        on_cuda = _route.without_score_terms(cfg, on_cuda, in_jax, True)
     out, lse, k_cache, v_cache = _route.run(cfg, (q, k_cache, v_cache, k, v, seqlens),
-                                            cuda=on_cuda, cpu=in_kernel, xla=in_jax,
+                                            cuda=on_cuda, cpu=on_cpu, xla=in_jax,
                                             arrays=(q, k_cache))
     outputs = (out, lse) if return_lse else (out,)
     if k is not None:
@@ -392,7 +451,10 @@ def _attend_dense(call, static_seqlens, options, q, k_cache, v_cache, new_rows, 
     """(out, lse, k_cache, v_cache) of flash_attention over the caches (the new rows
     already in): in place when the cache is contiguous with one entry per sequence and
     no leftpad (its first rows only, and no seqused_k, when cache_seqlens was a Python
-    int: the dense kernels' uniform path), else each sequence's rows gathered."""
+    int: the dense kernels' uniform path), else each sequence's rows gathered. A bias
+    or mask in `options` (over logical cache positions) follows the keys."""
+    options = dict(options)
+    terms = {name: options.pop(name) for name in ("bias", "mask") if name in options}
     batch = q.shape[0]
     capacity = cache_capacity(k_cache, call.page_table)
     end = jnp.minimum(jnp.clip(seqlens, 0, capacity) + new_rows, capacity)
@@ -402,6 +464,7 @@ def _attend_dense(call, static_seqlens, options, q, k_cache, v_cache, new_rows, 
         min(min(max(static_seqlens, 0), capacity) + new_rows, capacity)
     if in_place and used_rows:
         keys, values, used = k_cache[:, :used_rows], v_cache[:, :used_rows], None
+        terms = _terms_on_keys(terms, None, used_rows)
     elif in_place:
         keys, values, used = k_cache, v_cache, end
     else:
@@ -412,7 +475,8 @@ def _attend_dense(call, static_seqlens, options, q, k_cache, v_cache, new_rows, 
         used = jnp.maximum(end - start, 0)
         if call.page_table is None and call.batch_idx is not None:  # outside: no keys
             used = jnp.where((call.batch_idx >= 0) & (call.batch_idx < k_cache.shape[0]), used, 0)
+        terms = _terms_on_keys(terms, None if call.leftpad is None else start, capacity)
     out, lse = flash_attention(q, keys, values, return_lse=True,
                                seqused_k=None if used is None else used.astype(jnp.int32),
-                               **options)
+                               **options, **terms)
     return out, lse, k_cache, v_cache
