@@ -1,6 +1,6 @@
 """flashjax: exact, fast FlashAttention for JAX (C++/CUDA kernels via the XLA FFI)."""
 
-from . import nn, reference, ring
+from . import flax, nn, reference, ring
 from ._dropout import dropout_mask
 from ._ffi import has_cuda_kernels
 from ._introspection import info, version as _version
@@ -10,5 +10,5 @@ from .ring import ring_attention
 from .varlen import flash_attention_varlen
 
 __all__ = ["dropout_mask", "flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
-           "has_cuda_kernels", "info", "nn", "reference", "ring", "ring_attention"]
+           "flax", "has_cuda_kernels", "info", "nn", "reference", "ring", "ring_attention"]
 __version__ = _version()  # the installed distribution's (pyproject.toml)
