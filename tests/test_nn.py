@@ -19,9 +19,11 @@ from flashjax import _dropin, nn
 from helpers import cpu, rand
 
 B, T, S, N, K, H = 2, 40, 72, 4, 2, 16
+QUERY_SHAPE, KEY_SHAPE = (B, T, N, H), (B, S, K, H)
 TOL = 1e-5
 QUERY_LENGTHS = np.array([31, 40], np.int32)
 KEY_LENGTHS = np.array([50, 9], np.int32)
+TRACED = ("mask", "query_seq_lengths", "key_value_seq_lengths")
 
 
 def bool_array(shape, seed, p=0.75):
@@ -58,25 +60,28 @@ def arguments(kwargs, seed=10):
 
 
 def run(fn, implementation, q, k, v, kwargs, grads=True):
-    """(out, residual) (0 and -inf on rows that see no key), and the gradients of q, k, v (and bias) of
-    sum(out * w) over the other rows: one jitted program. Empty rows are told by the
-    residual (jax.nn's: a large finite negative; flashjax's: -inf)."""
+    """(out, residual) (0 and -inf on rows that see no key), and the gradients of q, k,
+    v (and bias) of sum(out * w) over the other rows: one jitted program. Empty rows are
+    told by the residual (jax.nn's: a large finite negative; flashjax's: -inf). Masks and
+    lengths are traced."""
     kwargs = dict(kwargs)
     bias = kwargs.pop("bias", None)
+    traced = {name: kwargs.pop(name) for name in TRACED if name in kwargs}
     w = rand(3, q.shape, jnp.float32)
 
-    def loss(q, k, v, bias):
+    def loss(q, k, v, bias, traced):
         out, residual = fn(q, k, v, bias, implementation=implementation,
-                           return_residual=True, **kwargs)
+                           return_residual=True, **traced, **kwargs)
         empty = residual.astype(jnp.float32) < -1e30
         out = jnp.where(empty[..., None], 0, out)
         residual = jnp.where(empty, -jnp.inf, residual)
         return (out.astype(jnp.float32) * w).sum(), (out, residual)
 
     if not grads:
-        return jax.jit(loss)(q, k, v, bias)[1], ()
+        return jax.jit(loss)(q, k, v, bias, traced)[1], ()
     argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-    (_, outs), d = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(q, k, v, bias)
+    (_, outs), d = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(q, k, v, bias,
+                                                                            traced)
     return outs, d
 
 
@@ -97,7 +102,7 @@ def check(q, k, v, kwargs, implementation, grads=True, tol=TOL):
 
 @pytest.fixture(scope="module")
 def qkv():
-    return rand(0, (B, T, N, H)), rand(1, (B, S, K, H)), rand(2, (B, S, K, H))
+    return rand(0, QUERY_SHAPE), rand(1, KEY_SHAPE), rand(2, KEY_SHAPE)
 
 
 @pytest.mark.parametrize("name,kwargs", CASES, ids=[c[0] for c in CASES])
@@ -142,7 +147,7 @@ def test_cudnn_off_gpu_raises(qkv):
 
 def _bad_inputs():
     """(name, (query, key, value), kwargs) that jax.nn rejects with a ValueError."""
-    q, k, v = (np.zeros(s, np.float32) for s in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+    q, k, v = (np.zeros(s, np.float32) for s in (QUERY_SHAPE, KEY_SHAPE, KEY_SHAPE))
     return [
         ("rank5", (q[None], k[None], v[None]), {}),
         ("value-shape", (q, k, v[:, :-1]), {}),
@@ -171,20 +176,18 @@ def test_errors_as_jax_nn(name, arrays, kwargs):
 @pytest.mark.parametrize("kwargs", [dict(bias=np.ones((1, K, T, S), np.float32)),
                                     dict(mask=np.ones((B, N, T, 2), bool)),
                                     dict(bias=np.ones((3, 1, T, S), np.float32))])
-def test_errors_broadcast(kwargs):
+def test_errors_broadcast(qkv, kwargs):
     """Shapes not broadcastable to (B, N, T, S): ValueError (jax.nn: an assertion or a
     broadcasting error)."""
-    q, k, v = (jnp.zeros(s, jnp.float32) for s in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
     with pytest.raises(ValueError, match="bias|mask"):
-        jax.eval_shape(lambda *a: nn.dot_product_attention(*a, **kwargs), q, k, v)
+        jax.eval_shape(lambda *a: nn.dot_product_attention(*a, **kwargs), *qkv)
 
 
-def test_errors_static_options():
-    q, k, v = (jnp.zeros(s, jnp.float32) for s in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+def test_errors_static_options(qkv):
     with pytest.raises(TypeError, match="local_window_size"):
         jax.eval_shape(lambda *a: nn.dot_product_attention(*a, local_window_size=(1, 2, 3)),
-                       q, k, v)
+                       *qkv)
     with pytest.raises(TypeError, match="is_causal"):
-        jax.eval_shape(lambda *a: nn.dot_product_attention(*a, is_causal="yes"), q, k, v)
+        jax.eval_shape(lambda *a: nn.dot_product_attention(*a, is_causal="yes"), *qkv)
     with pytest.raises(TypeError, match="softmax_scale"):
-        jax.jit(lambda s: nn.dot_product_attention(q, k, v, scale=s)).eval_shape(0.5)
+        jax.jit(lambda s: nn.dot_product_attention(*qkv, scale=s)).eval_shape(0.5)
