@@ -10,5 +10,7 @@ from .ring import ring_attention
 from .varlen import flash_attention_varlen
 
 __all__ = ["dropout_mask", "flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
-           "flax", "has_cuda_kernels", "info", "nn", "reference", "ring", "ring_attention"]
+           "has_cuda_kernels", "info", "reference", "ring", "ring_attention"]
+# flashjax.nn and flashjax.flax are attributes but not in __all__: a star import would
+# shadow `flax` and the customary `import flax.linen as nn`.
 __version__ = _version()  # the installed distribution's (pyproject.toml)
