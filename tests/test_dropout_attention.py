@@ -19,7 +19,7 @@ import pytest
 
 import flashjax
 from flashjax import reference, xla_attention
-from helpers import cpu, has_gpu, rand
+from helpers import check_gpu_default_route, cpu, has_gpu, rand
 
 B, SQ, SK, H, HK, D = 2, 72, 200, 4, 2, 32
 RATE = 0.2
@@ -267,9 +267,15 @@ BAD = {
 
 @pytest.mark.parametrize("error, match, kwargs", BAD.values(), ids=BAD.keys())
 def test_bad_input(error, match, kwargs):
-    q, k, v = qkv()
-    with pytest.raises(error, match=match):
-        flashjax.flash_attention(q, k, v, **kwargs)
+    """flash_attention and flash_attention_varlen raise before anything runs, naming the
+    argument."""
+    q, k, v = tiny()
+    cu = jax.device_put(np.array([0, 16], np.int32), cpu())
+    for call in (lambda: flashjax.flash_attention(q, k, v, **kwargs),
+                 lambda: flashjax.flash_attention_varlen(q[0], k[0], v[0], cu, cu, 16, 16,
+                                                         **kwargs)):
+        with pytest.raises(error, match=match):
+            call()
 
 
 @pytest.mark.gpu
@@ -277,9 +283,4 @@ def test_bad_input(error, match, kwargs):
 def test_gpu_default_routes_to_pure_jax():
     """On a CUDA GPU, implementation=None runs calls with dropout in pure JAX (the CUDA
     kernels do not have it yet): the same result as implementation="xla"."""
-    gpu = jax.devices("gpu")[0]
-    q, k, v = (jax.device_put(x, gpu) for x in qkv())
-    options = dict(dropout_rate=RATE, dropout_key=jax.device_put(KEY, gpu), causal=True)
-    out = flashjax.flash_attention(q, k, v, **options)
-    expected = flashjax.flash_attention(q, k, v, implementation="xla", **options)
-    np.testing.assert_allclose(out, expected, atol=1e-5)
+    check_gpu_default_route(*qkv(), dropout_rate=RATE, dropout_key=KEY, causal=True)
