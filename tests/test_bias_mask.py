@@ -16,7 +16,7 @@ import pytest
 
 import flashjax
 from flashjax import _ffi_calls, reference, xla_attention
-from helpers import cpu, has_gpu, rand
+from helpers import check_gpu_default_route, cpu, has_gpu, rand
 
 B, SQ, SK, H, HK, D = 2, 72, 200, 4, 2, 32
 IMPLS = ("cpu", "xla")
@@ -232,11 +232,5 @@ def test_bad_input(error, match, kwargs):
 def test_gpu_default_routes_to_pure_jax():
     """On a CUDA GPU, implementation=None runs calls with bias / mask / ALiBi in pure JAX
     (the CUDA kernels do not read them yet): the same result as implementation="xla"."""
-    gpu = jax.devices("gpu")[0]
-    q, k, v = (jax.device_put(x, gpu) for x in qkv())
-    options = dict(bias=jax.device_put(bias_of((1, H, SQ, SK)), gpu),
-                   mask=jax.device_put(random_mask((B, 1, SQ, SK)), gpu),
-                   alibi_slopes=jax.device_put(SLOPES, gpu), causal=True)
-    out = flashjax.flash_attention(q, k, v, **options)
-    expected = flashjax.flash_attention(q, k, v, implementation="xla", **options)
-    np.testing.assert_allclose(out, expected, atol=1e-5)
+    check_gpu_default_route(*qkv(), bias=bias_of((1, H, SQ, SK)),
+                            mask=random_mask((B, 1, SQ, SK)), alibi_slopes=SLOPES, causal=True)

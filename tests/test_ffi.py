@@ -73,6 +73,13 @@ BAD_CALLS = {
         [varlen_args()[1][0], ((16, 2), jnp.float32)]),
     "negative_max_seqlen": lambda: call(VARLEN_FORWARD, *varlen_args(),
                                         max_seqlen_q=-1),
+    "dropout_rate_without_input": lambda: call(FORWARD, *dense_args(), dropout_rate=0.5),
+    "dropout_rate_one": lambda: call(
+        FORWARD, dense_args()[0] + [jnp.zeros((1, 2, 4), jnp.uint32)], dense_args()[1],
+        has_dropout=True, dropout_rate=1.0),
+    "dropout_wrong_shape": lambda: call(
+        FORWARD, dense_args()[0] + [jnp.zeros((1, 2, 2), jnp.uint32)], dense_args()[1],
+        has_dropout=True, dropout_rate=0.5),
 }
 
 
@@ -92,7 +99,7 @@ def _cxx_table() -> dict:
                                lib.FlashjaxOperands().decode().split(";"))}
 
 
-TYPE_NAMES = {np.float32: "f32", np.int64: "i64", np.bool_: "bool"}
+TYPE_NAMES = {np.float32: "f32", np.float64: "f64", np.int64: "i64", np.bool_: "bool"}
 
 
 @pytest.mark.parametrize("name, target", [("attention", _spec.FORWARD),

@@ -63,7 +63,9 @@ SCRIPT = textwrap.dedent("""
 # sums a replicated sinks' gradient over the shards. Sequence sharded: the outputs
 # keep it; "ring": collective-permutes and no all-gather; "gather" (GQA): K/V are
 # all-gathered (never q), dK/dV reduce-scattered, no collective-permute. The batch and
-# head cases run on 4 devices, the sequence ones on 8 (rings of 2 and 4).
+# head cases run on 4 devices, the sequence ones on 8 (rings of 2 and 4). With dropout,
+# batch and head shards keep the unsharded call's mask (the dropout operand shards with
+# q: each sequence and head carries its indices); a sequence-sharded call is gathered.
 JIT_SCRIPT = textwrap.dedent("""
     import re, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -106,6 +108,8 @@ JIT_SCRIPT = textwrap.dedent("""
             arrays["seqused_q"] = jnp.array([41, 48, 9, 30], jnp.int32)
         if options.pop("offsets", False):  # positions: rows of a longer sequence
             arrays.update(q_offset=jnp.array([0, 5, -3, 60], jnp.int32), kv_offset=2)
+        if options.get("dropout_rate"):  # the unsharded call's mask (global b, h)
+            arrays["dropout_key"] = jax.random.key(7)
         attn = lambda q, k, v, kw: flashjax.flash_attention(q, k, v, **options, **kw)
         ref = lambda q, k, v, kw: reference.attention(q, k, v, compute_dtype=jnp.float64,
                                                       **options, **kw)
@@ -152,6 +156,7 @@ JIT_SCRIPT = textwrap.dedent("""
         case(P(None, None, "model", None), 2 * heads, heads, "local", sinks=True, causal=True)
         case(P("data", None, "model", None), 4 * heads, heads, "local", sinks=True, segments=True)
         case(P(("data", "model"), None, None, None), 4, 1, "local", causal=True)
+        case(P("data", None, "model", None), 2 * heads, heads, "local", dropout_rate=0.3)
         # gathered (correct): one kv head with q heads sharded
         case(P(None, None, "model", None), 3 * n, 1, "gathered", kv_spec=P(), causal=True)
         # flash_attention_varlen with heads sharded: local, no collective
@@ -186,6 +191,8 @@ JIT_SCRIPT = textwrap.dedent("""
         case(P(None, "model", None, None), 4, 2, "ring", window_size=(5, 9), sinks=True)
         case(P(None, "data", None, None), 4, 2, "ring", causal=True, segments=True, seqused_q=True)
         case(P("data", "model", None, None), 2, 2, "ring", causal=True, offsets=True)
+        # dropout: no ring (its blocks would draw other indices): the sequence gathered
+        case(P("data", "model", None, None), 4, 2, "gathered", causal=True, dropout_rate=0.3)
         # GQA with heads_q >= 4 heads_kv: K/V all-gathered (Llama-3 style), q never
         case(P(None, "model", None, None), 8, 2, "gather", causal=True, sinks=True)
         case(P("data", "model", None, None), 4, 1, "gather", segments=True, offsets=True,

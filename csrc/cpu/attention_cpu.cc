@@ -132,6 +132,56 @@ struct ScoreTerms {
   bool allows(int64_t i, int64_t j) const { return !mask || mask[i * mask_ld + j]; }
 };
 
+// Attention dropout of one (sequence, query head) (params.h Dropout, dropout.h's
+// mask) over a tile pair: a Philox call per 8 elements. Inactive (no dropout): the
+// tile code skips it, one branch per tile.
+struct TileDropout {
+  bool active = false;
+  Dropout::Head head;
+
+  TileDropout() = default;
+  TileDropout(const AttentionParams& p, int64_t b, int64_t h)
+      : active(static_cast<bool>(p.dropout)),
+        head(active ? p.dropout.head(b, h, p.heads_q) : Dropout::Head{}) {}
+
+  // f(r, j, kept) for the elements (q0 + r, k0 + j), r < rows, j < cols, by the
+  // 16x16 blocks that cover them and their groups (rows {i, i + 8} x keys {c, c + 1,
+  // c + 8, c + 9}).
+  template <class F>
+  void each(int64_t q0, int64_t rows, int64_t k0, int64_t cols, F&& f) const {
+    using namespace dropout;
+    for (int64_t i16 = q0 / 16 * 16; i16 < q0 + rows; i16 += 16)
+      for (int64_t i = i16; i < i16 + 8; ++i) {
+        const uint32_t x1 = row_counter(static_cast<uint32_t>(i));
+        for (int64_t j16 = k0 / 16 * 16; j16 < k0 + cols; j16 += 16)
+          for (int64_t c = j16; c < j16 + 8; c += 2) {
+            const uint32_t bits = head.group_keep_bits(x1, column_counter(static_cast<uint32_t>(c)));
+            for (int s = 0; s < kGroupSize; ++s) {
+              const int64_t r = i + slot_row_offset(s) - q0, j = c + slot_column_offset(s) - k0;
+              if (r >= 0 && r < rows && j >= 0 && j < cols) f(r, j, (bits >> s) & 1u);
+            }
+          }
+      }
+  }
+  // Zeroes the dropped elements of S (rows of kBlockK floats).
+  void drop(float* S, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+    each(q0, rows, k0, cols, [&](int64_t r, int64_t j, bool kept) {
+      if (!kept) S[r * kBlockK + j] = 0.0f;
+    });
+  }
+  // Z = the factors the probabilities are multiplied by: `scale` where kept, else 0.
+  void factors(float* Z, float scale, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+    each(q0, rows, k0, cols,
+         [&](int64_t r, int64_t j, bool kept) { Z[r * kBlockK + j] = kept ? scale : 0.0f; });
+  }
+};
+
+// X *= Z elementwise over rows < rows, keys < cols (tiles of kBlockK columns).
+void multiply(float* X, const float* Z, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) X[r * kBlockK + j] *= Z[r * kBlockK + j];
+}
+
 // Which (row, key) pairs of a tile pair are visible: inside the row's key
 // window, among the tile's `cols` valid keys and, with segment ids, in the
 // row's segment. The one definition both the score mask and the careful
@@ -369,6 +419,7 @@ void forward_tile(const AttentionParams& p, const Shape& shape, const ConvertedK
   load_tile<T>(Q, dp, kForwardBlockQ, query_rows(p.q, seq, h), q0, used, p.head_dim,
                p.softmax_scale);
   const ScoreTerms terms = p.has_score_terms() ? ScoreTerms(p, seq, b, h) : ScoreTerms();
+  const TileDropout dropout(p, b, h);
 
   const KeySpan keys(seq, q0, used);
   for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kBlockK) {
@@ -413,6 +464,9 @@ void forward_tile(const AttentionParams& p, const Shape& shape, const ConvertedK
       kernels.softmax_step(S + r0 * kBlockK, kBlockK, std::min(chunk, used - r0), chunk, n,
                            m + r0, l + r0, O + r0 * dvp, dvp);
     });
+    // (l holds the undropped sums: the lse is the one before dropout; the kept
+    // probabilities' 1 / (1 - rate) is applied with the normalisation)
+    if (dropout.active) dropout.drop(S, q0, used, k0, cols);
     if (kernels.all_finite(v, round_up(cols, kRowAlign) * dvp)) {
       for_each_chunk([&](int64_t r0, int64_t n) {
         kernels.gemm(O + r0 * dvp, dvp, S + r0 * kBlockK, kBlockK, false, v, dvp, chunk, dvp, n,
@@ -439,7 +493,7 @@ void forward_tile(const AttentionParams& p, const Shape& shape, const ConvertedK
     const float m_final = nan_max(m[r], sink);
     const float keys_scale = std::exp(m[r] - m_final);
     const float total = l[r] * keys_scale + std::exp(sink - m_final);
-    const float factor = keys_scale / total;
+    const float factor = keys_scale / total * (dropout.active ? p.dropout.scale : 1.0f);
     for (int64_t c = 0; c < dvp; ++c) o[c] *= factor;
     lse[r] = m_final + std::log(total);
   }
@@ -454,13 +508,14 @@ void forward_tile(const AttentionParams& p, const Shape& shape, const ConvertedK
 // masked pairs take the careful path).
 struct BackwardTiles {
   float *Q, *dO, *Kr, *Kt, *Vr, *Vt, *S, *P, *dS, *C;  // C: softcapped scores (score terms)
+  float* Z;  // dropout's factors (TileDropout::factors)
   float *lse, *D;
   bool rows_finite = true, keys_finite = true;
   int64_t rows = 0;  // used rows of the loaded Q / dO tile (the rest is padding)
   BackwardTiles(Scratch& scratch, const Shape& s) {
     const int64_t tile = kBlockQ * kBlockK;
     Q = scratch.get(kBlockQ * s.dp + kBlockQ * s.dvp + 2 * kBlockK * s.dp +
-                    2 * s.dvp * kBlockK + 4 * tile + 2 * kBlockQ);
+                    2 * s.dvp * kBlockK + 5 * tile + 2 * kBlockQ);
     dO = Q + kBlockQ * s.dp;
     Kr = dO + kBlockQ * s.dvp;
     Kt = Kr + kBlockK * s.dp;
@@ -472,6 +527,7 @@ struct BackwardTiles {
     lse = dS + tile;
     D = lse + kBlockQ;
     C = D + kBlockQ;
+    Z = C + tile;
   }
 };
 
@@ -529,22 +585,31 @@ struct BackwardHead {
     const TileMask mask{seq,   segments, q0, rows, k0, cols,
                         tile_needs_mask(seq, q0, rows, k0, cols), !tile_segments.uniform(),
                         &terms};
+    const TileDropout dropout(p, b, h);
     kernels.gemm(t.S, kBlockK, t.Q, shape.dp, false, t.Kt, kBlockK, kBlockQ, kBlockK, shape.dp,
                  false);
-    if (!terms.active()) {
-      mask_scores(t.S, p.softcap, mask, nullptr);
+    // P and dS from S (masked) and dP: with dropout, out = (P Z) V (Z: 0 or 1 / (1 - rate)),
+    // so dP = Z (dO V^T) and dV's P is P Z; D = rowsum(dO O) is still sum_j P_ij dP_ij, so
+    // dS = P (dP - D) as without.
+    const auto scores_and_gradients = [&](float cap) {
       kernels.gemm(t.dS, kBlockK, t.dO, shape.dvp, false, t.Vt, kBlockK, kBlockQ, kBlockK,
                    shape.dvp, false);
-      kernels.backward_scores(t.S, t.P, t.dS, kBlockK, rows, kBlockQ, kBlockK, t.lse, t.D,
-                              p.softcap);
+      if (dropout.active) {
+        dropout.factors(t.Z, p.dropout.scale, q0, rows, k0, cols);
+        multiply(t.dS, t.Z, rows, cols);
+      }
+      kernels.backward_scores(t.S, t.P, t.dS, kBlockK, rows, kBlockQ, kBlockK, t.lse, t.D, cap);
+      if (dropout.active) multiply(t.P, t.Z, rows, cols);
+    };
+    if (!terms.active()) {
+      mask_scores(t.S, p.softcap, mask, nullptr);
+      scores_and_gradients(p.softcap);
       return true;
     }
     // The softcap derivative reads the capped scores before the terms were added.
     const bool capped = p.softcap > 0.0f;
     mask_scores_with_terms(t.S, p.softcap, mask, nullptr, capped ? t.C : nullptr);
-    kernels.gemm(t.dS, kBlockK, t.dO, shape.dvp, false, t.Vt, kBlockK, kBlockQ, kBlockK,
-                 shape.dvp, false);
-    kernels.backward_scores(t.S, t.P, t.dS, kBlockK, rows, kBlockQ, kBlockK, t.lse, t.D, 0.0f);
+    scores_and_gradients(0.0f);
     for (int64_t r = 0; dbias && r < rows; ++r)
       for (int64_t j = 0; j < cols; ++j) dbias[r * ld + j] += t.dS[r * kBlockK + j];
     for (int64_t r = 0; capped && r < rows; ++r)

@@ -36,13 +36,14 @@ std::optional<void*> workspace(ffi::ScratchAllocator& scratch, size_t bytes) {
   return scratch.Allocate(bytes);
 }
 
-// The CUDA kernels do not read bias, mask or ALiBi slopes yet: a call with them is an
-// error, never an answer without them (Python routes such calls to the pure-JAX path).
+// The CUDA kernels do not read bias, mask, ALiBi slopes or dropout yet: a call with
+// them is an error, never an answer without them (Python routes such calls to the
+// pure-JAX path).
 ffi::Error supported(const AttentionParams& p) {
-  if (!p.has_score_terms()) return ffi::Error::Success();
+  if (!p.has_score_terms() && !p.dropout) return ffi::Error::Success();
   return ffi::Error::InvalidArgument(
-      "flashjax: bias, mask and alibi_slopes are not supported by the CUDA kernels yet; use "
-      "implementation=None or 'xla'");
+      "flashjax: bias, mask, alibi_slopes and dropout are not supported by the CUDA kernels "
+      "yet; use implementation=None or 'xla'");
 }
 
 struct CudaPlatform {

@@ -132,6 +132,14 @@ ffi::Error check_input(const char* name, InputKind kind, const ffi::AnyBuffer& b
                      " [batch.. or 1, heads_q, heads_kv or 1, seqlen_q, seqlen_k]; got " +
                      shape_string(d));
     }
+    case InputKind::kDropout: {
+      auto d = buffer.dimensions();
+      if (buffer.element_type() == ffi::DataType::U32 && d.size() >= 2 &&
+          d[d.size() - 2] == p.heads_q && d[d.size() - 1] == 4 && leading_product(d, 2) == p.batch)
+        return ffi::Error::Success();
+      return invalid(std::string(name) + " must be uint32 (batch.., heads_q, 4); got " +
+                     shape_string(d));
+    }
     case InputKind::kPageTable: {
       auto d = buffer.dimensions();
       if (buffer.element_type() == ffi::DataType::S32 && d.size() == 2 && d[0] == p.batch &&
@@ -148,6 +156,10 @@ ffi::Error check_and_set_attention(AttentionParams& p, const ffi::AnyBuffer& q,
                                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                    const Options& options) {
   p.deterministic = options.deterministic;
+  if (!(options.dropout_rate >= 0.0 && options.dropout_rate < 1.0))
+    return invalid("dropout_rate must be in [0, 1)");
+  p.dropout.threshold = dropout::threshold(options.dropout_rate);
+  p.dropout.scale = static_cast<float>(1.0 / (1.0 - options.dropout_rate));
   return check_and_set_common(p, q, k, v, options);
 }
 

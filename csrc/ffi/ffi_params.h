@@ -37,6 +37,7 @@ enum class InputKind {
   kPageTable,     // int32 [batch, max_pages >= 1]
   kScores,        // float32 [batch.. | 1, heads_q | heads_kv | 1, seqlen_q, seqlen_k] (bias)
   kScoreMask,     // bool, the same shapes (mask); dense layout only, like kScores
+  kDropout,       // uint32 [batch.., heads_q, 4] (params.h Dropout::words)
 };
 
 // A slot per optional input of a target, filled when present.

@@ -14,7 +14,8 @@
 //                   [, k_cache, v_cache]): the cache outputs, present when new
 //                   rows are appended, alias the cache inputs.
 // [optional..]: the present ones of FLASHJAX_ATTENTION_INPUTS (sinks, seqused_q,
-// seqused_k, q_segment_ids, kv_segment_ids, diagonal_offset; flashjax/operands.h),
+// seqused_k, q_segment_ids, kv_segment_ids, diagonal_offset, bias, mask,
+// alibi_slopes, dropout; flashjax/operands.h),
 // in that order, as the Options flags announce; the KV-cache target's likewise
 // (FLASHJAX_KVCACHE_INPUTS).
 #pragma once
@@ -43,7 +44,10 @@ inline ffi::Error fill_inputs(AttentionParams& p, const Inputs& in, const ffi::R
   if (e.failure()) return e;
   OptionalInputs optional;
   if (e = take_optional_inputs(rest, options, optional); e.failure()) return e;
-  return fill_optional_inputs(p, optional);
+  if (e = fill_optional_inputs(p, optional); e.failure()) return e;
+  if (options.dropout_rate > 0.0 && !p.dropout)
+    return ffi::Error::InvalidArgument("flashjax: dropout_rate > 0 needs the dropout input");
+  return ffi::Error::Success();
 }
 
 template <class Run>

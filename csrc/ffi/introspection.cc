@@ -83,6 +83,7 @@ template <class T>
 const char* type_name() {
   if constexpr (std::is_same_v<T, float>) return "f32";
   if constexpr (std::is_same_v<T, int64_t>) return "i64";
+  if constexpr (std::is_same_v<T, double>) return "f64";
   return "bool";
 }
 

@@ -61,10 +61,10 @@ def _partitioned(target, local, ring, results, values: dict, cfg: Config):
         dims([op.name for op in target.inputs] + list(present),
              target.operand_dims(present, cfg.packed)),
         dims([op.name for op in results], [op.dims_in(cfg.packed) for op in results]),
-        # (the ring's blocks carry no score terms: a sequence-sharded call with them
-        # is gathered)
+        # (the ring's blocks carry no score terms and no dropout: a sequence-sharded
+        # call with them is gathered)
         q.shape[-2] // k.shape[-2], k.shape[-2],
-        None if cfg.packed or scores or values.get("alibi_slopes") is not None else ring,
+        None if cfg.packed or scores or {"alibi_slopes", "dropout"} & set(present) else ring,
         fold_vmap=not cfg.packed)
     return _partitioning.partitioned(spec)(*operands)
 
@@ -112,10 +112,12 @@ def attention(q, k, v, extras: Extras, layout: Layout, cfg: Config, *arrays):
         return xla_attention.no_work_attention(*args, cfg)
     kernels = lambda *a: attention_core(*a, cfg)
     in_jax = lambda *a: xla_attention.attention_core(*a, cfg)
-    cuda = _route.without_score_terms(cfg, kernels, in_jax, score_terms(extras, layout))
+    cuda = _route.without_unsupported(cfg, kernels, in_jax, cuda_unsupported(extras, layout))
     return _route.run(cfg, args, cuda=cuda, cpu=kernels, xla=in_jax, arrays=(q, *arrays))
 
 
-def score_terms(extras: Extras, layout: Layout) -> bool:
-    """The call has bias, mask or ALiBi slopes."""
-    return any(x is not None for x in (extras.bias, layout.mask, layout.alibi_slopes))
+def cuda_unsupported(extras: Extras, layout: Layout) -> tuple:
+    """The call's options that the CUDA kernels do not read yet, by argument name."""
+    present = {"bias": extras.bias, "mask": layout.mask, "alibi_slopes": layout.alibi_slopes,
+               "dropout_rate > 0": layout.dropout}
+    return tuple(name for name, x in present.items() if x is not None)

@@ -29,7 +29,8 @@ import numpy as np
 from ._checks import static_int, static_real
 
 __all__ = ["ROUNDS", "VALUE_RANGE", "MAX_THRESHOLD", "philox4x32_10", "threshold", "check_rate",
-           "key_words", "keep_block", "keep_elements", "dropout_mask"]
+           "check_dropout", "key_words", "key_rows", "keep_block", "keep_elements",
+           "dropout_mask"]
 
 # Random123's Philox4x32 multipliers and Weyl key increments.
 _MULTIPLIERS = (np.uint32(0xD2511F53), np.uint32(0xCD9E8D57))
@@ -82,6 +83,18 @@ def check_rate(rate, name: str = "rate") -> float:
     return value
 
 
+def check_dropout(dropout_rate, dropout_key) -> float:
+    """An attention call's dropout arguments: the static rate as a float (0: no dropout,
+    the key unused); ValueError/TypeError naming dropout_rate or dropout_key."""
+    rate = check_rate(dropout_rate, "dropout_rate")
+    if rate > 0:
+        if dropout_key is None:
+            raise ValueError(f"dropout_rate={rate!r} needs dropout_key (a JAX PRNG key, e.g. "
+                             "jax.random.key(seed)); dropout_rate=0 turns dropout off")
+        key_words(dropout_key)  # (checked here: the error names the argument)
+    return rate
+
+
 _KEY_KINDS = ("a JAX PRNG key (jax.random.key(seed)) or a legacy uint32 key "
               "(jax.random.PRNGKey(seed))")
 
@@ -115,6 +128,18 @@ def key_words(dropout_key, name: str = "dropout_key"):
     for n in range(2, data.shape[0], 2):
         k0, k1 = k0 ^ data[n], k1 ^ data[n + 1]
     return k0, k1
+
+
+def key_rows(dropout_key, sequences: int, heads: int):
+    """The kernels' dropout operand: uint32 (sequences, heads, 4), for sequence b and
+    head h the key words (k0, k1) and the mask indices (b, h) it uses. Folding a vmapped
+    axis into the sequences, or sharding them or the heads, keeps each entry's key and
+    indices: every instance draws the mask of its own unbatched, unsharded call."""
+    k0, k1 = key_words(dropout_key)
+    shape = (sequences, heads)
+    b = jnp.arange(sequences, dtype=jnp.uint32)[:, None]
+    h = jnp.arange(heads, dtype=jnp.uint32)[None, :]
+    return jnp.stack([jnp.broadcast_to(x, shape) for x in (k0, k1, b, h)], axis=-1)
 
 
 def _values(words):

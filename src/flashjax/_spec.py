@@ -46,12 +46,12 @@ class Operand:
       "row_stats": lse-like; for optional inputs the C++ InputKind: "per_head",
       "per_sequence", "query_rows", "key_rows", "page_table", "scores": (batch or 1,
       heads_q, heads_kv or 1, seqlen_q, seqlen_k), broadcast by the kernels, dense
-      layout only).
+      layout only; "dropout": uint32 (sequences, heads_q, 4)).
     dims / packed_dims: its dims in dense / packed (varlen) calls as factors of the
       sharding rule (_partitioning: b batch, s query rows, t key rows, H query heads,
       h kv heads, d, e head dims; T, U packed query / key rows, m sequences, n =
-      m + 1; KV cache: r cache rows, w new rows, p pages per sequence, z
-      workspace); None: not part of such calls.
+      m + 1; j the dropout operand's 4 words; KV cache: r cache rows, w new rows, p
+      pages per sequence, z workspace); None: not part of such calls.
     flag: for optional inputs, the bool attribute that announces them (a result with
       a flag is returned when that flag, or the bool option of that name, is set).
     differentiable / gradient: a differentiable input and the backward's result
@@ -127,7 +127,7 @@ class Target:
         return attributes
 
 
-F32, I64, BOOL = np.float32, np.int64, np.bool_
+F32, F64, I64, BOOL = np.float32, np.float64, np.int64, np.bool_
 
 # Every target has these (copied into the AttentionParams fields of the same name).
 SHARED_OPTIONS = (Option("softmax_scale", F32), Option("window_left", I64),
@@ -136,7 +136,8 @@ SHARED_OPTIONS = (Option("softmax_scale", F32), Option("window_left", I64),
 ATTENTION_OPTIONS = SHARED_OPTIONS + (
     Option("max_seqlen_q", I64), Option("max_seqlen_k", I64),  # packed calls' slot bounds
     Option("deterministic", BOOL),
-    Option("bias_gradient", BOOL))  # the backward also returns dbias
+    Option("bias_gradient", BOOL),  # the backward also returns dbias
+    Option("dropout_rate", F64))  # with the dropout operand: its rate, in [0, 1)
 KVCACHE_OPTIONS = SHARED_OPTIONS + (Option("num_splits", I64),)
 
 Q = Operand("q", None, "rows", "b s H d", "T H d", differentiable=True, gradient="dq")
@@ -179,6 +180,12 @@ ATTENTION_OPTIONAL = (
     Operand("mask", "bool", "scores", "b H s t", flag="has_mask"),  # True: may attend
     # (sequences, heads_q): ALiBi, -slope * |i + diagonal - j| added to the scores
     Operand("alibi_slopes", "float32", "per_head", "b H", "m H", flag="has_alibi_slopes"),
+    # Attention dropout (present when the rate is > 0; the rate is the dropout_rate
+    # option): per (sequence, query head) the key words (k0, k1) and the (b, h) of the
+    # mask element that sequence and head use (dropout.h), so that a vmapped axis folded
+    # into batch and a batch- or head-sharded call keep each instance's own key and the
+    # unbatched, unsharded call's indices (j: the 4 words).
+    Operand("dropout", "uint32", "dropout", "b H j", "m H j", flag="has_dropout"),
 )
 
 FORWARD = Target("flashjax_fwd", "FlashjaxForward", (Q, K, V), ATTENTION_OPTIONAL, (OUT, LSE),
@@ -219,8 +226,8 @@ def attention_targets(packed: bool) -> tuple:
 
 
 # attention_core's arguments besides q, k, v: the differentiable extras, and the
-# layout (traced metadata: where sequences are, the mask, the ALiBi slopes; no
-# cotangents).
+# layout (traced metadata: where sequences are, the mask, the ALiBi slopes, the
+# dropout key; no cotangents).
 EXTRA_OPERANDS = tuple(op for op in ATTENTION_OPTIONAL if op.differentiable)
 LAYOUT_OPERANDS = (CU_SEQLENS_Q, CU_SEQLENS_K) + tuple(
     op for op in ATTENTION_OPTIONAL if not op.differentiable)
@@ -259,8 +266,8 @@ class Extras(_Fields, collections.namedtuple("Extras", **_fields(EXTRA_OPERANDS)
 
 
 class Layout(_Fields, collections.namedtuple("Layout", **_fields(LAYOUT_OPERANDS))):
-    """Traced metadata (None: absent): where sequences are (int32), and the score terms
-    that take no gradient (mask, alibi_slopes)."""
+    """Traced metadata (None: absent): where sequences are (int32), the score terms
+    that take no gradient (mask, alibi_slopes) and dropout's key words (uint32)."""
 
     __slots__ = ()
 
@@ -288,6 +295,7 @@ class Config:
     implementation: str = "auto"  # "auto", "cuda", "cpu" or "xla" (_route.IMPLEMENTATIONS)
     kernel_cap: int = 0       # the CUDA kernels allowed: 0 any, 1 mma.sync, 2 SIMT
     bias_gradient: bool = False  # backward: dbias wanted (set by _core from symbolic zeros)
+    dropout_rate: float = 0.0  # > 0: the layout's dropout operand is present
 
     @property
     def window(self) -> Window:

@@ -7,7 +7,7 @@ from the C++ backward through jax.custom_vjp (`_core.attention_core`).
 
 from __future__ import annotations
 
-from . import _checks, _core, _ffi
+from . import _checks, _core, _dropout, _ffi
 from ._spec import Extras, Layout
 
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
@@ -24,7 +24,7 @@ def _check_arrays(q, k, v, sinks):
 
 
 def _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
-            kv_offset, mask=None, alibi_slopes=None) -> Layout:
+            kv_offset, mask=None, alibi_slopes=None, dropout=None) -> Layout:
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     _checks.check_int_array("seqused_q", seqused_q, (batch,), "(batch,)")
     _checks.check_int_array("seqused_k", seqused_k, (batch,), "(batch,)")
@@ -39,14 +39,15 @@ def _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
                   diagonal_offset=_checks.diagonal_offset(q_offset, kv_offset, batch, "(batch,)"),
                   mask=_checks.check_scores("mask", mask, batch, q.shape[2], k.shape[2], seqlen_q,
                                             seqlen_k),
-                  alibi_slopes=_checks.check_alibi_slopes(alibi_slopes, batch, q.shape[2]))
+                  alibi_slopes=_checks.check_alibi_slopes(alibi_slopes, batch, q.shape[2]),
+                  dropout=dropout)
 
 
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, sinks=None, return_lse=False, deterministic=False,
                     q_segment_ids=None, kv_segment_ids=None, seqused_q=None, seqused_k=None,
                     q_offset=None, kv_offset=None, bias=None, mask=None, alibi_slopes=None,
-                    implementation=None):
+                    dropout_rate=0.0, dropout_key=None, implementation=None):
     """Exact attention softmax(q k^T * scale) v, computed tile by tile.
 
     Args:
@@ -91,6 +92,19 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         bias, mask and alibi_slopes run on the CPU kernels and the pure-JAX path; on a
         CUDA GPU, implementation=None takes the pure-JAX path for such calls for now
         (the CUDA kernels do not read them yet: "cuda" raises ValueError).
+      dropout_rate: static float in [0, 1): attention dropout on the probabilities
+        (FlashAttention 2's): each is dropped with this probability, the kept ones
+        scaled by 1 / (1 - dropout_rate). 0 (default): no dropout, the key unused.
+        The returned lse is the one before dropout.
+      dropout_key: a JAX PRNG key (jax.random.key(seed), or a legacy uint32
+        jax.random.PRNGKey(seed): same mask), traced; needed when dropout_rate > 0.
+        The keep mask is exactly flashjax.dropout_mask(dropout_key, dropout_rate,
+        batch, heads_q, seqlen_q, seqlen_k) (True = kept), whatever causal, window,
+        bias or mask are set, on every path; under jax.vmap over keys each instance
+        gets the mask of the unbatched call with its key. Not differentiated.
+        Dropout runs on the CPU kernels and the pure-JAX path; on a CUDA GPU,
+        implementation=None takes the pure-JAX path for such calls for now ("cuda"
+        raises ValueError). Under shard_map the indices are the local call's.
       implementation: None (flashjax's kernels on CUDA GPUs and the CPU, the pure-JAX
         path elsewhere), "cuda" (the fastest CUDA kernels: Hopper, else mma.sync, else
         SIMT), "cuda:mma" / "cuda:simt" (at most the mma.sync / only the SIMT kernels),
@@ -103,12 +117,14 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
       past seqused_q get out 0 and lse -inf.
     """
     _check_arrays(q, k, v, sinks)
+    rate = _dropout.check_dropout(dropout_rate, dropout_key)
     layout = _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
-                     kv_offset, mask, alibi_slopes)
+                     kv_offset, mask, alibi_slopes,
+                     _dropout.key_rows(dropout_key, q.shape[0], q.shape[2]) if rate else None)
     bias = _checks.check_scores("bias", bias, q.shape[0], q.shape[2], k.shape[2], q.shape[1],
                                 k.shape[1])
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                              deterministic, implementation, return_lse)
+                              deterministic, implementation, return_lse, dropout_rate=rate)
     _ffi.load()
     out, lse = _core.attention(q, k, v, Extras(sinks=sinks, bias=bias), layout, cfg)
     return (out, lse) if return_lse else out

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _nonfinite
+from . import _dropout, _nonfinite
 from ._visibility import Window, diagonal_offset, used_rows
 
 __all__ = ["attention", "attention_varlen", "visible_mask"]
@@ -63,15 +63,18 @@ def _used_mask(seqlen_q, seqlen_k, causal, window_size, seqused_q, seqused_k, of
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
               sinks=None, return_lse=False, compute_dtype=None, q_segment_ids=None,
               kv_segment_ids=None, seqused_q=None, seqused_k=None, q_offset=None,
-              kv_offset=None, bias=None, mask=None, alibi_slopes=None):
-    """softmax(scale * q k^T [softcapped, + bias and ALiBi, masked, + sink]) v,
+              kv_offset=None, bias=None, mask=None, alibi_slopes=None, dropout_rate=0.0,
+              dropout_key=None, _dropout_keep=None):
+    """softmax(scale * q k^T [softcapped, + bias and ALiBi, masked, + sink]) [dropped] v,
     materialised.
 
     q: (..., seqlen_q, heads_q, head_dim); k: (..., seqlen_k, heads_kv, head_dim);
     v: (..., seqlen_k, heads_kv, head_dim_v); sinks: (heads_q,) or None.
     Segment ids ((batch, seqlen)), seqused ((batch,)), q_offset / kv_offset (int,
     () or (batch,)), bias / mask ((1 or batch, 1 or heads_q or heads_kv, seqlen_q,
-    seqlen_k)) and alibi_slopes ((heads_q,) or (batch, heads_q)) as in
+    seqlen_k)), alibi_slopes ((heads_q,) or (batch, heads_q)) and dropout_rate /
+    dropout_key (the probabilities times flashjax.dropout_mask(dropout_key, rate, batch,
+    heads_q, seqlen_q, seqlen_k) / (1 - rate); the lse before dropout) as in
     flashjax.flash_attention (they need exactly one leading batch dim).
     Returns out (..., seqlen_q, heads_q, head_dim_v) and, if return_lse, the
     log-sum-exp (..., heads_q, seqlen_q) (float32, or float64 when computing in float64).
@@ -155,6 +158,13 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         denom = denom + jnp.exp(sink - row_max)
     safe = jnp.where(nonempty, denom, 1)  # the where trick: no 0/0 in value or gradient
     probs = jnp.where(nonempty, weights / safe, 0)
+    rate = _dropout.check_dropout(dropout_rate, dropout_key)
+    if rate > 0:
+        keep = _dropout_keep
+        if keep is None:
+            keep = _dropout.dropout_mask(dropout_key, rate, q.shape[0], heads_q, seqlen_q,
+                                         seqlen_k)
+        probs = jnp.where(keep, probs * jnp.asarray(1 / (1 - rate), dtype), 0)
     # Masked probabilities must not meet a non-finite v (0 * NaN): masked_sum.
     out = _nonfinite.masked_sum(probs, mask, v,
                                 lambda p, x: jnp.einsum("...hqk,...khd->...qhd", p, x))
@@ -194,6 +204,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     sequences = len(cu_q) - 1
     at = lambda x, b: 0 if x is None else int(np.broadcast_to(np.asarray(x), (sequences,))[b])
     spans = []  # (first query row, used rows, first key, used keys, q_offset, kv_offset)
+    span_sequences = []  # the sequence of each span
     for b in range(sequences):
         q0 = int(np.clip(cu_q[b], 0, total_q))
         k0 = int(np.clip(cu_k[b], 0, total_k))
@@ -203,6 +214,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         used_k = slot_k if seqused_k is None else int(np.clip(seqused_k[b], 0, slot_k))
         if used_q > 0:
             spans.append((q0, used_q, k0, used_k, at(q_offset, b), at(kv_offset, b)))
+            span_sequences.append(b)
     if not spans:
         return (out, lse) if return_lse else out
     q0, used_q, k0, used_k, q_at, kv_at = (np.array(c, np.int64) for c in zip(*spans))
@@ -216,6 +228,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     positions = {}
     if q_offset is not None or kv_offset is not None:
         positions = dict(q_offset=q_at, kv_offset=kv_at)
+    if options.get("dropout_rate", 0) > 0:  # sequence b's mask: rows and keys within it
+        keep = _dropout.dropout_mask(options["dropout_key"], options["dropout_rate"],
+                                     sequences, q.shape[1], width_q, width_k)
+        positions["_dropout_keep"] = keep[np.array(span_sequences)]
     o, l = attention(gather(q, q0, used_q, width_q), gather(k, k0, used_k, width_k),
                      gather(v, k0, used_k, width_k), seqused_q=used_q, seqused_k=used_k,
                      return_lse=True, **positions, **options)

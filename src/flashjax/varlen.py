@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _core, _ffi
+from . import _checks, _core, _dropout, _ffi
 from ._spec import Extras, Layout
 from .kvcache import cache_capacity, gather_rows
 
@@ -63,7 +63,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
                            deterministic=False, page_table=None, q_offset=None, kv_offset=None,
-                           implementation=None):
+                           dropout_rate=0.0, dropout_key=None, implementation=None):
     """Attention over a packed batch of sequences of different lengths.
 
     Args:
@@ -92,6 +92,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         row and first key row (an int or an integer array of shape () or
         (num_seqs,)), as in `flash_attention`: given either, causal and windows
         compare positions.
+      dropout_rate, dropout_key: attention dropout as in `flash_attention`; element
+        (b, h, i, j) of the keep mask is sequence b, query head h, query row i and key
+        j counted within the sequence (flashjax.dropout_mask(dropout_key, rate,
+        num_seqs, heads_q, max_seqlen_q, max_seqlen_k)[b, h, i, j]).
       implementation: as in `flash_attention`.
 
     Returns:
@@ -105,17 +109,21 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     written out of bounds.
     """
     _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, page_table)
+    rate = _dropout.check_dropout(dropout_rate, dropout_key)
     max_q = _checks.check_static_length("max_seqlen_q", max_seqlen_q)
     max_k = _checks.check_static_length("max_seqlen_k", max_seqlen_k)
     if page_table is not None:
         k, v, cu_seqlens_k, seqused_k = _unpage(k, v, page_table, seqused_k, max_k)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
                               deterministic, implementation, return_lse, packed=True,
-                              max_seqlen_q=max_q, max_seqlen_k=max_k)
+                              max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_rate=rate)
+    sequences = cu_seqlens_q.shape[0] - 1
     layout = Layout(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                     seqused_k=seqused_k,
                     diagonal_offset=_checks.diagonal_offset(
-                        q_offset, kv_offset, cu_seqlens_q.shape[0] - 1, "(num_seqs,)"))
+                        q_offset, kv_offset, sequences, "(num_seqs,)"),
+                    dropout=(_dropout.key_rows(dropout_key, sequences, q.shape[1]) if rate
+                             else None))
     _ffi.load()
     out, lse = _core.attention(q, k, v, Extras(sinks=sinks), layout, cfg)
     return (out, lse) if return_lse else out

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _nonfinite
+from . import _dropout, _nonfinite
 from ._autodiff import differentiable
 from ._spec import Config, Extras, Layout
 from ._visibility import diagonal_offset, used_rows
@@ -99,14 +99,15 @@ class _Rows:
     q_id, k_id (batch, seqlen) int32 or None: ids that must be equal;
     k_pos (batch, seqlen_k) int32: key positions, INT32_MIN for keys no row sees.
     q_diag (batch, seqlen_q) float32: the row's diagonal key position (ALiBi);
-    q_seq (batch, seqlen_q) int32 or None: packed: the row's sequence.
+    q_seq (batch, seqlen_q) int32 or None: packed: the row's sequence;
+    q_pos (batch, seqlen_q) int32 or None: packed: the row's index in its sequence.
     Static: use_lo / use_hi / use_id: which comparisons the element mask needs.
     """
 
     def __init__(self, q_valid, q_lo, q_hi, q_id, k_pos, k_id, use_lo, use_hi, q_diag=None,
-                 q_seq=None):
+                 q_seq=None, q_pos=None):
         self.q_valid, self.q_lo, self.q_hi, self.q_id = q_valid, q_lo, q_hi, q_id
-        self.q_diag, self.q_seq = q_diag, q_seq
+        self.q_diag, self.q_seq, self.q_pos = q_diag, q_seq, q_pos
         self.k_pos, self.k_id = k_pos, k_id
         self.use_lo, self.use_hi, self.use_id = use_lo, use_hi, q_id is not None
 
@@ -176,7 +177,7 @@ def _packed_rows(total_q, total_k, layout: Layout, cfg: Config) -> _Rows:
     q_diag = q_pos.astype(jnp.float32) + offset[q_seq].astype(jnp.float32)
     return _Rows(q_valid[None], q_lo[None], q_hi[None], q_seq[None], k_pos[None], k_seq[None],
                  use_lo=True, use_hi=cfg.window.right >= 0, q_diag=q_diag[None],
-                 q_seq=q_seq[None])
+                 q_seq=q_seq[None], q_pos=q_pos[None])
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -473,11 +474,52 @@ class _Terms:
         return lax.dynamic_update_slice(dbias, old + blk[None], at)
 
 
+class _Dropout:
+    """Attention dropout per block pair (dropout.h's mask, `_dropout`'s generator): the
+    factors the probabilities are multiplied by, shaped like the scores (heads_kv,
+    group * bq, bk): 1 / (1 - rate) where the mask keeps an element, 0 where it drops
+    it. Element (b, h, i, j) from the layout's dropout operand (each sequence's key
+    words and mask indices): dense, the block's rows and keys (keep_block, a Philox call
+    per 8 elements); packed, each row's sequence and index in it (keep_elements)."""
+
+    def __init__(self, words, rate: float, rows: _Rows, plan: _Plan):
+        self.plan = plan
+        self.active = words is not None and words.shape[0] > 0
+        if not self.active:
+            return
+        self.words = words
+        self.threshold = np.uint32(_dropout.threshold(rate))
+        self.scale = np.float32(1.0 / (1.0 - rate))
+        self.q_seq = self.q_pos = None
+        if rows.q_seq is not None:
+            blocked = lambda x: _pad_rows(x, 1, plan.nq * plan.bq).reshape(plan.batch, plan.nq,
+                                                                            plan.bq)
+            self.q_seq, self.q_pos = blocked(rows.q_seq), blocked(rows.q_pos)
+
+    def factors(self, b, qb, kb):
+        plan = self.plan
+        heads_q = plan.heads_kv * plan.group
+        if self.q_seq is None:
+            w = self.words[b]  # (heads_q, 4): key words, then sequence b's mask indices
+            keep = _dropout.keep_block((w[0, 0], w[0, 1]), self.threshold, 1, heads_q, plan.bq,
+                                       plan.bk, batch_start=w[0, 2], head_start=w[0, 3],
+                                       row_start=qb * plan.bq, col_start=kb * plan.bk)[0]
+        else:
+            # (heads_q, bq, 1, 4): each row's sequence's words
+            w = jnp.swapaxes(self.words[self.q_seq[b, qb]], 0, 1)[:, :, None]
+            keep = _dropout.keep_elements((self.words[0, 0, 0], self.words[0, 0, 1]),
+                                          self.threshold, w[..., 2], w[..., 3],
+                                          self.q_pos[b, qb][None, :, None],
+                                          self.plan.k_pos[b, kb][None, None, :])
+        keep = keep.reshape(plan.heads_kv, plan.group * plan.bq, plan.bk)
+        return jnp.where(keep, self.scale, jnp.float32(0))
+
+
 # ----------------------------------------------------------------------------- forward
 
 
 def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozenset,
-                    terms: _Terms):
+                    terms: _Terms, dropout: _Dropout):
     """Blocked forward: q (batch, nq, heads_kv, group*bq, d), k/v (batch, nk, heads_kv, bk, d)
     -> out (batch, nq, heads_kv, group*bq, dv) float32, lse (batch, nq, heads_kv, group*bq)."""
     batch, nq = plan.batch, plan.nq
@@ -516,7 +558,9 @@ def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozen
                 shift = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(mx - shift)
-            l = l * alpha + jnp.sum(p, axis=-1)
+            l = l * alpha + jnp.sum(p, axis=-1)  # (undropped: the lse is)
+            if dropout.active:
+                p = p * dropout.factors(b, qb, kb)
             if masked:  # NaN rows give NaN p at masked entries: zero them, and keep them
                 p = jnp.where(visible, p, jnp.float32(0))  # from a non-finite v
                 pv = _masked_dot("hmk,hkd->hmd", p, visible, vf)
@@ -548,7 +592,7 @@ def _forward_blocks(qb_, kb_, vb_, sinks, plan: _Plan, cfg: Config, axes: frozen
 
 
 def _backward_blocks(qb_, kb_, vb_, dob_, lseb_, deltab_, plan: _Plan, cfg: Config,
-                     axes: frozenset, terms: _Terms, dbias):
+                     axes: frozenset, terms: _Terms, dropout: _Dropout, dbias):
     """Blocked backward: (dq (batch, nq, heads_kv, group*bq, d), dk, dv (batch, nk, heads_kv,
     bk, d[v])) float32, before the softmax scale (dq, dk) is applied, and dbias (padded,
     when `dbias` is its zero start, else None)."""
@@ -573,7 +617,14 @@ def _backward_blocks(qb_, kb_, vb_, dob_, lseb_, deltab_, plan: _Plan, cfg: Conf
                 s = terms.add(s, b, qb, kb)
             p = jnp.exp(s - lseb_[b, qb][..., None])  # lse +inf for rows without keys: 0
             dp = _dot("hmd,hkd->hmk", do, vf)
+            if dropout.active:
+                # out = (P Z) V with Z the factors: dV = (P Z)^T dO, dP = Z dO V^T, and
+                # D = rowsum(dO O) is still sum_j P_ij dP_ij.
+                z = dropout.factors(b, qb, kb)
+                dp = dp * z
             ds = p * (dp - deltab_[b, qb][..., None])
+            if dropout.active:
+                p = p * z
             if masked:
                 # Masked (i, j) get P = dS = 0 (with a where: a NaN there stays out), and
                 # the products over i and j must not meet a non-finite row they mask.
@@ -641,7 +692,8 @@ def _forward(q, k, v, extras: Extras, layout: Layout, cfg: Config):
     out, lse = _forward_blocks(_to_blocks_q(qd, plan), _to_blocks_k(kd, plan),
                                _to_blocks_k(vd, plan), extras.sinks, plan, cfg,
                                varying_axes(q, k, v, extras, layout),
-                               _terms(extras, layout, rows, plan))
+                               _terms(extras, layout, rows, plan),
+                               _Dropout(layout.dropout, cfg.dropout_rate, rows, plan))
     out = _from_blocks_q(out, plan).astype(q.dtype)
     lse = _rows_from_blocks(lse, plan)
     if cfg.packed:
@@ -697,7 +749,8 @@ def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg
         _to_blocks_q(qd, plan), _to_blocks_k(kd, plan), _to_blocks_k(vd, plan),
         _to_blocks_q(dod, plan), _rows_to_blocks(lse_safe, plan, jnp.inf),
         _rows_to_blocks(deltad, plan), plan, cfg,
-        varying_axes(q, k, v, extras, layout, dout, dlse), terms, dbias)
+        varying_axes(q, k, v, extras, layout, dout, dlse), terms,
+        _Dropout(layout.dropout, cfg.dropout_rate, rows, plan), dbias)
     dq = _from_blocks_q(dq, plan) * jnp.float32(cfg.softmax_scale)
     dk = _from_blocks_k(dk, plan) * jnp.float32(cfg.softmax_scale)
     dvv = _from_blocks_k(dvv, plan)

@@ -25,7 +25,8 @@
   X(int64_t, max_seqlen_q) /* packed targets: slot bound; dense: unused */ \
   X(int64_t, max_seqlen_k)                                                  \
   X(bool, deterministic) /* backward only */                                \
-  X(bool, bias_gradient) /* backward with bias: also return dbias */
+  X(bool, bias_gradient) /* backward with bias: also return dbias */        \
+  X(double, dropout_rate) /* in [0, 1); with the dropout input (dropout.h) */
 
 // X(name): a bool attribute saying whether the optional inputs that name it
 // as their flag are present.
@@ -37,7 +38,8 @@
   X(has_diagonal_offset)            \
   X(has_bias)                       \
   X(has_mask)                       \
-  X(has_alibi_slopes)
+  X(has_alibi_slopes)               \
+  X(has_dropout)
 
 // X(name, flag, kind, field): an optional input, present when attribute `flag`
 // is set; present ones follow the required inputs in this order (no
@@ -52,7 +54,8 @@
   X(diagonal_offset, has_diagonal_offset, kPerSequence, diagonal_offset) \
   X(bias, has_bias, kScores, bias)                                     \
   X(mask, has_mask, kScoreMask, mask)                                  \
-  X(alibi_slopes, has_alibi_slopes, kPerHead, alibi_slopes)
+  X(alibi_slopes, has_alibi_slopes, kPerHead, alibi_slopes)           \
+  X(dropout, has_dropout, kDropout, dropout.words)
 
 // The KV-cache target (flash_attention_with_kvcache).
 #define FLASHJAX_KVCACHE_OPTIONS(X) \

@@ -14,6 +14,8 @@
 #define FJ_HOST_DEVICE inline
 #endif
 
+#include "flashjax/dropout.h"
+
 namespace flashjax {
 
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
@@ -146,6 +148,33 @@ struct ScoreArray {
   explicit FJ_HOST_DEVICE operator bool() const { return data != nullptr; }
 };
 
+// Attention dropout (dropout.h): `words` [batch, heads_q, 4] uint32 holds, per
+// (sequence, query head), the key (k0, k1) and the mask indices (b, h) its elements
+// use (a vmapped axis folded into batch, or a batch- or head-shard, keeps each
+// instance's key and its unbatched call's indices); probabilities are multiplied by
+// `scale` = 1 / (1 - rate) where the mask keeps them and by 0 where it drops them.
+// The lse is the undropped one.
+struct Dropout {
+  const uint32_t* words = nullptr;  // null: no dropout
+  uint32_t threshold = 0;           // dropout::threshold(rate)
+  float scale = 1.0f;
+
+  explicit FJ_HOST_DEVICE operator bool() const { return words != nullptr; }
+  // The generator and mask indices of sequence b, query head h.
+  struct Head {
+    dropout::Generator generator;
+    uint32_t b = 0, h = 0;
+    // Keep bits of the 8 elements of group (x1, x0) (Generator::group_keep_bits).
+    FJ_HOST_DEVICE uint32_t group_keep_bits(uint32_t x1, uint32_t x0) const {
+      return generator.group_keep_bits(b, h, x1, x0);
+    }
+  };
+  FJ_HOST_DEVICE Head head(int64_t b, int64_t h, int64_t heads_q) const {
+    const uint32_t* w = words + (b * heads_q + h) * 4;
+    return Head{dropout::Generator{w[0], w[1], threshold}, w[2], w[3]};
+  }
+};
+
 struct AttentionParams {
   // Shapes. `batch` is the number of sequences: the dense batch (every leading
   // dimension folded in: vmap adds them) or, packed, len(cu_seqlens) - 1.
@@ -186,6 +215,7 @@ struct AttentionParams {
   ScoreArray bias;                         // float32 [batch|1, heads_q|heads_kv|1, seqlen_q, seqlen_k]
   ScoreArray mask;                         // bool, the same shapes as bias
   const float* alibi_slopes = nullptr;     // [batch, heads_q] ALiBi slopes
+  Dropout dropout;                         // attention dropout (null words: none)
 
   // Forward tensors.
   TensorRef q;                   // [batch, seqlen_q, heads_q, head_dim]
