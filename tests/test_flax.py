@@ -2,8 +2,8 @@
 MultiHeadDotProductAttention) against Flax's default attention (jax.nn's), and
 examples/flax_nnx.py's training losses. Skipped without flax (`pip install .[flax]`).
 
-Dropout inside the call is not tested here yet (flash_attention gains it separately);
-deterministic calls of a module with a dropout rate are."""
+Dropout: attention_fn with a dropout_rng equals flash_attention with that dropout_key
+(flashjax.dropout_mask's mask), deterministic=True equals no dropout."""
 
 import functools
 import importlib.util
@@ -89,3 +89,20 @@ def test_example_losses_match_flax_default():
     default = example.train(nnx.dot_product_attention, steps=4, batch=8, layers=1)
     assert flash[-1] < flash[0]
     np.testing.assert_allclose(flash, default, rtol=1e-5)
+
+
+def test_dropout_is_flash_attentions(x):
+    """Not deterministic: flash_attention's dropout with dropout_rng as its key (the
+    batch dims flattened, as attention_fn folds them); deterministic: no dropout."""
+    import flashjax
+    q = x.reshape(6, 24, 4, 8)
+    k = v = rand(1, (6, 24, 4, 8))
+    key = jax.random.key(3)
+    got = CPU_ATTENTION(q, k, v, dropout_rng=key, dropout_rate=0.25, deterministic=False)
+    want = flashjax.flash_attention(q, k, v, dropout_rate=0.25, dropout_key=key,
+                                    implementation="cpu")
+    np.testing.assert_array_equal(got, want)
+    assert not np.allclose(got, flashjax.flash_attention(q, k, v, implementation="cpu"))
+    np.testing.assert_array_equal(
+        CPU_ATTENTION(q, k, v, dropout_rng=key, dropout_rate=0.25, deterministic=True),
+        flashjax.flash_attention(q, k, v, implementation="cpu"))
