@@ -23,7 +23,7 @@ from ._autodiff import differentiable
 from ._spec import (DQ, DK, DV, EXTRA_OPERANDS, LSE, OPERANDS, OUT, Config, Extras, Layout,
                     attention_targets, gradients)
 
-__all__ = ["attention", "attention_core"]
+__all__ = ["attention", "attention_backward", "attention_core"]
 
 
 def _structured(target, present, operands):
@@ -114,6 +114,23 @@ def attention(q, k, v, extras: Extras, layout: Layout, cfg: Config, *arrays):
     in_jax = lambda *a: xla_attention.attention_core(*a, cfg)
     cuda = _route.without_unsupported(cfg, kernels, in_jax, cuda_unsupported(extras, layout))
     return _route.run(cfg, args, cuda=cuda, cpu=kernels, xla=in_jax, arrays=(q, *arrays))
+
+
+def attention_backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout,
+                       cfg: Config):
+    """(dq, dk, dv, d_extras) of a dense or packed call given its out and lse (the public
+    flash_attention_backward), routed as `attention` routes the call; every extra's
+    gradient is computed."""
+    needed = Extras(*(x is not None for x in extras))
+    if _no_work(q, k, cfg):
+        _route.check_platform(cfg, q)
+        zeros = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)
+        return zeros(q), zeros(k), zeros(v), Extras(*map(zeros, extras))
+    args = (q, k, v, out, dout, lse, dlse, extras, layout)
+    kernels = lambda *a: _backward(*a, cfg, needed)
+    in_jax = lambda *a: xla_attention.attention_backward(*a, cfg, needed)
+    cuda = _route.without_unsupported(cfg, kernels, in_jax, cuda_unsupported(extras, layout))
+    return _route.run(cfg, args, cuda=cuda, cpu=kernels, xla=in_jax, arrays=(q,))
 
 
 def cuda_unsupported(extras: Extras, layout: Layout) -> tuple:

@@ -7,6 +7,8 @@ from the C++ backward through jax.custom_vjp (`_core.attention_core`).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from . import _checks, _core, _dropout, _ffi
 from ._spec import Extras, Layout
 
@@ -116,6 +118,18 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
       A row that sees no key gets out 0 and lse -inf (or its sink logit); rows
       past seqused_q get out 0 and lse -inf.
     """
+    extras, layout, cfg = _describe(q, k, v, softmax_scale, causal, window_size, softcap, sinks,
+                                    return_lse, deterministic, q_segment_ids, kv_segment_ids,
+                                    seqused_q, seqused_k, q_offset, kv_offset, bias, mask,
+                                    alibi_slopes, dropout_rate, dropout_key, implementation)
+    out, lse = _core.attention(q, k, v, extras, layout, cfg)
+    return (out, lse) if return_lse else out
+
+
+def _describe(q, k, v, softmax_scale, causal, window_size, softcap, sinks, return_lse,
+              deterministic, q_segment_ids, kv_segment_ids, seqused_q, seqused_k, q_offset,
+              kv_offset, bias, mask, alibi_slopes, dropout_rate, dropout_key, implementation):
+    """(extras, layout, cfg) of a flash_attention call, its arguments checked."""
     _check_arrays(q, k, v, sinks)
     rate = _dropout.check_dropout(dropout_rate, dropout_key)
     layout = _layout(q, k, seqused_q, seqused_k, q_segment_ids, kv_segment_ids, q_offset,
@@ -126,5 +140,62 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
                               deterministic, implementation, return_lse, dropout_rate=rate)
     _ffi.load()
-    out, lse = _core.attention(q, k, v, Extras(sinks=sinks, bias=bias), layout, cfg)
-    return (out, lse) if return_lse else out
+    return Extras(sinks=sinks, bias=bias), layout, cfg
+
+
+def flash_attention_forward(q, k, v, **options):
+    """The forward as a building block (FlashAttention's `_flash_attn_forward`): (out,
+    lse) of `flash_attention(q, k, v, **options)`, for code that composes calls itself
+    (ring attention over blocks, merging partial results by their lse) and runs
+    `flash_attention_backward` on the merged out and lse. Takes flash_attention's
+    keyword arguments (return_lse is implied)."""
+    if "return_lse" in options:
+        raise TypeError("flash_attention_forward always returns (out, lse): drop return_lse")
+    return flash_attention(q, k, v, return_lse=True, **options)
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, dlse=None, softmax_scale=None,
+                             causal=False, window_size=(-1, -1), softcap=0.0, sinks=None,
+                             deterministic=False, q_segment_ids=None, kv_segment_ids=None,
+                             seqused_q=None, seqused_k=None, q_offset=None, kv_offset=None,
+                             bias=None, mask=None, alibi_slopes=None, dropout_rate=0.0,
+                             dropout_key=None, implementation=None):
+    """The backward as a building block (FlashAttention's `_flash_attn_backward`): the
+    gradients of a flash_attention call with these options, given its output `out` and
+    `lse` and their cotangents `dout` and `dlse` (None: zeros), without recomputing the
+    forward. out and lse need not be this call's own: ring attention passes the merged
+    ones of the whole sequence, so that each block's gradients are its share of the
+    whole's (D = rowsum(dout * out) - dlse is taken from them).
+
+    Args:
+      dout: (batch, seqlen_q, heads_q, head_dim_v), like out.
+      q, k, v, and the keyword arguments: as in flash_attention.
+      out: (batch, seqlen_q, heads_q, head_dim_v); lse: float32 (batch, heads_q, seqlen_q)
+        (lse -inf: a row that sees nothing, whose gradients are 0).
+      dlse: None or float32 like lse.
+
+    Returns:
+      (dq, dk, dv), then dsinks when sinks are given, then dbias (bias's shape, summed
+      over what it broadcasts) when bias is given.
+    """
+    extras, layout, cfg = _describe(q, k, v, softmax_scale, causal, window_size, softcap, sinks,
+                                    True, deterministic, q_segment_ids, kv_segment_ids,
+                                    seqused_q, seqused_k, q_offset, kv_offset, bias, mask,
+                                    alibi_slopes, dropout_rate, dropout_key, implementation)
+    batch, seqlen_q, heads_q = q.shape[:3]
+    out_shape = (batch, seqlen_q, heads_q, v.shape[-1])
+    for name, x in (("out", out), ("dout", dout)):
+        if getattr(x, "shape", None) != out_shape:
+            raise ValueError(f"{name} must have shape (batch, seqlen_q, heads_q, head_dim_v) = "
+                             f"{out_shape}, got {getattr(x, 'shape', type(x).__name__)}")
+    for name, x in (("lse", lse), ("dlse", dlse)):
+        if x is not None and getattr(x, "shape", None) != (batch, heads_q, seqlen_q):
+            raise ValueError(f"{name} must have shape (batch, heads_q, seqlen_q) = "
+                             f"{(batch, heads_q, seqlen_q)}, got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    lse = jnp.asarray(lse, jnp.float32)
+    dlse = jnp.zeros_like(lse) if dlse is None else jnp.asarray(dlse, jnp.float32)
+    dq, dk, dv, d_extras = _core.attention_backward(q, k, v, out.astype(q.dtype), dout, lse,
+                                                    dlse, extras, layout, cfg)
+    return (dq, dk, dv) + tuple(d for d, x in ((d_extras.sinks, sinks), (d_extras.bias, bias))
+                                if x is not None)

@@ -46,7 +46,7 @@ from ._spec import Config, Extras, Layout
 from ._visibility import diagonal_offset, used_rows
 from ._vma import vary_over, varying_axes
 
-__all__ = ["attention_core", "no_work_attention"]
+__all__ = ["attention_backward", "attention_core", "no_work_attention"]
 
 # Target block sizes (rows of queries and keys per block): the blocks of a call are at
 # most this large (a length is cut into equal blocks, rounded up to a multiple of 8).
@@ -772,6 +772,8 @@ def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg
     return dq.astype(q.dtype), dk.astype(k.dtype), dvv.astype(v.dtype), d_extras
 
 
+# The backward alone (flash_attention_backward's pure-JAX route): (dq, dk, dv, d_extras).
+attention_backward = _backward
 attention_core = differentiable(_forward, _backward)
 attention_core.__doc__ = """(out, lse): the same contract as flashjax._core.attention_core,
 computed blockwise in pure JAX; differentiable in q, k, v and the extras (custom_vjp with
