@@ -27,7 +27,10 @@ CASES = [
     VarlenCase(alibi="sequences", causal=True, sinks=True, pad_q=7, pad_k=3,
                q_offset=(4, 0, 0, 0, 97), kv_offset=(0, 0, 0, 0, 0)),
 ]
-XLA_CASES = CASES[-1:]  # the pure-JAX path's compilations dominate this file: one case
+# The pure-JAX path's compilations dominate this file: one case, forward and lse (its
+# backward reads the per-row slopes through the same _Terms.add; test_bias_mask checks
+# its ALiBi gradients on dense calls).
+XLA_CASES = CASES[-1:]
 
 
 @pytest.mark.parametrize("case", CASES, ids=map(str, CASES))
@@ -44,7 +47,7 @@ def test_varlen_alibi_cpu_two_pass_backward(cpu_kernels, monkeypatch):
 @pytest.mark.parametrize("case", XLA_CASES, ids=map(str, XLA_CASES))
 def test_varlen_alibi_pure_jax(case, monkeypatch):
     use_implementation(monkeypatch, "xla")
-    check_varlen(case)
+    check_varlen(case, gradients=False)
 
 
 def _packed(case=VarlenCase()):
