@@ -46,7 +46,7 @@ class VarlenCase:
     max_seqlen_k: int | None = None
     q_offset: tuple | None = None  # per-sequence positions (None: bottom-right alignment)
     kv_offset: tuple | None = None
-    alibi: str | None = None  # ALiBi slopes: None, "heads" ((heads_q,)), "sequences" ((num_seqs, heads_q))
+    alibi: str | None = None  # slopes: "heads" (heads_q,) or "sequences" (num_seqs, heads_q)
 
     @property
     def dv(self):

@@ -279,6 +279,28 @@ def gemm_gflops(iters: int = GEMM_ITERS) -> float:
     return 2.0 * GEMM_SIZE ** 3 / (ms * 1e-3) / 1e9
 
 
+def torch_sdpa():
+    """(torch, SDPBackend, sdpa_kernel) for the PyTorch peers, or Unsupported without
+    PyTorch or a CUDA GPU."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        raise Unsupported("needs PyTorch") from e
+    if not torch.cuda.is_available():
+        raise Unsupported("needs a CUDA GPU")
+    return torch, SDPBackend, sdpa_kernel
+
+
+def keep_record(records: list, record: dict, json_file) -> None:
+    """Appends `record` and, with --json, writes it as a JSON line at once (flushed: an
+    interrupted run keeps every finished measurement)."""
+    records.append(record)
+    if json_file:
+        json_file.write(json.dumps(record) + "\n")
+        json_file.flush()
+
+
 def short_reason(error: Exception) -> str:
     text = str(error) or type(error).__name__
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import statistics
 import sys
 from typing import Callable
@@ -213,13 +212,7 @@ def torch_ms(case: bench.Case, mode: str, warmup: int, iters: int) -> float:
     backend (FlashAttention 2), fwd or fwd+bwd, median of CUDA-event times."""
     if mode == "bwd":
         raise bench.Unsupported("fwd and fwdbwd only")
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError as e:
-        raise bench.Unsupported("needs PyTorch") from e
-    if not torch.cuda.is_available():
-        raise bench.Unsupported("needs a CUDA GPU")
+    torch, SDPBackend, sdpa_kernel = bench.torch_sdpa()
     dt = getattr(torch, case.dtype)
     grad = mode == "fwdbwd"
     make = lambda heads, rows: torch.randn(case.batch, heads, rows, case.head_dim,
@@ -311,10 +304,7 @@ def main(args) -> int:
             for name in names:
                 for r in measure(VARIANTS[name], case, modes, inputs, args.warmup, iters):
                     print(f"  {r['mode']:6s} {name:16s} {cell(r, gpu)}", flush=True)
-                    records.append({**info, **r})
-                    if json_file:
-                        json_file.write(json.dumps(records[-1]) + "\n")
-                        json_file.flush()
+                    bench.keep_record(records, {**info, **r}, json_file)
                 jax.clear_caches()
                 gc.collect()
             del inputs
