@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 from flashjax import bench
 
 
@@ -45,3 +47,25 @@ def test_bench_decode_mode_writes_json(tmp_path):
             assert r["error"] == "contiguous caches only"
         else:
             assert r["error"] is None and r["us"] > 0 and r["kv_bytes"] == 2 * 2 * 96 * 2 * 16 * 4
+
+
+def test_bench_terms_mode_writes_json(tmp_path):
+    """--terms all on a tiny CPU shape, fwd+bwd (every variant's build, the bias
+    gradient): flashjax's variants run, the GPU peers say why not; the block-sparse mask
+    hides exactly half the tiles."""
+    from flashjax import bench_terms
+    path = tmp_path / "terms.jsonl"
+    status = bench.main(["--terms", "all", "--seqlen", "64", "--head-dim", "16", "--heads", "2",
+                         "--mode", "fwdbwd", "--iters", "1", "--warmup", "0", "--json", str(path)])
+    assert status == 0
+    records = {r["variant"]: r for r in map(json.loads, path.read_text().splitlines())}
+    assert set(records) == set(bench_terms.VARIANTS)
+    for name, r in records.items():
+        if name.startswith(("cudnn", "torch")):
+            assert r["error"] in ("needs a CUDA GPU", "needs PyTorch"), (name, r["error"])
+        else:
+            assert r["error"] is None and r["tflops"] > 0, (name, r["error"])
+            assert r["density"] == (0.5 if "causal" in name or name == "mask-blocks" else 1.0)
+    assert np.asarray(bench_terms.block_sparse_mask(256, 512)).mean() == 0.5
+    mask = np.asarray(bench_terms.block_sparse_mask(300, 384))[0, 0]  # 3 x 3 tiles, one empty
+    assert (mask[::128, ::128].sum(axis=1) == 2).all() and mask.mean() == 2 / 3

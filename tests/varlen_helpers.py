@@ -46,6 +46,7 @@ class VarlenCase:
     max_seqlen_k: int | None = None
     q_offset: tuple | None = None  # per-sequence positions (None: bottom-right alignment)
     kv_offset: tuple | None = None
+    alibi: str | None = None  # slopes: "heads" (heads_q,) or "sequences" (num_seqs, heads_q)
 
     @property
     def dv(self):
@@ -82,8 +83,19 @@ class VarlenCase:
                      dict(q_offset=None if self.q_offset is None else np.asarray(self.q_offset, np.int32),
                           kv_offset=None if self.kv_offset is None
                           else np.asarray(self.kv_offset, np.int32)))
+        if self.alibi is not None:
+            positions["alibi_slopes"] = self.alibi_slopes()
         return dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap,
                     **positions)
+
+    def alibi_slopes(self):
+        """float32 slopes as `alibi` says: per head 2^-(h+1) / 4, or per sequence and head
+        (a different draw for each sequence)."""
+        if self.alibi == "heads":
+            return (0.25 * 0.5 ** np.arange(1, self.heads_q + 1)).astype(np.float32)
+        assert self.alibi == "sequences", self.alibi
+        rng = np.random.default_rng(11)
+        return rng.uniform(0.01, 0.5, (len(self.lengths_q), self.heads_q)).astype(np.float32)
 
     def __str__(self):
         s = (f"q{'-'.join(map(str, self.lengths_q))}+{self.pad_q}"
@@ -96,6 +108,7 @@ class VarlenCase:
                           (self.max_seqlen_q is not None, f"maxq{self.max_seqlen_q}"),
                           (self.q_offset is not None, f"atq{self.q_offset}"),
                           (self.kv_offset is not None, f"atk{self.kv_offset}"),
+                          (self.alibi is not None, f"alibi-{self.alibi}"),
                           (tuple(self.window_size) != (-1, -1), f"w{self.window_size}")):
             if flag:
                 s += f"-{tag}"

@@ -89,9 +89,9 @@ def check_scores(name: str, x, batch: int, heads_q: int, heads_kv: int, seqlen_q
     return x if name == "mask" else jnp.asarray(x, jnp.float32)
 
 
-def check_alibi_slopes(slopes, batch: int, heads_q: int):
+def check_alibi_slopes(slopes, batch: int, heads_q: int, batch_name: str = "batch"):
     """float32 ALiBi slopes of shape (heads_q,) or (batch, heads_q), as (batch, heads_q)
-    (None stays None)."""
+    (None stays None); `batch_name` names the batch dim in errors (num_seqs: packed)."""
     if slopes is None:
         return None
     s = shape_of("alibi_slopes", slopes)
@@ -99,7 +99,7 @@ def check_alibi_slopes(slopes, batch: int, heads_q: int):
         raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
     if s not in ((heads_q,), (batch, heads_q)):
         raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or "
-                         f"(batch, heads_q) = ({batch}, {heads_q}), got {s}")
+                         f"({batch_name}, heads_q) = ({batch}, {heads_q}), got {s}")
     return jnp.broadcast_to(slopes, (batch, heads_q))
 
 

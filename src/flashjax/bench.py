@@ -11,6 +11,7 @@ Usage::
     python -m flashjax.bench --fa3-shapes --loop 10     # jitted loops of 10 dependent calls
     python -m flashjax.bench --varlen both --head-dim 64 128   # packed documents (bench_varlen)
     python -m flashjax.bench --decode --cache 8k 64k --decode-heads 32/8   # decoding (bench_decode)
+    python -m flashjax.bench --terms all   # masks, bias, ALiBi, dropout, flashjax.nn (bench_terms)
 
 List options take several values, space- or comma-separated; sequence lengths accept a
 ``k`` suffix (``16k`` = 16384).
@@ -59,6 +60,7 @@ import jax.numpy as jnp
 IMPLS = ("flashjax", "flashjax-xla", "xla", "cudnn")
 VARLEN_IMPLS = ("varlen", "segments", "padded", "cudnn-padded", "dense-mean")  # --varlen
 DECODE_IMPLS = ("flashjax", "xla", "cudnn", "pallas", "torch-flash", "torch-cudnn")  # --decode
+TERMS = ("mask", "bias", "alibi", "dropout", "nn")  # --terms (bench_terms' groups)
 MODES = ("fwd", "fwdbwd", "bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -191,21 +193,31 @@ def make_inputs(case: Case, seed: int = 0):
     return q, k, v, dout
 
 
-def build_step(fn: Callable, mode: str, q, k, v, dout, loop: int = 1):
+def build_step(fn: Callable, mode: str, q, k, v, dout, loop: int = 1, operands: tuple = (),
+               differentiated: int = 0):
     """Returns ``(jitted_step, args)``: the function to time and its arguments. With
     loop > 1 the step is a jitted loop of `loop` dependent calls (each call's q, or
-    dout for bwd, depends on the previous result), so host dispatch is amortised."""
+    dout for bwd, depends on the previous result), so host dispatch is amortised.
+    fn(q, k, v, *operands): the operands (a bias, a mask, ...) are arguments of the step,
+    not constants captured in it; fwdbwd and bwd differentiate q, k, v and the first
+    `differentiated` operands."""
     if loop > 1:
+        if operands:
+            raise Unsupported("--loop takes no operands besides q, k, v")
         return _looped_step(fn, mode, loop, q, k, v, dout)
+    wrt, rest = (q, k, v, *operands[:differentiated]), operands[differentiated:]
     if mode == "fwd":
-        return jax.jit(fn), (q, k, v)
+        return jax.jit(fn), (q, k, v, *operands)
     if mode == "fwdbwd":
-        def loss(q, k, v, dout):
-            out = fn(q, k, v).astype(jnp.float32)
+        def loss(dout, *args):
+            out = fn(*args).astype(jnp.float32)
             return jnp.sum(out * dout.astype(jnp.float32))
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v, dout)
+        argnums = tuple(range(1, 1 + len(wrt)))
+        return jax.jit(jax.grad(loss, argnums=argnums)), (dout, *wrt, *rest)
     if mode == "bwd":
-        _, pullback = jax.vjp(jax.jit(fn), q, k, v)  # residuals computed once, untimed
+        jitted = jax.jit(fn)  # (rest: arguments of the jitted call, not differentiated)
+        # residuals computed once, untimed
+        _, pullback = jax.vjp(lambda *wrt: jitted(*wrt, *rest), *wrt)
         return jax.jit(lambda pullback, dout: pullback(dout)), (pullback, dout)
     raise ValueError(f"unknown mode {mode!r}")
 
@@ -265,6 +277,28 @@ def gemm_gflops(iters: int = GEMM_ITERS) -> float:
     b = jax.random.normal(kb, (GEMM_SIZE, GEMM_SIZE), jnp.float32)
     ms = median_ms(jax.jit(jnp.dot), (a, b), warmup=1, iters=iters)
     return 2.0 * GEMM_SIZE ** 3 / (ms * 1e-3) / 1e9
+
+
+def torch_sdpa():
+    """(torch, SDPBackend, sdpa_kernel) for the PyTorch peers, or Unsupported without
+    PyTorch or a CUDA GPU."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        raise Unsupported("needs PyTorch") from e
+    if not torch.cuda.is_available():
+        raise Unsupported("needs a CUDA GPU")
+    return torch, SDPBackend, sdpa_kernel
+
+
+def keep_record(records: list, record: dict, json_file) -> None:
+    """Appends `record` and, with --json, writes it as a JSON line at once (flushed: an
+    interrupted run keeps every finished measurement)."""
+    records.append(record)
+    if json_file:
+        json_file.write(json.dumps(record) + "\n")
+        json_file.flush()
 
 
 def short_reason(error: Exception) -> str:
@@ -342,6 +376,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-heads", nargs="+", help="--decode: q/kv heads, e.g. 32/8 64/8")
     p.add_argument("--page-size", nargs="+", type=int,
                    help="--decode: paged caches of these page sizes (0: contiguous)")
+    p.add_argument("--terms", nargs="+", help="score-term and dropout benchmark instead "
+                   f"(see flashjax.bench_terms): any of {','.join(TERMS)}, or all")
     p.add_argument("--fa3-shapes", action="store_true",
                    help="FlashAttention-3 paper shapes (the GPU default)")
     p.add_argument("--plot", metavar="PATH.png", help="TFLOP/s vs seqlen plot")
@@ -351,7 +387,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--plot needs matplotlib, which is not installed: "
                 "pip install 'flashjax[plot]' (or pip install matplotlib)")
     impls = VARLEN_IMPLS if args.varlen else DECODE_IMPLS if args.decode else IMPLS
-    for name, allowed in (("mode", MODES), ("impl", impls)):
+    for name, allowed in (("mode", MODES), ("impl", impls), ("terms", TERMS + ("all",))):
         values = _split(getattr(args, name))
         if values is not None and not set(values) <= set(allowed):
             p.error(f"--{name}: expected values among {','.join(allowed)}, got {values}")
@@ -589,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode:
         from . import bench_decode
         return bench_decode.main(args)
+    if args.terms:
+        from . import bench_terms
+        return bench_terms.main(args)
     args = resolve_defaults(args, _on_gpu())
     results = run(args)
     unit = "TFLOP/s" if _on_gpu() else "GFLOP/s and fraction of the float32 GEMM rate"

@@ -28,7 +28,6 @@ median over ``--iters`` runs of a jitted loop of ``--loop`` dependent calls (def
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
 import jax
@@ -177,10 +176,7 @@ def main(args) -> int:
                         cell = (f"{r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s" if r["ms"]
                                 else f"n/a ({r['error']})")
                         print(f"  {mode:6s} {impl:13s} {cell}", flush=True)
-                        records.append({**info, **r})
-                        if json_file:
-                            json_file.write(json.dumps(records[-1]) + "\n")
-                            json_file.flush()
+                        bench.keep_record(records, {**info, **r}, json_file)
                     jax.clear_caches()
     if json_file:
         json_file.close()

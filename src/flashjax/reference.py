@@ -189,7 +189,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     cu_seqlens, seqused and q_offset / kv_offset must be concrete (NumPy) values; they
     are clamped as flash_attention_varlen documents (for non-decreasing cu_seqlens).
-    Rows that no sequence uses get out 0 and lse -inf. Same `options` as `attention`.
+    Rows that no sequence uses get out 0 and lse -inf. Same `options` as `attention`;
+    alibi_slopes is (heads_q,) or (num_seqs, heads_q) (sequence b's row for sequence b).
     Evaluated as one batched `attention` call: each sequence's rows and keys gathered
     into a batch entry, zero-padded, its used lengths (and positions) as seqused (and
     q_offset / kv_offset), so that the padding takes no part.
@@ -228,6 +229,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     positions = {}
     if q_offset is not None or kv_offset is not None:
         positions = dict(q_offset=q_at, kv_offset=kv_at)
+    slopes = options.get("alibi_slopes")
+    if slopes is not None and jnp.ndim(slopes) == 2:  # (num_seqs, heads_q): a row per span
+        options = {**options, "alibi_slopes": jnp.asarray(slopes)[np.array(span_sequences)]}
     if options.get("dropout_rate", 0) > 0:  # sequence b's mask: rows and keys within it
         keep = _dropout.dropout_mask(options["dropout_key"], options["dropout_rate"],
                                      sequences, q.shape[1], width_q, width_k)

@@ -63,7 +63,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
                            deterministic=False, page_table=None, q_offset=None, kv_offset=None,
-                           dropout_rate=0.0, dropout_key=None, implementation=None):
+                           alibi_slopes=None, dropout_rate=0.0, dropout_key=None,
+                           implementation=None):
     """Attention over a packed batch of sequences of different lengths.
 
     Args:
@@ -92,6 +93,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         row and first key row (an int or an integer array of shape () or
         (num_seqs,)), as in `flash_attention`: given either, causal and windows
         compare positions.
+      alibi_slopes: optional float32 (heads_q,) or (num_seqs, heads_q) (one row per
+        sequence): FlashAttention's varlen ALiBi, -slope * |i + seqlen_k_b -
+        seqlen_q_b - j| added to query i / key j of sequence b (counted within it,
+        on its used lengths; by position with q_offset / kv_offset) after the
+        softcap; never materialised, not differentiated. Runs on the CPU kernels and
+        the pure-JAX path; on a CUDA GPU, implementation=None takes the pure-JAX path
+        for such calls for now ("cuda" raises ValueError), as for flash_attention.
       dropout_rate, dropout_key: attention dropout as in `flash_attention`; element
         (b, h, i, j) of the keep mask is sequence b, query head h, query row i and key
         j counted within the sequence (flashjax.dropout_mask(dropout_key, rate,
@@ -101,6 +109,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
       out (total_q, heads_q, head_dim_v) [, lse (heads_q, total_q)]. Rows that
       belong to no sequence or lie past seqused_q get out 0 and lse -inf.
+
+    No bias= or mask= (FlashAttention's varlen interface has neither; a packed score
+    array would be (total_q, total_k) or ragged): for masks over packed documents, use
+    flash_attention on the packed rows with q_segment_ids / kv_segment_ids and mask=
+    (and bias=) of shape (1, heads, total_q, total_k).
 
     Inconsistent metadata is clamped, never trusted: cu_seqlens entries to
     [0, total], a sequence's end to at least its start, lengths to max_seqlen,
@@ -122,6 +135,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                     seqused_k=seqused_k,
                     diagonal_offset=_checks.diagonal_offset(
                         q_offset, kv_offset, sequences, "(num_seqs,)"),
+                    alibi_slopes=_checks.check_alibi_slopes(alibi_slopes, sequences, q.shape[1],
+                                                            "num_seqs"),
                     dropout=(_dropout.key_rows(dropout_key, sequences, q.shape[1]) if rate
                              else None))
     _ffi.load()
