@@ -31,6 +31,15 @@ for causal in (False, True):
                                                   jnp.asarray(v))
         for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
             results[f"{name}_{int(causal)}_{window[0]}"] = np.asarray(x)
+# the KV-cache decode path (row_dots, gemm_b_rows), a NaN only the last query row sees
+kc = rng.standard_normal((2, 300, 2, 64)).astype(np.float32)
+vc = rng.standard_normal((2, 300, 2, 64)).astype(np.float32)
+vc[0, 289, 1, 9] = np.nan
+qd = rng.standard_normal((2, 2, 8, 64)).astype(np.float32)
+out, lse = flashjax.flash_attention_with_kvcache(
+    qd, kc, vc, cache_seqlens=jnp.asarray([290, 100], jnp.int32), causal=True,
+    return_lse=True, implementation="cpu")
+results["kvcache_out"], results["kvcache_lse"] = np.asarray(out), np.asarray(lse)
 np.savez(sys.argv[1], **results)
 """
 
