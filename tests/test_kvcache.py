@@ -62,6 +62,9 @@ SPLIT_CASES = [
            seqlens=(500, 129, 7), seqlen_new=1, window_size=(100, 0), softcap=5.0),
     KVCase(capacity=400, seqlens=(390, 200, 50), seqlen_new=3, seqlen_q=3, causal=True,
            rotary_dim=16, dtype="bfloat16"),
+    KVCase(heads_q=4, heads_kv=4, head_dim=64, head_dim_v=64, page_size=64, num_pages=30,
+           capacity=512, seqlens=(500, 64, 200), seqlen_new=2, seqlen_q=2, causal=True,
+           sinks=True, dtype="float16"),
 ]
 
 

@@ -6,8 +6,8 @@
 // tiles read where they lie in the cache (contiguous, leftpad, cache_batch_idx or
 // paged: SeqlenInfo::k_at), an online softmax per row into a partial (O, m, l);
 // a second pass combines each (sequence, kv head)'s splits into out and lse.
-// Float caches whose head dims fill whole vector lines are read in place; others
-// convert only the tile being used. Larger query blocks (prefill) take the dense
+// Caches whose head dims fill whole vector lines are read in place (the tile kernels
+// widen 16-bit elements in registers); others convert the rows of the tile in use. Larger query blocks (prefill) take the dense
 // forward (attention_forward), which reads the cache through k_at too.
 #include <algorithm>
 #include <cmath>
@@ -35,6 +35,8 @@ constexpr int64_t kTasksPerThread = 4;
 // combine reads a partial of every split).
 constexpr int64_t kMinTilesPerSplit = 2;
 constexpr float kNegInf = kNegInfinity;
+constexpr int64_t kConvertAhead = 4;  // keys: converted caches prefetch this far ahead
+constexpr int64_t kCacheLine = 64;    // bytes
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -55,17 +57,19 @@ struct Decode {
   int64_t group, rows, pad_rows;  // packed rows: row r is query r / group, head r % group
   int64_t dp, dvp;                // head dims padded to whole vector lines
   int64_t splits;
-  bool in_place;  // float rows of whole lines: the kernels read the cache itself
+  bool in_place;  // rows of whole vector lines: the kernels read the cache itself
+  DType row_type; // the element type of the rows the kernels read
   int64_t partial_floats;
 
-  Decode(const AttentionParams& p, bool is_float)
+  explicit Decode(const AttentionParams& p)
       : group(p.group_size()),
         rows(group * p.seqlen_q),
         pad_rows(round_up(rows, 4)),
         dp(round_up(p.head_dim, kRowAlign)),
         dvp(round_up(p.head_dim_v, kRowAlign)),
         splits(split_count(p)),
-        in_place(is_float && dp == p.head_dim && dvp == p.head_dim_v),
+        in_place(dp == p.head_dim && dvp == p.head_dim_v),
+        row_type(in_place ? p.dtype : DType::kFloat32),
         partial_floats(pad_rows * (dvp + 3)) {}
   int64_t query(int64_t r) const { return r / group; }
   int64_t head(int64_t hk, int64_t r) const { return hk * group + r % group; }
@@ -77,42 +81,61 @@ struct Partial {
       : O(base), m(O + d.pad_rows * d.dvp), l(m + d.pad_rows), seen(l + d.pad_rows) {}
 };
 
-// Where a key tile's K and V rows are, as float rows: the cache's own (in place) or
-// this tile's converted copies; columns past the tile's keys point at zeros.
+// Where a key tile's K and V rows are: the cache's own (in place, Decode::row_type) or
+// this tile's float copies; columns past the tile's keys point at zeros (of either).
 template <class T>
 struct KeyTile {
   const Decode& d;
   const AttentionParams& p;
   const SeqlenInfo& seq;
   int64_t hk;
-  const float** k_rows;
-  const float** v_rows;
+  const void** k_rows;
+  const void** v_rows;
   float *k_copy, *v_copy;  // kKeyTile rows of dp / dvp floats (converted caches)
   const float* zeros;      // max(dp, dvp) zeros
 
   // Points columns [lo, hi) at keys k0 + lo.. (those < cols; the rest at zeros).
   void locate(int64_t k0, int64_t cols, int64_t lo, int64_t hi) const {
     for (int64_t j = lo; j < hi; ++j) {
+      if (!d.in_place && j + kConvertAhead < std::min(hi, cols)) prefetch(k0 + j + kConvertAhead);
       if (j >= cols) {
         k_rows[j] = v_rows[j] = zeros;
         continue;
       }
       const T* k = seq.k_at<const T>(p.k, k0 + j, hk);
       const T* v = seq.k_at<const T>(p.v, k0 + j, hk);
-      if constexpr (std::is_same_v<T, float>) {
-        if (d.in_place) {
-          k_rows[j] = k, v_rows[j] = v;
-          continue;
-        }
+      if (d.in_place) {
+        k_rows[j] = k, v_rows[j] = v;
+        continue;
       }
       k_rows[j] = convert(k_copy + j * d.dp, k, p.head_dim, d.dp);
       v_rows[j] = convert(v_copy + j * d.dvp, v, p.head_dim_v, d.dvp);
     }
   }
 
+  // v_rows as float rows over columns [lo, hi) (16-bit rows read in place converted
+  // to the tile's copies), indexed by column.
+  const float* const* values_as_float(int64_t lo, int64_t hi) const {
+    if (d.row_type != DType::kFloat32)
+      for (int64_t j = lo; j < hi; ++j)
+        if (v_rows[j] != zeros)
+          v_rows[j] = convert(v_copy + j * d.dvp, static_cast<const T*>(v_rows[j]), p.head_dim_v,
+                              d.dvp);
+    return reinterpret_cast<const float* const*>(v_rows);
+  }
+
  private:
+  // The rows of a key converted kConvertAhead keys later (a row at a time, the
+  // conversion alone waited on memory: bf16 at 32/8 d128 ran at a quarter of the
+  // float path's bandwidth).
+  void prefetch(int64_t key) const {
+    const char* k = reinterpret_cast<const char*>(seq.k_at<const T>(p.k, key, hk));
+    const char* v = reinterpret_cast<const char*>(seq.k_at<const T>(p.v, key, hk));
+    for (int64_t b = 0; b < p.head_dim * int64_t{sizeof(T)}; b += kCacheLine) __builtin_prefetch(k + b);
+    for (int64_t b = 0; b < p.head_dim_v * int64_t{sizeof(T)}; b += kCacheLine) __builtin_prefetch(v + b);
+  }
   static const float* convert(float* dst, const T* src, int64_t dim, int64_t padded) {
-    for (int64_t c = 0; c < dim; ++c) dst[c] = to_float(src[c]);
+    to_float_row(dst, src, dim);
     std::fill(dst + dim, dst + padded, 0.0f);
     return dst;
   }
@@ -145,9 +168,9 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
   float* S = Q + d.pad_rows * d.dp;
   float* k_copy = S + d.pad_rows * kKeyTile;
   float* v_copy = k_copy + kKeyTile * d.dp;
-  float* zeros = v_copy + kKeyTile * d.dvp;
+  float* zeros = v_copy + kKeyTile * d.dvp;  // (zero bits in every element type)
   std::fill(zeros, zeros + std::max(d.dp, d.dvp), 0.0f);
-  thread_local std::vector<const float*> row_storage;
+  thread_local std::vector<const void*> row_storage;
   row_storage.resize(2 * kKeyTile);
   const KeyTile<T> tile{d, p, seq, hk, row_storage.data(), row_storage.data() + kKeyTile,
                         k_copy, v_copy, zeros};
@@ -176,7 +199,8 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
     // Scores of columns [c0, n) (whole vector lines), -inf outside each row's keys.
     const int64_t c0 = lo_all / kRowAlign * kRowAlign, n = round_up(hi_all, kRowAlign);
     tile.locate(k0, cols, c0, n);
-    kernels.row_dots(S + c0, kKeyTile, Q, d.dp, d.rows, tile.k_rows + c0, n - c0, d.dp);
+    kernels.row_dots(S + c0, kKeyTile, Q, d.dp, d.rows, tile.k_rows + c0, d.row_type, n - c0,
+                     d.dp);
     for (int64_t r = 0; r < d.rows; ++r) {
       float* s = S + r * kKeyTile;
       if (p.softcap > 0.0f)
@@ -187,21 +211,27 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
     }
     kernels.softmax_step(S, kKeyTile, d.rows, d.pad_rows, n, part.m, part.l, part.O, d.dvp);
     // P V over columns [lo_all, hi_all). Where rows see different keys, a hidden pair
-    // (P = 0) would multiply an inf / NaN value into NaN: then visible pairs only.
-    const float* const* v_rows = tile.v_rows + lo_all;
+    // (P = 0) would multiply an inf / NaN value into NaN: then float rows, checked,
+    // and visible pairs only if one is not finite.
+    if (same_columns) {
+      kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile, tile.v_rows + lo_all, d.row_type,
+                          d.pad_rows, d.dvp, hi_all - lo_all);
+      continue;
+    }
+    const float* const* v_rows = tile.values_as_float(lo_all, hi_all);
     bool finite = true;
-    for (int64_t j = 0; !same_columns && finite && j < hi_all - lo_all; ++j)
+    for (int64_t j = lo_all; finite && j < hi_all; ++j)
       finite = kernels.all_finite(v_rows[j], d.dvp);
     if (finite) {
-      kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile, v_rows, d.pad_rows, d.dvp,
-                          hi_all - lo_all);
+      kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile,
+                          reinterpret_cast<const void* const*>(v_rows + lo_all),
+                          DType::kFloat32, d.pad_rows, d.dvp, hi_all - lo_all);
       continue;
     }
     for (int64_t r = 0; r < d.rows; ++r)
       for (int64_t j = lo[r]; j < hi[r]; ++j) {
         const float pj = S[r * kKeyTile + j];
-        const float* v = tile.v_rows[j];
-        for (int64_t c = 0; c < d.dvp; ++c) part.O[r * d.dvp + c] += pj * v[c];
+        for (int64_t c = 0; c < d.dvp; ++c) part.O[r * d.dvp + c] += pj * v_rows[j][c];
       }
   }
 }
@@ -260,7 +290,7 @@ void kvcache_forward(const AttentionParams& p) {
   if (!decodes(p)) return attention_forward(p);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const Decode d(p, std::is_same_v<T, float>);
+    const Decode d(p);
     const int64_t pairs = p.batch * p.heads_kv;
     thread_local Scratch partial_storage;  // (per calling thread: calls may overlap)
     float* partials = partial_storage.get(pairs * d.splits * d.partial_floats);
