@@ -247,9 +247,11 @@ def check_varlen_nonfinite(causal, device=None, dtype="float32", head_dim=16, gr
 
 
 def check_kvcache_nonfinite(device=None, dtype="float32", head_dim=16, seqlen_q=3,
-                            causal=False):
+                            causal=False, last_key_nan=False):
     """flash_attention_with_kvcache: NaN in cache rows past cache_seqlens is never read;
-    a NaN value element inside entry 1's keys reaches that column of entry 1 only."""
+    a NaN value element inside entry 1's keys reaches that column of entry 1 only.
+    last_key_nan (causal): also one in entry 1's last key, which its last query row
+    alone sees (the other rows' hidden pairs must not multiply it)."""
     batch, cache, hq, hk = 2, 64, 4, 2
     q = rand(0, (batch, seqlen_q, hq, head_dim), dtype)
     k_cache = rand(1, (batch, cache, hk, head_dim), dtype)
@@ -258,6 +260,8 @@ def check_kvcache_nonfinite(device=None, dtype="float32", head_dim=16, seqlen_q=
     k_cache = k_cache.at[0, 50].set(jnp.nan)        # past entry 0's length: never read
     v_cache = v_cache.at[0, 45, 1, 2].set(jnp.nan)  # likewise
     v_cache = v_cache.at[1, 10, 0, 5].set(jnp.nan)  # read by entry 1, heads 0-1, column 5
+    if last_key_nan:  # entry 1's last query row, heads 2-3, column 7
+        v_cache = v_cache.at[1, 63, 1, 7].set(jnp.nan)
     q, k_cache, v_cache = jax.device_put((q, k_cache, v_cache), device)
     out, lse = flashjax.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                                      causal=causal, return_lse=True)
@@ -268,4 +272,7 @@ def check_kvcache_nonfinite(device=None, dtype="float32", head_dim=16, seqlen_q=
     assert_same_nonfinite(lse, want_lse, jnp.float32, "kvcache lse")
     want_out = np.asarray(want_out)
     assert np.isfinite(want_out[0]).all() and np.isnan(want_out[1, -1, :2, 5]).all()
+    if last_key_nan:
+        assert np.isnan(want_out[1, -1, 2:, 7]).all() and np.isfinite(want_out[1, :-1, :, 7]).all()
+        want_out = np.delete(want_out, 7, axis=-1)
     assert np.isfinite(np.delete(want_out[1], 5, axis=-1)).all()

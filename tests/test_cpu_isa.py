@@ -31,6 +31,19 @@ for causal in (False, True):
                                                   jnp.asarray(v))
         for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
             results[f"{name}_{int(causal)}_{window[0]}"] = np.asarray(x)
+# the KV-cache decode path (row_dots, gemm_b_rows), a NaN only the last query row sees
+kc = rng.standard_normal((2, 300, 2, 64)).astype(np.float32)
+vc = rng.standard_normal((2, 300, 2, 64)).astype(np.float32)
+vc[0, 289, 1, 9] = np.nan
+qd = rng.standard_normal((2, 2, 8, 64)).astype(np.float32)
+for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):  # caches read in place, widened
+    out, lse = flashjax.flash_attention_with_kvcache(
+        *(jnp.asarray(x, dtype) for x in (qd, kc, vc)),
+        cache_seqlens=jnp.asarray([290, 100], jnp.int32), causal=True, return_lse=True,
+        implementation="cpu")
+    name = jnp.dtype(dtype).name
+    results[f"kvcache_out_{name}"] = np.asarray(out, np.float32)
+    results[f"kvcache_lse_{name}"] = np.asarray(lse)
 np.savez(sys.argv[1], **results)
 """
 

@@ -51,6 +51,31 @@ def test_num_splits_give_the_same_result(num_splits):
     check(CASES[2], num_splits=num_splits)
 
 
+# The CPU decode path's split-K (csrc/cpu/kvcache_cpu.cc): caches of several 128-key
+# tiles, split as the library chooses and forced (FLASHJAX_CPU_KVCACHE_SPLITS); head
+# dims of whole vector lines (float: read in place) and not (converted per tile).
+SPLIT_CASES = [
+    KVCase(heads_q=8, heads_kv=2, head_dim=64, head_dim_v=64, capacity=600,
+           seqlens=(590, 0, 300), leftpad=(5, 0, 40), seqlen_new=2, seqlen_q=2, causal=True,
+           sinks=True),
+    KVCase(heads_q=6, heads_kv=3, head_dim_v=40, page_size=32, num_pages=60, capacity=512,
+           seqlens=(500, 129, 7), seqlen_new=1, window_size=(100, 0), softcap=5.0),
+    KVCase(capacity=400, seqlens=(390, 200, 50), seqlen_new=3, seqlen_q=3, causal=True,
+           rotary_dim=16, dtype="bfloat16"),
+    KVCase(heads_q=4, heads_kv=4, head_dim=64, head_dim_v=64, page_size=64, num_pages=30,
+           capacity=512, seqlens=(500, 64, 200), seqlen_new=2, seqlen_q=2, causal=True,
+           sinks=True, dtype="float16"),
+]
+
+
+@pytest.mark.parametrize("splits", [None, "1", "3"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=map(str, SPLIT_CASES))
+def test_cpu_decode_splits(case, splits, monkeypatch):
+    if splits:
+        monkeypatch.setenv("FLASHJAX_CPU_KVCACHE_SPLITS", splits)
+    check(case, implementation="cpu")
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[8], CASES[-2]],
                          ids=["contiguous", "batch_idx", "paged", "paged_leftpad"])
 def test_gpu_prefill_route_on_the_cpu(case):

@@ -124,6 +124,10 @@ def test_kvcache_nan_past_cache_seqlens_is_never_read(implementation):
     check_kvcache_nonfinite()
 
 
+def test_kvcache_nan_reaches_only_the_rows_that_see_it(implementation):
+    check_kvcache_nonfinite(causal=True, last_key_nan=True)
+
+
 # ----------------------------------------------------------------------------- ring attention
 
 RING_SCRIPT = textwrap.dedent("""

@@ -445,8 +445,10 @@ void forward_tile(const AttentionParams& p, const Shape& shape, const ConvertedK
                         tile_needs_mask(seq, q0, used, k0, cols), !tile_segments.uniform(),
                         &terms};
     // Masked tiles: ragged, chunks of rows up to their last visible key (the
-    // scores past it are masked, their P exactly 0); others: one chunk.
-    const int64_t chunk = mask.needs_mask ? kRaggedChunkRows : kForwardBlockQ;
+    // scores past it are masked, their P exactly 0); others: one chunk of the used
+    // rows (a short query block, e.g. a KV cache's prefill, computed 256).
+    const int64_t chunk =
+        mask.needs_mask ? kRaggedChunkRows : round_up(std::max<int64_t>(used, 1), 4);
     const auto for_each_chunk = [&](auto&& body) {  // body(first row, columns)
       for (int64_t r0 = 0; r0 < used; r0 += chunk) {
         const int64_t n = mask.needs_mask

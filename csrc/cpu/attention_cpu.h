@@ -15,6 +15,10 @@ void attention_forward(const AttentionParams& p);
 // the cache, are skipped). attention_forward then reads the keys from the cache.
 void append_to_cache(const AttentionParams& p);
 
+// The KV-cache call's attention (after append_to_cache): split-K over the cache's
+// key tiles for decoding (a few query rows per kv head), else attention_forward.
+void kvcache_forward(const AttentionParams& p);
+
 // Writes p.dq, p.dk, p.dv (and p.dsinks when p.sinks is set) from the forward
 // inputs, p.out, p.lse, p.dout and p.dlse. Always deterministic.
 void attention_backward(const AttentionParams& p);

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "flashjax/params.h"
+#include "tile_math.h"
 
 namespace flashjax::cpu {
 
@@ -20,6 +21,17 @@ inline float to_float(BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// dst[0, n) = src[0, n) as floats, vectorised (the tile kernels' conversions).
+inline void to_float_row(float* dst, const float* src, int64_t n) {
+  std::memcpy(dst, src, sizeof(float) * n);
+}
+inline void to_float_row(float* dst, const BFloat16* src, int64_t n) {
+  tile_kernels().bf16_to_float(dst, &src->bits, n);
+}
+inline void to_float_row(float* dst, const Float16* src, int64_t n) {
+  tile_kernels().f16_to_float(dst, reinterpret_cast<const uint16_t*>(src), n);
 }
 
 template <class T>

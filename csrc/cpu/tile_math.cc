@@ -3,6 +3,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>  // F16C's half conversion (the AVX2 and AVX-512 copies)
+#endif
 
 namespace flashjax::cpu {
 

@@ -10,7 +10,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
+
+#include "flashjax/params.h"
 
 #define FJ_INLINE inline __attribute__((always_inline))
 
@@ -25,6 +28,16 @@ struct TileKernels {
   // trans_a) so that P^T and dS^T need no copy. M % 4 == 0, N % kRowAlign == 0.
   void (*gemm)(float* C, int64_t ldc, const float* A, int64_t lda, bool trans_a, const float* B,
                int64_t ldb, int64_t M, int64_t N, int64_t K, bool accumulate);
+  // C[M][N] += A B with B's row k at B_rows[k], elements of `type` (rows anywhere, e.g.
+  // a KV cache's read in place, widened to float in registers). M % 4 == 0,
+  // N % kRowAlign == 0.
+  void (*gemm_b_rows)(float* C, int64_t ldc, const float* A, int64_t lda,
+                      const void* const* B_rows, DType type, int64_t M, int64_t N, int64_t K);
+  // S[r][j] = Q[r] . rows[j] over d elements (rows of `type`), r < M, j < n: the scores
+  // of a few query rows against keys read in place (no K^T to build). n, d % kRowAlign
+  // == 0.
+  void (*row_dots)(float* S, int64_t lds, const float* Q, int64_t ldq, int64_t M,
+                   const void* const* rows, DType type, int64_t n, int64_t d);
   // One online-softmax step over n scores per row (n % kRowAlign == 0): S
   // becomes P = exp(S - m_new), m and l are updated and O's rows rescaled by
   // exp(m_old - m_new). NaN scores make the row NaN. Rows in [rows, pad_rows)
@@ -37,6 +50,10 @@ struct TileKernels {
   void (*backward_scores)(const float* S, float* P, float* dS, int64_t ld, int64_t rows,
                           int64_t pad_rows, int64_t n, const float* lse, const float* D,
                           float cap);
+  // dst[i] = float(src[i]), i < n, from bfloat16 / IEEE half bits (caches converted
+  // where they are used).
+  void (*bf16_to_float)(float* dst, const uint16_t* src, int64_t n);
+  void (*f16_to_float)(float* dst, const uint16_t* src, int64_t n);
   // No inf or NaN among x[0, n), n % kRowAlign == 0.
   bool (*all_finite)(const float* x, int64_t n);
 };

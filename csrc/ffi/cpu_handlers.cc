@@ -17,7 +17,7 @@ struct CpuPlatform {
   }
   static ffi::Error kvcache(const flashjax::AttentionParams& p, int, void*, size_t) {
     if (p.cache.new_rows > 0) flashjax::cpu::append_to_cache(p);
-    flashjax::cpu::attention_forward(p);
+    flashjax::cpu::kvcache_forward(p);
     return ffi::Error::Success();
   }
 };

@@ -1,0 +1,304 @@
+// The CPU KV-cache forward for decoding (flash_attention_with_kvcache with a few
+// query rows per kv head): split-K, as the GPU's split-KV kernel.
+//
+// A task is (sequence, kv head, split): every query head of the kv head's group and
+// every query row packed into one tile (GQA packing), streamed over a range of key
+// tiles read where they lie in the cache (contiguous, leftpad, cache_batch_idx or
+// paged: SeqlenInfo::k_at), an online softmax per row into a partial (O, m, l);
+// a second pass combines each (sequence, kv head)'s splits into out and lse.
+// Caches whose head dims fill whole vector lines are read in place (the tile kernels
+// widen 16-bit elements in registers); others convert the rows of the tile in use.
+// Larger query blocks (prefill) take the dense forward (attention_forward), which
+// reads the cache through k_at too.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <type_traits>
+#include <vector>
+
+#include "attention_cpu.h"
+#include "element.h"
+#include "flashjax/seqlen.h"
+#include "thread_pool.h"
+#include "tile_math.h"
+
+namespace flashjax::cpu {
+namespace {
+
+// Packed query rows (group * seqlen_q) the decode path takes; more go to the dense
+// forward, whose GEMMs reuse each key tile over up to 256 rows (the score kernel
+// here re-reads a tile from L1 per row).
+constexpr int64_t kMaxPackedRows = 32;
+constexpr int64_t kKeyTile = 128;  // keys per tile (multiple of kRowAlign)
+// Split tasks per thread, so that sequences of unequal lengths still balance...
+constexpr int64_t kTasksPerThread = 4;
+// ...but each split streams at least this many key tiles of the capacity (the
+// combine reads a partial of every split).
+constexpr int64_t kMinTilesPerSplit = 2;
+constexpr float kNegInf = kNegInfinity;
+constexpr int64_t kConvertAhead = 4;  // keys: converted caches prefetch this far ahead
+constexpr int64_t kCacheLine = 64;    // bytes
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// FLASHJAX_CPU_KVCACHE_SPLITS=n forces n splits per (sequence, kv head) (tests).
+int64_t split_count(const AttentionParams& p) {
+  if (const char* env = std::getenv("FLASHJAX_CPU_KVCACHE_SPLITS")) {
+    const int64_t n = std::atoll(env);
+    if (n > 0) return n;
+  }
+  const int64_t pairs = p.batch * p.heads_kv;
+  const int64_t most = std::max<int64_t>(1, ceil_div(p.seqlen_k, kKeyTile) / kMinTilesPerSplit);
+  return std::clamp<int64_t>(ceil_div(kTasksPerThread * num_threads(), pairs), 1, most);
+}
+
+// The geometry of one call, and its partials: per task O (pad_rows x dvp), then m, l
+// and seen (1 when the row saw a key) per row.
+struct Decode {
+  int64_t group, rows, pad_rows;  // packed rows: row r is query r / group, head r % group
+  int64_t dp, dvp;                // head dims padded to whole vector lines
+  int64_t splits;
+  bool in_place;   // rows of whole vector lines: the kernels read the cache itself
+  DType row_type;  // the element type of the rows the kernels read
+  int64_t partial_floats;
+
+  explicit Decode(const AttentionParams& p)
+      : group(p.group_size()),
+        rows(group * p.seqlen_q),
+        pad_rows(round_up(rows, 4)),
+        dp(round_up(p.head_dim, kRowAlign)),
+        dvp(round_up(p.head_dim_v, kRowAlign)),
+        splits(split_count(p)),
+        in_place(dp == p.head_dim && dvp == p.head_dim_v),
+        row_type(in_place ? p.dtype : DType::kFloat32),
+        partial_floats(pad_rows * (dvp + 3)) {}
+  int64_t query(int64_t r) const { return r / group; }
+  int64_t head(int64_t hk, int64_t r) const { return hk * group + r % group; }
+};
+
+struct Partial {
+  float *O, *m, *l, *seen;
+  Partial(float* base, const Decode& d)
+      : O(base), m(O + d.pad_rows * d.dvp), l(m + d.pad_rows), seen(l + d.pad_rows) {}
+};
+
+// Where a key tile's K and V rows are: the cache's own (in place, Decode::row_type) or
+// this tile's float copies; columns past the tile's keys point at zeros (of either).
+template <class T>
+struct KeyTile {
+  const Decode& d;
+  const AttentionParams& p;
+  const SeqlenInfo& seq;
+  int64_t hk;
+  const void** k_rows;
+  const void** v_rows;
+  float *k_copy, *v_copy;  // kKeyTile rows of dp / dvp floats (converted caches)
+  const float* zeros;      // max(dp, dvp) zeros
+
+  // Points columns [lo, hi) at keys k0 + lo.. (those < cols; the rest at zeros).
+  void locate(int64_t k0, int64_t cols, int64_t lo, int64_t hi) const {
+    for (int64_t j = lo; j < hi; ++j) {
+      if (!d.in_place && j + kConvertAhead < std::min(hi, cols)) prefetch(k0 + j + kConvertAhead);
+      if (j >= cols) {
+        k_rows[j] = v_rows[j] = zeros;
+        continue;
+      }
+      const T* k = seq.k_at<const T>(p.k, k0 + j, hk);
+      const T* v = seq.k_at<const T>(p.v, k0 + j, hk);
+      if (d.in_place) {
+        k_rows[j] = k, v_rows[j] = v;
+        continue;
+      }
+      k_rows[j] = convert(k_copy + j * d.dp, k, p.head_dim, d.dp);
+      v_rows[j] = convert(v_copy + j * d.dvp, v, p.head_dim_v, d.dvp);
+    }
+  }
+
+  // v_rows as float rows over columns [lo, hi) (16-bit rows read in place converted
+  // to the tile's copies), indexed by column.
+  const float* const* values_as_float(int64_t lo, int64_t hi) const {
+    if (d.row_type != DType::kFloat32)
+      for (int64_t j = lo; j < hi; ++j)
+        if (v_rows[j] != zeros)
+          v_rows[j] =
+              convert(v_copy + j * d.dvp, static_cast<const T*>(v_rows[j]), p.head_dim_v, d.dvp);
+    return reinterpret_cast<const float* const*>(v_rows);
+  }
+
+ private:
+  // The rows of the key converted kConvertAhead keys later: a row at a time, the
+  // conversion alone waited on memory (bf16 at 32/8 d128, before 16-bit rows were
+  // read in place: 28% fewer cycles with the prefetch).
+  void prefetch(int64_t key) const {
+    const char* k = reinterpret_cast<const char*>(seq.k_at<const T>(p.k, key, hk));
+    const char* v = reinterpret_cast<const char*>(seq.k_at<const T>(p.v, key, hk));
+    for (int64_t b = 0; b < p.head_dim * int64_t{sizeof(T)}; b += kCacheLine)
+      __builtin_prefetch(k + b);
+    for (int64_t b = 0; b < p.head_dim_v * int64_t{sizeof(T)}; b += kCacheLine)
+      __builtin_prefetch(v + b);
+  }
+  static const float* convert(float* dst, const T* src, int64_t dim, int64_t padded) {
+    to_float_row(dst, src, dim);
+    std::fill(dst + dim, dst + padded, 0.0f);
+    return dst;
+  }
+};
+
+// One split: the packed rows against key tiles [first, last) of the sequence's
+// visible keys, into its partial.
+template <class T>
+void split_task(const AttentionParams& p, const Decode& d, float* partials, int64_t task) {
+  const int64_t split = task % d.splits, pair = task / d.splits;
+  const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
+  const SeqlenInfo seq(p, b);
+  Partial part(partials + task * d.partial_floats, d);
+  std::fill(part.O, part.O + d.pad_rows * d.dvp, 0.0f);
+  std::fill(part.m, part.m + d.pad_rows, kNegInf);
+  std::fill(part.l, part.l + d.pad_rows, 0.0f);
+  std::fill(part.seen, part.seen + d.pad_rows, 0.0f);
+
+  const int64_t begin = seq.first_key(0), end = seq.last_key(p.seqlen_q - 1) + 1;
+  if (end <= begin) return;
+  const int64_t first_tile = begin / kKeyTile, tiles = ceil_div(end, kKeyTile) - first_tile;
+  const int64_t per_split = ceil_div(tiles, d.splits);
+  const int64_t first = first_tile + split * per_split;
+  const int64_t last = std::min(first + per_split, first_tile + tiles);
+  if (first >= last) return;
+
+  thread_local Scratch scratch;
+  float* Q = scratch.get(d.pad_rows * d.dp + d.pad_rows * kKeyTile + kKeyTile * (d.dp + d.dvp) +
+                         std::max(d.dp, d.dvp));
+  float* S = Q + d.pad_rows * d.dp;
+  float* k_copy = S + d.pad_rows * kKeyTile;
+  float* v_copy = k_copy + kKeyTile * d.dp;
+  float* zeros = v_copy + kKeyTile * d.dvp;  // (zero bits in every element type)
+  std::fill(zeros, zeros + std::max(d.dp, d.dvp), 0.0f);
+  thread_local std::vector<const void*> row_storage;
+  row_storage.resize(2 * kKeyTile);
+  const void** k_rows = row_storage.data();
+  const KeyTile<T> tile{d, p, seq, hk, k_rows, k_rows + kKeyTile, k_copy, v_copy, zeros};
+
+  // Q, pre-scaled; padding rows zero.
+  std::fill(Q, Q + d.pad_rows * d.dp, 0.0f);
+  for (int64_t r = 0; r < d.rows; ++r) {
+    const T* q = seq.q_at<const T>(p.q, d.query(r), d.head(hk, r));
+    for (int64_t c = 0; c < p.head_dim; ++c) Q[r * d.dp + c] = to_float(q[c]) * p.softmax_scale;
+  }
+
+  const TileKernels& kernels = tile_kernels();
+  std::vector<int64_t> lo(d.rows), hi(d.rows);  // each row's visible columns of the tile
+  for (int64_t t = first; t < last; ++t) {
+    const int64_t k0 = t * kKeyTile, cols = std::min(kKeyTile, seq.seqlen_k - k0);
+    int64_t lo_all = cols, hi_all = 0;
+    bool same_columns = true;  // every row sees the same keys: no hidden pair is multiplied
+    for (int64_t r = 0; r < d.rows; ++r) {
+      const int64_t i = d.query(r);
+      lo[r] = std::clamp<int64_t>(seq.first_key(i) - k0, 0, cols);
+      hi[r] = std::clamp<int64_t>(seq.last_key(i) + 1 - k0, lo[r], cols);
+      same_columns = same_columns && lo[r] == lo[0] && hi[r] == hi[0];
+      if (lo[r] < hi[r]) lo_all = std::min(lo_all, lo[r]), hi_all = std::max(hi_all, hi[r]);
+    }
+    if (hi_all <= lo_all) continue;
+    // Scores of columns [c0, n) (whole vector lines), -inf outside each row's keys.
+    const int64_t c0 = lo_all / kRowAlign * kRowAlign, n = round_up(hi_all, kRowAlign);
+    tile.locate(k0, cols, c0, n);
+    kernels.row_dots(S + c0, kKeyTile, Q, d.dp, d.rows, tile.k_rows + c0, d.row_type, n - c0, d.dp);
+    for (int64_t r = 0; r < d.rows; ++r) {
+      float* s = S + r * kKeyTile;
+      if (p.softcap > 0.0f)
+        for (int64_t j = lo[r]; j < hi[r]; ++j) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
+      std::fill(s, s + lo[r], kNegInf);
+      std::fill(s + hi[r], s + n, kNegInf);
+      if (lo[r] < hi[r]) part.seen[r] = 1.0f;
+    }
+    kernels.softmax_step(S, kKeyTile, d.rows, d.pad_rows, n, part.m, part.l, part.O, d.dvp);
+    // P V over columns [lo_all, hi_all). Where rows see different keys, a hidden pair
+    // (P = 0) would multiply an inf / NaN value into NaN: then float rows, checked,
+    // and visible pairs only if one is not finite.
+    if (same_columns) {
+      kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile, tile.v_rows + lo_all, d.row_type,
+                          d.pad_rows, d.dvp, hi_all - lo_all);
+      continue;
+    }
+    const float* const* v_rows = tile.values_as_float(lo_all, hi_all);
+    bool finite = true;
+    for (int64_t j = lo_all; finite && j < hi_all; ++j)
+      finite = kernels.all_finite(v_rows[j], d.dvp);
+    if (finite) {
+      kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile,
+                          reinterpret_cast<const void* const*>(v_rows + lo_all), DType::kFloat32,
+                          d.pad_rows, d.dvp, hi_all - lo_all);
+      continue;
+    }
+    for (int64_t r = 0; r < d.rows; ++r)
+      for (int64_t j = lo[r]; j < hi[r]; ++j) {
+        const float pj = S[r * kKeyTile + j];
+        for (int64_t c = 0; c < d.dvp; ++c) part.O[r * d.dvp + c] += pj * v_rows[j][c];
+      }
+  }
+}
+
+// out and lse of one (sequence, kv head)'s packed rows from its splits' partials,
+// with the sink folded in. A row that saw no key (and has no sink) gets 0 and -inf;
+// one whose visible scores are all -inf gets NaN, as the dense forward.
+template <class T>
+void combine(const AttentionParams& p, const Decode& d, float* partials, int64_t pair) {
+  const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
+  const SeqlenInfo seq(p, b);
+  thread_local Scratch scratch;
+  float* o = scratch.get(d.dvp);
+  const auto split = [&](int64_t s) {
+    return Partial(partials + (pair * d.splits + s) * d.partial_floats, d);
+  };
+  for (int64_t r = 0; r < d.rows; ++r) {
+    const int64_t i = d.query(r), h = d.head(hk, r);
+    float m = kNegInf;
+    bool seen = false;
+    for (int64_t s = 0; s < d.splits; ++s)
+      if (split(s).seen[r] != 0.0f) m = nan_max(m, split(s).m[r]), seen = true;
+    const float sink = p.sinks ? p.sinks[b * p.heads_q + h] : kNegInf;
+    float* lse = p.lse.at<float>(seq.batch, seq.q_row(i), h);
+    T* out = seq.q_at<T>(p.out, i, h);
+    if (!seen && sink == kNegInf) {
+      std::fill(out, out + p.head_dim_v, from_float<T>(0.0f));
+      *lse = kNegInf;
+      continue;
+    }
+    m = nan_max(m, sink);
+    float total = std::exp(sink - m);
+    std::fill(o, o + d.dvp, 0.0f);
+    for (int64_t s = 0; s < d.splits; ++s) {
+      const Partial part = split(s);
+      if (part.seen[r] == 0.0f) continue;
+      const float w = std::exp(part.m[r] - m);
+      total += part.l[r] * w;
+      for (int64_t c = 0; c < d.dvp; ++c) o[c] += part.O[r * d.dvp + c] * w;
+    }
+    for (int64_t c = 0; c < p.head_dim_v; ++c) out[c] = from_float<T>(o[c] / total);
+    *lse = m + std::log(total);
+  }
+}
+
+// The decode path reads none of these (the KV-cache target passes none today).
+bool decodes(const AttentionParams& p) {
+  return p.group_size() * p.seqlen_q <= kMaxPackedRows && !p.has_score_terms() && !p.dropout &&
+         !p.has_segments() && !p.packed() && !p.seqused_q && !p.diagonal_offset;
+}
+
+}  // namespace
+
+void kvcache_forward(const AttentionParams& p) {
+  if (p.seqlen_q == 0) return;  // append only
+  if (!decodes(p)) return attention_forward(p);
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const Decode d(p);
+    const int64_t pairs = p.batch * p.heads_kv;
+    thread_local Scratch partial_storage;  // (per calling thread: calls may overlap)
+    float* partials = partial_storage.get(pairs * d.splits * d.partial_floats);
+    parallel_for(pairs * d.splits, [&](int64_t task) { split_task<T>(p, d, partials, task); });
+    parallel_for(pairs, [&](int64_t pair) { combine<T>(p, d, partials, pair); });
+  });
+}
+
+}  // namespace flashjax::cpu
