@@ -87,10 +87,19 @@ POSITION_CASES = (position_cases(dtypes=("bfloat16",), head_dim=64)
                      Case(batch=1, seqlen_q=513, seqlen_k=257, heads_q=4, heads_kv=1, head_dim=96,
                           dtype="float16", window_size=(64, 64), kv_offset=300)])
 
+# Scales that are not positive: the kernels scale scores before masking them
+# (score_mod.cuh, scores_prescaled), as a masked -inf times such a scale is not -inf.
+NONPOSITIVE_SCALE_CASES = [
+    Case(batch=1, seqlen_q=200, seqlen_k=300, heads_q=4, heads_kv=2, head_dim=d, dtype="bfloat16", causal=True,
+         window_size=window, softmax_scale=scale, sinks=sinks)
+    for d, scale, window, sinks in ((64, -0.125, (-1, -1), False), (128, -0.1, (50, 0), True),
+                                    (128, 0.0, (-1, -1), False), (256, -0.07, (-1, -1), False))]
+
 FORWARD_CASES = (head_dim_cases() + seqlen_cases() + gqa_cases() + option_cases()
                  + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),), windows=[(-1, -1), (10, 5)],
                                 head_dim=64)
-                 + empty_row_cases() + LARGE_CASES + PACKED_CASES + NATIVE_DIM_CASES + POSITION_CASES)
+                 + empty_row_cases() + LARGE_CASES + PACKED_CASES + NATIVE_DIM_CASES + POSITION_CASES
+                 + NONPOSITIVE_SCALE_CASES)
 
 GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
                   + seqlen_cases(seqlens=[(1, 1), (1, 33), (17, 128), (128, 17)], head_dim=16)
@@ -98,7 +107,8 @@ GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
                   + option_cases(seqlens=((70, 90),), windows=[(-1, -1), (7, 3)])
                   + option_cases(dtypes=("bfloat16", "float16"), seqlens=((90, 70),), windows=[(-1, -1), (7, 3)],
                                  head_dim=64)
-                  + empty_row_cases() + LARGE_CASES[:6] + WIDE_GRADIENT_CASES + POSITION_CASES[::2])
+                  + empty_row_cases() + LARGE_CASES[:6] + WIDE_GRADIENT_CASES + POSITION_CASES[::2]
+                  + NONPOSITIVE_SCALE_CASES)
 
 DETERMINISTIC_CASES = [
     LARGE_CASES[0],
@@ -127,26 +137,6 @@ def test_forward(case, kernel_path, gpu_device):
 @pytest.mark.parametrize("case", GRADIENT_CASES, ids=ids(GRADIENT_CASES))
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gradients(case, deterministic, gpu_device):
-    check_gradients(case, device=gpu_device, deterministic=deterministic)
-
-
-# Scales that are not positive: the kernels scale scores before masking them
-# (score_mod.cuh, scores_prescaled), as a masked -inf times such a scale is not -inf.
-NONPOSITIVE_SCALE_CASES = [
-    Case(batch=1, seqlen_q=200, seqlen_k=300, heads_q=4, heads_kv=2, head_dim=d, dtype="bfloat16", causal=True,
-         window_size=window, softmax_scale=scale, sinks=sinks)
-    for d, scale, window, sinks in ((64, -0.125, (-1, -1), False), (128, -0.1, (50, 0), True),
-                                    (128, 0.0, (-1, -1), False), (256, -0.07, (-1, -1), False))]
-
-
-@pytest.mark.parametrize("case", NONPOSITIVE_SCALE_CASES, ids=ids(NONPOSITIVE_SCALE_CASES))
-def test_nonpositive_scale_forward(case, kernel_path, gpu_device):
-    check_forward(case, device=gpu_device)
-
-
-@pytest.mark.parametrize("case", NONPOSITIVE_SCALE_CASES, ids=ids(NONPOSITIVE_SCALE_CASES))
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_nonpositive_scale_gradients(case, deterministic, gpu_device):
     check_gradients(case, device=gpu_device, deterministic=deterministic)
 
 
