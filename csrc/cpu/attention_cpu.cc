@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "element.h"
+#include "flashjax/score_terms.h"
 #include "flashjax/seqlen.h"
 #include "thread_pool.h"
 #include "tile_math.h"
@@ -96,40 +97,6 @@ class TileSegments {
  private:
   bool present_;
   IdRange q_, k_;
-};
-
-// The bias, mask and ALiBi terms of one (sequence, query head): score (i, j) gets
-// bias[i][j] - slope * |i + diagonal - j| and is hidden where mask[i][j] is false
-// (slot rows and keys; bias and mask: dense layout only). Inactive (the common case):
-// the tile code takes its plain path, one branch per tile.
-struct ScoreTerms {
-  const float* bias = nullptr;
-  const bool* mask = nullptr;
-  int64_t bias_ld = 0, mask_ld = 0;
-  float slope = 0.0f;
-  bool alibi = false;
-  int64_t diagonal = 0;
-
-  ScoreTerms() = default;
-  ScoreTerms(const AttentionParams& p, const SeqlenInfo& seq, int64_t b, int64_t h)
-      : diagonal(seq.diagonal_offset()) {
-    if (p.bias) bias = p.bias.at<const float>(b, h), bias_ld = p.bias.row_stride;
-    if (p.mask) mask = p.mask.at<const bool>(b, h), mask_ld = p.mask.row_stride;
-    if (p.alibi_slopes) alibi = true, slope = p.alibi_slopes[b * p.heads_q + h];
-  }
-  bool active() const { return bias || mask || alibi; }
-  // Adds the bias and ALiBi terms to s[lo, hi): row i, keys k0 + lo .. k0 + hi - 1.
-  void add(float* s, int64_t i, int64_t k0, int64_t lo, int64_t hi) const {
-    if (bias) {
-      const float* row = bias + i * bias_ld + k0;
-      for (int64_t j = lo; j < hi; ++j) s[j] += row[j];
-    }
-    if (alibi) {
-      const int64_t d = i + diagonal - k0;  // |d - j| is the distance of key k0 + j
-      for (int64_t j = lo; j < hi; ++j) s[j] -= slope * static_cast<float>(d > j ? d - j : j - d);
-    }
-  }
-  bool allows(int64_t i, int64_t j) const { return !mask || mask[i * mask_ld + j]; }
 };
 
 // Attention dropout of one (sequence, query head) (params.h Dropout, dropout.h's
