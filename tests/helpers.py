@@ -49,18 +49,6 @@ def _seed(key):
     return [int(x) for x in np.asarray(key).ravel()]
 
 
-def check_gpu_default_route(q, k, v, **options):
-    """On a CUDA GPU, implementation=None gives implementation="xla"'s result for a call
-    with options the CUDA kernels do not read yet (routed to the pure-JAX path)."""
-    gpu = jax.devices("gpu")[0]
-    q, k, v = jax.device_put((q, k, v), gpu)
-    options = {n: jax.device_put(x, gpu) if hasattr(x, "shape") else x
-               for n, x in options.items()}
-    out = flashjax.flash_attention(q, k, v, **options)
-    expected = flashjax.flash_attention(q, k, v, implementation="xla", **options)
-    np.testing.assert_allclose(out, expected, atol=1e-5)
-
-
 def rand(key, shape, dtype=jnp.float32):
     """Standard normal of `dtype`, on the CPU, with no exact zeros. `key`: int seed or PRNG
     key. Drawn by numpy: jax.random would compile a program for every new shape (a

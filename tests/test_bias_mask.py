@@ -16,7 +16,7 @@ import pytest
 
 import flashjax
 from flashjax import _ffi_calls, reference, xla_attention
-from helpers import check_gpu_default_route, cpu, has_gpu, rand
+from helpers import cpu, rand
 
 B, SQ, SK, H, HK, D = 2, 72, 200, 4, 2, 32
 IMPLS = ("cpu", "xla")
@@ -225,12 +225,3 @@ def test_bad_input(error, match, kwargs):
     q, k, v = qkv()
     with pytest.raises(error, match=match):
         flashjax.flash_attention(q, k, v, **kwargs)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
-def test_gpu_default_routes_to_pure_jax():
-    """On a CUDA GPU, implementation=None runs calls with bias / mask / ALiBi in pure JAX
-    (the CUDA kernels do not read them yet): the same result as implementation="xla"."""
-    check_gpu_default_route(*qkv(), bias=bias_of((1, H, SQ, SK)),
-                            mask=random_mask((B, 1, SQ, SK)), alibi_slopes=SLOPES, causal=True)

@@ -19,7 +19,7 @@ import pytest
 
 import flashjax
 from flashjax import reference, xla_attention
-from helpers import check_gpu_default_route, cpu, has_gpu, rand
+from helpers import cpu, rand
 
 B, SQ, SK, H, HK, D = 2, 72, 200, 4, 2, 32
 RATE = 0.2
@@ -276,11 +276,3 @@ def test_bad_input(error, match, kwargs):
                                                          **kwargs)):
         with pytest.raises(error, match=match):
             call()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
-def test_gpu_default_routes_to_pure_jax():
-    """On a CUDA GPU, implementation=None runs calls with dropout in pure JAX (the CUDA
-    kernels do not have it yet): the same result as implementation="xla"."""
-    check_gpu_default_route(*qkv(), dropout_rate=RATE, dropout_key=KEY, causal=True)

@@ -18,6 +18,17 @@ namespace {
 
 bool tensor_cores_allowed(const AttentionParams& p) { return p.kernel_cap != KernelCap::kSimt; }
 
+// dbias starts at zero: the kernels store or add only the pairs they visit.
+cudaError_t zero_bias_gradient(const AttentionParams& p, cudaStream_t stream) {
+  const ScoreArray& d = p.dbias;
+  if (!d) return cudaSuccess;
+  const int64_t last = (p.batch / d.batch_div - 1) * d.batch_stride +
+                       (p.heads_q / d.head_div - 1) * d.head_stride +
+                       (p.seqlen_q - 1) * d.row_stride + p.seqlen_k;  // one past it
+  if (last <= 0) return cudaSuccess;
+  return cudaMemsetAsync(d.data, 0, sizeof(float) * static_cast<size_t>(last), stream);
+}
+
 }  // namespace
 
 Kernel forward_kernel(const AttentionParams& p) {
@@ -67,6 +78,7 @@ size_t backward_workspace_bytes(const AttentionParams& p) {
 
 cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   if (cudaError_t e = fill_uncovered_rows(p, Pass::kBackward, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = zero_bias_gradient(p, stream); e != cudaSuccess) return e;
   switch (backward_kernel(p)) {
     case Kernel::kHopper: return hopper_backward(p, workspace, stream);
     case Kernel::kMma: return tensor_core_backward(p, workspace, stream);

@@ -36,20 +36,9 @@ std::optional<void*> workspace(ffi::ScratchAllocator& scratch, size_t bytes) {
   return scratch.Allocate(bytes);
 }
 
-// The CUDA kernels do not read bias, mask, ALiBi slopes or dropout yet: a call with
-// them is an error, never an answer without them (Python routes such calls to the
-// pure-JAX path).
-ffi::Error supported(const AttentionParams& p) {
-  if (!p.has_score_terms() && !p.dropout) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(
-      "flashjax: bias, mask, alibi_slopes and dropout are not supported by the CUDA kernels "
-      "yet; use implementation=None or 'xla'");
-}
-
 struct CudaPlatform {
   static ffi::Error forward(int32_t device, cudaStream_t stream,
                             ffi::ScratchAllocator& scratch, const AttentionParams& p) {
-    if (ffi::Error e = supported(p); e.failure()) return e;
     if (ffi::Error e = use_device(device); e.failure()) return e;
     std::optional<void*> ws = workspace(scratch, flashjax::cuda::forward_workspace_bytes(p));
     if (!ws) return ffi::Error::Internal("flashjax: could not allocate forward workspace");
@@ -57,7 +46,6 @@ struct CudaPlatform {
   }
   static ffi::Error backward(int32_t device, cudaStream_t stream,
                              ffi::ScratchAllocator& scratch, const AttentionParams& p) {
-    if (ffi::Error e = supported(p); e.failure()) return e;
     if (ffi::Error e = use_device(device); e.failure()) return e;
     std::optional<void*> ws = workspace(scratch, flashjax::cuda::backward_workspace_bytes(p));
     if (!ws) return ffi::Error::Internal("flashjax: could not allocate backward workspace");
@@ -65,7 +53,6 @@ struct CudaPlatform {
   }
   static ffi::Error kvcache(int32_t device, cudaStream_t stream, const AttentionParams& p,
                             int splits, void* workspace, size_t workspace_bytes) {
-    if (ffi::Error e = supported(p); e.failure()) return e;
     if (ffi::Error e = use_device(device); e.failure()) return e;
     if (workspace_bytes < flashjax::cuda::kvcache_workspace_bytes(p, splits))
       return ffi::Error::InvalidArgument("flashjax: the KV-cache workspace is too small for " +

@@ -112,8 +112,7 @@ def attention(q, k, v, extras: Extras, layout: Layout, cfg: Config, *arrays):
         return xla_attention.no_work_attention(*args, cfg)
     kernels = lambda *a: attention_core(*a, cfg)
     in_jax = lambda *a: xla_attention.attention_core(*a, cfg)
-    cuda = _route.without_unsupported(cfg, kernels, in_jax, cuda_unsupported(extras, layout))
-    return _route.run(cfg, args, cuda=cuda, cpu=kernels, xla=in_jax, arrays=(q, *arrays))
+    return _route.run(cfg, args, cuda=kernels, cpu=kernels, xla=in_jax, arrays=(q, *arrays))
 
 
 def attention_backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout,
@@ -129,12 +128,4 @@ def attention_backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: La
     args = (q, k, v, out, dout, lse, dlse, extras, layout)
     kernels = lambda *a: _backward(*a, cfg, needed)
     in_jax = lambda *a: xla_attention.attention_backward(*a, cfg, needed)
-    cuda = _route.without_unsupported(cfg, kernels, in_jax, cuda_unsupported(extras, layout))
-    return _route.run(cfg, args, cuda=cuda, cpu=kernels, xla=in_jax, arrays=(q,))
-
-
-def cuda_unsupported(extras: Extras, layout: Layout) -> tuple:
-    """The call's options that the CUDA kernels do not read yet, by argument name."""
-    present = {"bias": extras.bias, "mask": layout.mask, "alibi_slopes": layout.alibi_slopes,
-               "dropout_rate > 0": layout.dropout}
-    return tuple(name for name, x in present.items() if x is not None)
+    return _route.run(cfg, args, cuda=kernels, cpu=kernels, xla=in_jax, arrays=(q,))

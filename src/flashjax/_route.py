@@ -17,8 +17,7 @@ from typing import Callable
 
 import jax
 
-__all__ = ["IMPLEMENTATIONS", "implementation_fields", "check_platform", "run",
-           "without_unsupported"]
+__all__ = ["IMPLEMENTATIONS", "implementation_fields", "check_platform", "run"]
 
 # implementation= values: (backend, CUDA kernel cap). None: flashjax's kernels on CUDA and
 # CPU, the pure-JAX path elsewhere; "cuda:mma" / "cuda:simt" cap the CUDA kernel choice
@@ -76,15 +75,3 @@ def run(cfg, args: tuple, *, cuda: Callable, cpu: Callable, xla: Callable, array
     return jax.lax.platform_dependent(*args, cuda=cuda, cpu=cpu, default=xla)
 
 
-def without_unsupported(cfg, cuda: Callable, xla: Callable, features: tuple) -> Callable:
-    """The CUDA route of a call: the CUDA kernels do not read `features` (the names of
-    the call's bias, mask, alibi_slopes, dropout_rate) yet, so a call with any takes the
-    pure-JAX path on a CUDA GPU (temporary, until the kernels have them), and
-    implementation="cuda" is an error."""
-    if not features:
-        return cuda
-    if cfg.implementation == "cuda":
-        raise ValueError(f"{', '.join(features)}: not supported by flashjax's CUDA kernels yet "
-                         "(implementation='cuda'); use implementation=None, which runs such "
-                         "calls in pure JAX on a GPU, or 'xla'")
-    return xla

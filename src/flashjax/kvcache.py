@@ -321,8 +321,7 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
         on_cuda = dense
     in_jax = functools.partial(_kvcache_in_jax, call, static_seqlens, options)
     if terms:  # the KV-cache target takes none: flash_attention over the cache
-        on_cpu = dense
-        on_cuda = _route.without_unsupported(cfg, on_cuda, in_jax, tuple(terms))
+        on_cpu = on_cuda = dense
     out, lse, k_cache, v_cache = _route.run(cfg, (q, k_cache, v_cache, k, v, seqlens),
                                             cuda=on_cuda, cpu=on_cpu, xla=in_jax,
                                             arrays=(q, k_cache))

@@ -117,7 +117,7 @@ struct BackwardWorkspace {
       D_padded = take_floats(padded_rows);
     }
     if (dq_cols > 0) dq_accum = take_floats(padded_rows * static_cast<size_t>(dq_cols));
-    if (padded_stats && !p.uniform()) {
+    if (padded_stats && layouts_of(p) != Layouts::kUniform) {
       key_list = VarlenWorkList(p, take(VarlenWorkList::workspace_bytes(p)));
       query_list = VarlenWorkList(p, take(VarlenWorkList::workspace_bytes(p)));
     }

@@ -26,12 +26,14 @@ template <bool kTerms, FragmentRows kRows>
 struct FragmentTerms {
   __device__ FragmentTerms(const AttentionParams&, const SeqlenInfo&, int64_t) {}
   __device__ void head(const AttentionParams&, const SeqlenInfo&, int64_t, int64_t) {}
+  __device__ float term_log2_at(int, int64_t, bool* = nullptr) const { return 0.0f; }
   template <int kTiles>
   __device__ void add(float (&)[kTiles * 4], int64_t) const {}
   template <int kTiles>
   __device__ void drop(float (&)[kTiles * 4], int64_t) const {}
   __device__ bool dropping() const { return false; }
   __device__ bool bias_gradient() const { return false; }
+  __device__ void add_bias_gradient_at(int, int64_t, float) const {}
   template <int kTiles>
   __device__ void add_bias_gradient(const float (&)[kTiles * 4], int64_t) const {}
 };
@@ -76,29 +78,35 @@ struct FragmentTerms<true, kRows> {
   }
   __device__ bool used(int r, int64_t c) const { return row + 8 * r < rows_used && c < cols_used; }
 
+  // The bias and ALiBi terms (log2 units) of fragment element `index` of the tile
+  // from column c0 (0 for pairs past the used ones); *allowed: the mask's verdict.
+  __device__ float term_log2_at(int index, int64_t c0, bool* allowed = nullptr) const {
+    const int r = (index % 4) / 2;
+    const int64_t c = c0 + (index / 4) * 8 + 2 * (threadIdx.x % 4) + (index & 1);
+    if (allowed) *allowed = true;
+    if (!used(r, c)) return 0.0f;
+    int64_t i, j;
+    pair(r, c, i, j);
+    float x = terms.bias ? kLog2e * __ldg(terms.bias + i * terms.bias_ld + j) : 0.0f;
+    if (terms.alibi) {
+      const int64_t d = i + terms.diagonal - j;
+      x -= slope_log2 * static_cast<float>(d < 0 ? -d : d);
+    }
+    if (allowed && terms.mask)
+      *allowed = __ldg(reinterpret_cast<const unsigned char*>(terms.mask) + i * terms.mask_ld + j);
+    return x;
+  }
+
   // s (log2 units) += the bias and ALiBi terms; -inf where the mask hides the pair.
   // Hidden scores stay hidden (a +inf bias must not revive them).
   template <int kTiles>
   __device__ void add(float (&s)[kTiles * 4], int64_t c0) const {
-    const int t = threadIdx.x % 4;
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const int64_t c = c0 + n * 8 + 2 * t + (e & 1);
-        if (!used(r, c)) continue;
-        int64_t i, j;
-        pair(r, c, i, j);
-        float x = s[4 * n + e];
-        if (terms.bias) x += kLog2e * __ldg(terms.bias + i * terms.bias_ld + j);
-        if (terms.alibi) {
-          const int64_t d = i + terms.diagonal - j;
-          x -= slope_log2 * static_cast<float>(d < 0 ? -d : d);
-        }
-        if (terms.mask && !__ldg(terms.mask + i * terms.mask_ld + j)) x = kNegInf;
-        if (s[4 * n + e] != kNegInf) s[4 * n + e] = x;
-      }
+    for (int index = 0; index < kTiles * 4; ++index) {
+      bool allowed;
+      const float x = s[index] + term_log2_at(index, c0, &allowed);
+      if (s[index] != kNegInf) s[index] = allowed ? x : kNegInf;
+    }
   }
 
   __device__ bool dropping() const { return drops; }
@@ -151,26 +159,25 @@ struct FragmentTerms<true, kRows> {
     }
   }
 
-  // dbias += g (the gradient of the scores after softcap, natural units) over the
-  // used pairs: a store where this (sequence, head) owns the entry (every pair is
-  // visited once; launch zeroes dbias first), an atomic add where it is shared.
+  // dbias += g (the gradient of the score after softcap, natural units) at fragment
+  // element `index` of the tile from column c0, if it is a used pair: a store where
+  // this (sequence, head) owns the entry (every pair is visited once; launch zeroes
+  // dbias first), an atomic add where the entry is shared.
+  __device__ void add_bias_gradient_at(int index, int64_t c0, float g) const {
+    if (!dbias) return;
+    const int r = (index % 4) / 2;
+    const int64_t c = c0 + (index / 4) * 8 + 2 * (threadIdx.x % 4) + (index & 1);
+    if (!used(r, c)) return;
+    int64_t i, j;
+    pair(r, c, i, j);
+    float* at = dbias + i * dbias_ld + j;
+    if (dbias_shared) atomicAdd(at, g);
+    else *at = g;
+  }
   template <int kTiles>
   __device__ void add_bias_gradient(const float (&g)[kTiles * 4], int64_t c0) const {
-    if (!dbias) return;
-    const int t = threadIdx.x % 4;
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const int64_t c = c0 + n * 8 + 2 * t + (e & 1);
-        if (!used(r, c)) continue;
-        int64_t i, j;
-        pair(r, c, i, j);
-        float* at = dbias + i * dbias_ld + j;
-        if (dbias_shared) atomicAdd(at, g[4 * n + e]);
-        else *at = g[4 * n + e];
-      }
+    for (int index = 0; index < kTiles * 4; ++index) add_bias_gradient_at(index, c0, g[index]);
   }
 };
 

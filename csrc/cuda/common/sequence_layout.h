@@ -94,9 +94,16 @@ cudaError_t compute_segment_tiles(const AttentionParams& p, const SegmentTiles& 
 // that the generality costs registers only where it is used.
 enum class Layouts { kUniform, kVarlen, kSegments };
 
+// Score terms (bias, mask, ALiBi) or dropout: the tensor-core kernels compile these
+// into a variant of their own (kTerms, common/score_terms.cuh), instantiated with the
+// general layouts only: a uniform call with terms runs as kVarlen.
+inline bool needs_terms(const AttentionParams& p) {
+  return p.has_score_terms() || static_cast<bool>(p.dropout);
+}
+
 inline Layouts layouts_of(const AttentionParams& p) {
   if (p.has_segments()) return Layouts::kSegments;
-  return p.uniform() ? Layouts::kUniform : Layouts::kVarlen;
+  return p.uniform() && !needs_terms(p) ? Layouts::kUniform : Layouts::kVarlen;
 }
 
 // Calls fn(std::integral_constant<Layouts, layouts_of(p)>{}).
@@ -107,6 +114,13 @@ cudaError_t with_layouts(const AttentionParams& p, Fn&& fn) {
     case Layouts::kVarlen: return fn(std::integral_constant<Layouts, Layouts::kVarlen>{});
     default: return fn(std::integral_constant<Layouts, Layouts::kSegments>{});
   }
+}
+
+// Calls fn(std::integral_constant<bool, needs_terms(p)>{}).
+template <class Fn>
+cudaError_t with_terms(const AttentionParams& p, Fn&& fn) {
+  if (needs_terms(p)) return fn(std::true_type{});
+  return fn(std::false_type{});
 }
 
 // Sequence b's SeqlenInfo in a kernel compiled for kLayouts.

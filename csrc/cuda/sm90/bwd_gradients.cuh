@@ -58,6 +58,31 @@ __device__ __forceinline__ void probabilities_then_grad(float (&s)[kN], float (&
   for (int i = 0; i < kN; ++i) dp[i] = s[i] * (dp[i] - d_of(i));
 }
 
+// kTerms kernels: P and dS in place from log2 scores with the score terms added
+// (s) and dP (dp), with dropout (dP and P dropped: dV's P is the dropped one) and,
+// kBiasGradient, dbias += P * (dP' - D) (before softcap's slope). terms: a
+// FragmentTerms of the tile from column c0.
+template <bool kBiasGradient, int kTiles, class Terms, class LseOf, class DOf>
+__device__ __forceinline__ void terms_probabilities_and_grad(float (&s)[kTiles * 4],
+                                                             float (&dp)[kTiles * 4],
+                                                             const AttentionParams& p,
+                                                             const Terms& terms, int64_t c0,
+                                                             LseOf&& lse2, DOf&& d_of) {
+  const float inv_cap_log2 = p.softcap > 0.0f ? 1.0f / (p.softcap * kLog2e) : 0.0f;
+  terms.template drop<kTiles>(dp, c0);
+#pragma unroll
+  for (int i = 0; i < kTiles * 4; ++i) {
+    const float prob = fast_exp2(s[i] - lse2(i));
+    float ds = prob * (dp[i] - d_of(i));
+    if constexpr (kBiasGradient) terms.add_bias_gradient_at(i, c0, ds);
+    if (p.softcap > 0.0f)  // (the slope is the capped score's: the terms come off again)
+      ds *= softcap_slope(prob > 0.0f ? (s[i] - terms.term_log2_at(i, c0)) * inv_cap_log2 : 0.0f);
+    s[i] = prob;
+    dp[i] = ds;
+  }
+  terms.template drop<kTiles>(s, c0);
+}
+
 template <class T, int kK>
 __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kK][4], const float (&x)[kK * 8]) {
 #pragma unroll

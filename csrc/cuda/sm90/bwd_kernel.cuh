@@ -36,7 +36,8 @@ __device__ __forceinline__ void consumer_registers() {
 
 // dK and dV of a block of 128 keys (and, with kFusedDq, its shares of dQ).
 // kLayouts: any; `list`: the blocks of non-uniform ones; `segment_tiles`: kSegments'.
-template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
+// kTerms: score terms and dropout (non-uniform layouts only).
+template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
 __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                       const RowStats stats, float* dq_accum, const VarlenWorkList list,
@@ -61,13 +62,13 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
       return;
     }
     consumer_registers<Config>();
-    key_consumer<T, kHeadDim, kFusedDq, kLayouts>(sm, kb, p, segment_tiles, warpgroup - 1,
+    key_consumer<T, kHeadDim, kFusedDq, kLayouts, kTerms>(sm, kb, p, segment_tiles, warpgroup - 1,
                                                    stats.nonfinite);
   });
 }
 
 // dQ of a block of 128 query rows, and those rows' shares of dsinks.
-template <class T, int kHeadDim, Layouts kLayouts>
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     hopper_query_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                         const __grid_constant__ TensorRef D_all,
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
       return;
     }
     consumer_registers<Config>();
-    query_consumer<T, kHeadDim, kLayouts>(sm, qb, p, segment_tiles, warpgroup - 1, D_all,
+    query_consumer<T, kHeadDim, kLayouts, kTerms>(sm, qb, p, segment_tiles, warpgroup - 1, D_all,
                                           dsink_rows, nonfinite);
   });
 }
@@ -118,11 +119,11 @@ __global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
 
 #else  // not compiled for sm_90a: never launched (hopper_backward_supports says no)
 
-template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
+template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
 __global__ void hopper_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                   const RowStats, float*, const VarlenWorkList,
                                   const SegmentTiles) {}
-template <class T, int kHeadDim, Layouts kLayouts>
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                     const __grid_constant__ TensorRef,
                                     const __grid_constant__ TensorRef, const VarlenWorkList,

@@ -33,7 +33,7 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <class T, int kHeadDim, Layouts kLayouts>
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 cudaError_t configure_kernels() {
   constexpr int kSmem = KeyKernelConfig<kHeadDim>::kSmemBytes;
   static DeviceOnce configured;
@@ -42,9 +42,10 @@ cudaError_t configure_kernels() {
       return allow_smem(hopper_wide_key_kernel<T>, kSmem);
     } else {  // (the query kernel's configuration is the key kernel's)
       cudaError_t status = cudaSuccess;
-      for (cudaError_t e : {allow_smem(hopper_key_kernel<T, kHeadDim, true, kLayouts>, kSmem),
-                            allow_smem(hopper_key_kernel<T, kHeadDim, false, kLayouts>, kSmem),
-                            allow_smem(hopper_query_kernel<T, kHeadDim, kLayouts>, kSmem)})
+      for (cudaError_t e :
+           {allow_smem(hopper_key_kernel<T, kHeadDim, true, kLayouts, kTerms>, kSmem),
+            allow_smem(hopper_key_kernel<T, kHeadDim, false, kLayouts, kTerms>, kSmem),
+            allow_smem(hopper_query_kernel<T, kHeadDim, kLayouts, kTerms>, kSmem)})
         if (e != cudaSuccess && status == cudaSuccess) status = e;
       return status;
     }
@@ -75,7 +76,7 @@ cudaError_t build_blocks(const AttentionParams& p, const VarlenWorkList& list, b
   return build_work_list(p, shape, list, stream);
 }
 
-template <class T, int kHeadDim, Layouts kLayouts>
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
   using KeyConfig = KeyKernelConfig<kHeadDim>;
   using QueryConfig = TileConfig<kHeadDim>;  // (used only up to head dim 128)
@@ -83,7 +84,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   constexpr int kKeysPerBlock = KeyConfig::kOwnRows;
   constexpr bool kVarlen = kLayouts != Layouts::kUniform;
   const bool fused = ws.dq_accum != nullptr;
-  if (cudaError_t e = configure_kernels<T, kHeadDim, kLayouts>(); e != cudaSuccess) return e;
+  if (cudaError_t e = configure_kernels<T, kHeadDim, kLayouts, kTerms>(); e != cudaSuccess) return e;
   const MapExtent qe = query_extent(p), ke = key_extent(p);
   const auto map = [&](CUtensorMap* m, const TensorRef& t, const MapExtent& extent,
                        int64_t heads, int64_t dim, int rows) {
@@ -132,11 +133,11 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
       return cudaErrorNotSupported;  // hopper_backward_supports says no
     } else {
       if (key_blocks > 0)
-        hopper_key_kernel<T, kHeadDim, false, kLayouts>
+        hopper_key_kernel<T, kHeadDim, false, kLayouts, kTerms>
             <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
                 p, key_maps, stats, nullptr, ws.key_list, ws.segments);
       if (query_blocks > 0)
-        hopper_query_kernel<T, kHeadDim, kLayouts>
+        hopper_query_kernel<T, kHeadDim, kLayouts, kTerms>
             <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(
                 p, query_maps, ws.D, ws.dsink_rows, ws.query_list, ws.segments, ws.nonfinite);
       return cudaGetLastError();
@@ -151,7 +152,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
       hopper_wide_key_kernel<T><<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
           p, key_maps, stats, ws.dq_accum);
     else
-      hopper_key_kernel<T, kHeadDim, true, kLayouts>
+      hopper_key_kernel<T, kHeadDim, true, kLayouts, kTerms>
           <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
               p, key_maps, stats, ws.dq_accum, ws.key_list, ws.segments);
   }
@@ -169,8 +170,13 @@ bool hopper_backward_supports(const AttentionParams& p) {
   // only the fused (non-deterministic) kernel exists, for uniform layouts:
   // the mma.sync path takes the other calls there.
   const bool narrow = head_dim_bucket(kTensorCoreBuckets, p) <= 128;
+  // Score terms and dropout: the kVarlen layouts' kernels (not with segment ids);
+  // a dbias entry that several (sequence, head)s share is summed atomically, which
+  // the deterministic mode may not (the SIMT path takes it).
+  const bool shared_dbias = p.dbias && (p.dbias.batch_div > 1 || p.dbias.head_div > 1);
   return hopper_layouts_supported(p) && tensor_core_shapes(p) &&
-         (narrow || (!p.deterministic && p.uniform())) &&
+         !(needs_terms(p) && (p.has_segments() || (p.deterministic && shared_dbias))) &&
+         (narrow || (!p.deterministic && layouts_of(p) == Layouts::kUniform)) &&
          p.head_dim >= 64 && p.head_dim_v >= 64 && p.seqlen_q < (1 << 30) &&
          p.seqlen_k < (1 << 30) && compute_capability() == 90 && encode_fn() != nullptr;
 #else
@@ -194,10 +200,15 @@ cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStrea
       using T = decltype(tag);
       return with_layouts(p, [&](auto layouts) {
         constexpr Layouts kLayouts = decltype(layouts)::value;
-        if constexpr (hopper_bwd::kWide<kHeadDim> && kLayouts != Layouts::kUniform)
-          return cudaErrorNotSupported;  // (hopper_backward_supports says no)
-        else
-          return hopper_bwd::launch<T, kHeadDim, kLayouts>(p, ws, stream);
+        return with_terms(p, [&](auto terms) {
+          constexpr bool kTerms = decltype(terms)::value;
+          // (hopper_backward_supports says no)
+          if constexpr ((hopper_bwd::kWide<kHeadDim> && kLayouts != Layouts::kUniform) ||
+                        (kTerms && kLayouts != Layouts::kVarlen))
+            return cudaErrorNotSupported;
+          else
+            return hopper_bwd::launch<T, kHeadDim, kLayouts, kTerms>(p, ws, stream);
+        });
       });
     });
   });

@@ -27,6 +27,7 @@
 #include "../common/epilogue.cuh"
 #include "../common/exact_rows.cuh"
 #include "../common/score_mod.cuh"
+#include "../common/score_terms.cuh"
 #include "../common/segments.cuh"
 #include "../common/softmax.cuh"
 #include "bwd_dq_writer.cuh"
@@ -169,7 +170,8 @@ __device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, in
 // tiles (with kFusedDq also each tile's share of dQ, staged for the writer),
 // then its rows of dk and dv. `consumer` must be warp-uniform as the compiler
 // sees it (bwd_kernel.cuh), so that descriptors live in uniform registers.
-template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts>
+// kTerms: bias, mask, ALiBi, dropout and dbias (score_terms.cuh).
+template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
 __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                              const KeyBlock<TileConfig<kHeadDim>, kLayouts>& kb,
                                              const AttentionParams& p,
@@ -206,6 +208,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   // (kSegments: this consumer's 64 keys are one segment-id tile.)
   const FragmentSegments<kLayouts> segments(p, segment_tiles, kb.seq, kb.b, FragmentRows::kKeys,
                                             kb.k0 + consumer * 64, my_key);
+  FragmentTerms<kTerms, FragmentRows::kKeys> terms(p, kb.sequence(p), my_key);
   mbar_wait(sm.owned, 0);
   if (kb.owned_crosses_end())
     zero_rows_of_pair<kOwnRows, kHeadDim>(sm.own_a, sm.own_b, kb.first_unused_owned_row(), zeroed);
@@ -223,7 +226,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         issue_abt<T, kHeadDim>(dpt, v_rows, desc_advance(do_k_major, stream_offset()));
         wgmma_commit();
       },
-      [&](int64_t) {  // P^T, dS^T
+      [&](int64_t it) {  // P^T, dS^T
         // The tile's lse2 and D (loaded before the waits: their latency hides there).
         float lse2[16], D[16] = {};  // (D: loaded in the wait below)
         const uint32_t stats = my_stats + tile.stage * C::kStatBytes;
@@ -231,21 +234,29 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         for (int n = 0; n < 8; ++n) ld_shared(stats + 4 * 8 * n, lse2[2 * n], lse2[2 * n + 1]);
         wgmma_wait<1>();
         fence_operands(st);
-        if (scores_prescaled(p)) scores_log2(st, p);  // (else the scale rides in the exponent)
+        // (else the scale rides in the exponent; terms are added to log2 scores)
+        if (kTerms || scores_prescaled(p)) scores_log2(st, p);
         kb.template mask<8>(st, p, my_key, q0);
         segments.template mask<8>(st, q0);
         // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
         const auto column = [](int i) { return 2 * (i / 4) + (i & 1); };
-        probabilities_then_grad(
-            st, dpt, p, exponent_scale(p),
-            [&](int i) { return lse2[column(i)]; }, [&](int i) { return D[column(i)]; },
-            [&] {
+        const auto wait_dp = [&] {
 #pragma unroll
-              for (int n = 0; n < 8; ++n)
-                ld_shared(stats + 4 * (kStreamRows + 8 * n), D[2 * n], D[2 * n + 1]);
-              wgmma_wait<0>();
-              fence_operands(dpt);
-            });
+          for (int n = 0; n < 8; ++n)
+            ld_shared(stats + 4 * (kStreamRows + 8 * n), D[2 * n], D[2 * n + 1]);
+          wgmma_wait<0>();
+          fence_operands(dpt);
+        };
+        const auto lse2_of = [&](int i) { return lse2[column(i)]; };
+        const auto d_of = [&](int i) { return D[column(i)]; };
+        if constexpr (kTerms) {
+          terms.head(p, kb.sequence(p), kb.b, kb.head(p, it));
+          terms.template add<8>(st, q0);
+          wait_dp();
+          terms_probabilities_and_grad<true, 8>(st, dpt, p, terms, q0, lse2_of, d_of);
+        } else {
+          probabilities_then_grad(st, dpt, p, exponent_scale(p), lse2_of, d_of, wait_dp);
+        }
       },
       [&](int64_t) {
         pack_fragments<T, 4>(pa, st);
@@ -301,8 +312,9 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
 }
 
 // A query-kernel consumer: dQ of its 64 rows over the block's key tiles, then
-// its rows of dq and their shares of dsinks.
-template <class T, int kHeadDim, Layouts kLayouts>
+// its rows of dq and their shares of dsinks. kTerms: as the key consumer's
+// (dbias is the key kernel's).
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm,
                                                const QueryBlock<TileConfig<kHeadDim>, kLayouts>& qb,
                                                const AttentionParams& p,
@@ -315,6 +327,8 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm,
   RowSoftmax rows{qb.q0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4};
   const FragmentSegments<kLayouts> segments(p, segment_tiles, qb.seq, qb.b,
                                             FragmentRows::kQueries, qb.q0 + consumer * 64, rows.row);
+  FragmentTerms<kTerms, FragmentRows::kQueries> terms(p, qb.seq, rows.row);
+  terms.head(p, qb.seq, qb.b, qb.h);
   const unsigned char* q_rows = sm.own_a + consumer * 64 * 128;
   const unsigned char* do_rows = sm.own_b + consumer * 64 * 128;
   float lse2[2], D[2];
@@ -357,8 +371,14 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm,
                        RowSoftmax::tile_needs_mask(qb.seq, qb.q0, qb.last_row, k0, kStreamRows,
                                                    qb.keys.key_begin, qb.keys.key_end));
         segments.template mask<8>(s, k0);
-        probabilities_and_grad(s, dp, p, 1.0f, [&](int i) { return lse2[(i % 4) / 2]; },
-                               [&](int i) { return D[(i % 4) / 2]; });
+        const auto lse2_of = [&](int i) { return lse2[(i % 4) / 2]; };
+        const auto d_of = [&](int i) { return D[(i % 4) / 2]; };
+        if constexpr (kTerms) {
+          terms.template add<8>(s, k0);
+          terms_probabilities_and_grad<false, 8>(s, dp, p, terms, k0, lse2_of, d_of);
+        } else {
+          probabilities_and_grad(s, dp, p, 1.0f, lse2_of, d_of);
+        }
       },
       [&](int64_t) { pack_fragments<T, 4>(dsa, dp); },
       [&](int64_t it) {  // dQ += dS K_j

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "../common/score_terms.cuh"
 #include "../common/segments.cuh"
 #include "../common/sequence_layout.h"
 #include "../common/softmax.cuh"
@@ -26,8 +27,9 @@ namespace flashjax::cuda::hopper_fwd {
 
 // T: the inputs' element type, TOut: out's. kLayouts: any (sequence_layout.h);
 // kSegments narrows each tile's keys to its segment-id span and masks ids per
-// element where a tile's are not all equal.
-template <class T, class TOut, int kHeadDim, Layouts kLayouts>
+// element where a tile's are not all equal. kTerms: bias, mask, ALiBi and
+// dropout (score_terms.cuh).
+template <class T, class TOut, int kHeadDim, Layouts kLayouts, bool kTerms>
 __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
     hopper_forward_kernel(const __grid_constant__ AttentionParams p,
                           const __grid_constant__ TensorMaps maps,
@@ -71,7 +73,9 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
     // (kSegments: this consumer's 64 rows are one segment-id tile.)
     const FragmentSegments<kLayouts> segments(p, segment_tiles, w.seq, w.b, FragmentRows::kQueries,
                                               w.q0 + consumer * kConsumerRows, softmax.row);
-    mainloop.compute(p, w, segments, softmax, o);
+    FragmentTerms<kTerms, FragmentRows::kQueries> terms(p, w.seq, softmax.row);
+    terms.head(p, w.seq, w.b, w.h);
+    mainloop.compute(p, w, segments, terms, softmax, o);
     store_work_item<TOut, kLayouts>(p, w, softmax, o, sm.nonfinite_warps,
                                     consumer * kWarpsPerGroup + warp_in_group, mainloop.lane);
   });
@@ -80,7 +84,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
 
 #else  // not compiled for sm_90a: never launched (hopper_forward_supports says no)
 
-template <class T, class TOut, int kHeadDim, Layouts kLayouts>
+template <class T, class TOut, int kHeadDim, Layouts kLayouts, bool kTerms>
 __global__ void hopper_forward_kernel(const __grid_constant__ AttentionParams,
                                       const __grid_constant__ TensorMaps,
                                       const __grid_constant__ ScheduleOf<kLayouts>,

@@ -45,7 +45,7 @@ struct ForwardWorkspace {
   SegmentTiles segments;
   size_t bytes = 0;
   ForwardWorkspace(const AttentionParams& p, void* base) {
-    if (p.uniform()) return;
+    if (layouts_of(p) == Layouts::kUniform) return;
     const size_t list_bytes = (VarlenWorkList::workspace_bytes(p) + kAlign - 1) / kAlign * kAlign;
     if (base) {
       list = VarlenWorkList(p, base);
@@ -57,13 +57,14 @@ struct ForwardWorkspace {
 
 // `workspace`: hopper_forward_workspace_bytes(p) bytes (ForwardWorkspace).
 // T: the inputs' element type, TOut: out's.
-template <class T, class TOut, int kHeadDim, Layouts kLayouts>
+// kTerms: score terms or dropout (needs_terms), with non-uniform layouts only.
+template <class T, class TOut, int kHeadDim, Layouts kLayouts, bool kTerms>
 cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kBlockM = Cfg::kBlockM;
   static DeviceOnce configured;
   if (cudaError_t e = configured([] {
-        return cudaFuncSetAttribute(hopper_forward_kernel<T, TOut, kHeadDim, kLayouts>,
+        return cudaFuncSetAttribute(hopper_forward_kernel<T, TOut, kHeadDim, kLayouts, kTerms>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
       });
       e != cudaSuccess)
@@ -100,7 +101,7 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
   TensorMaps maps;
   if (!make_maps<Cfg>(p, gqa_packed, maps)) return cudaErrorInvalidValue;
   const int64_t blocks = std::min<int64_t>(items, multiprocessor_count());
-  hopper_forward_kernel<T, TOut, kHeadDim, kLayouts>
+  hopper_forward_kernel<T, TOut, kHeadDim, kLayouts, kTerms>
       <<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
           p, maps, schedule, ws.segments);
   return cudaGetLastError();
@@ -110,7 +111,15 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
 template <class T, int kHeadDim>
 cudaError_t launch(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   return with_layouts(p, [&](auto layouts) {
-    return launch_layouts<T, T, kHeadDim, decltype(layouts)::value>(p, workspace, stream);
+    constexpr Layouts kLayouts = decltype(layouts)::value;
+    return with_terms(p, [&](auto terms) {
+      // (terms with segment ids: hopper_forward_supports says no)
+      if constexpr (decltype(terms)::value && kLayouts != Layouts::kVarlen)
+        return cudaErrorNotSupported;
+      else
+        return launch_layouts<T, T, kHeadDim, kLayouts, decltype(terms)::value>(p, workspace,
+                                                                                 stream);
+    });
   });
 }
 
@@ -129,7 +138,9 @@ bool hopper_forward_supports(const AttentionParams& p) {
   // Layouts: see hopper_layouts_supported. TMA needs 16-byte row strides (head dims
   // % 8) and a 64-column box inside the tensor (head dims >= 64); int32 TMA
   // coordinates bound the sizes.
-  return hopper_layouts_supported(p) && p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
+  // Score terms or dropout: compiled with the kVarlen layouts only (not with
+  // segment ids). Bias and mask: their rows are slot rows (dense only).
+  return hopper_layouts_supported(p) && !(needs_terms(p) && p.has_segments()) && p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
          p.head_dim_v % 8 == 0 && head_dim_bucket(kBuckets, p) != 0 && p.head_dim >= 64 &&
          p.head_dim_v >= 64 &&
          p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && compute_capability() == 90 &&

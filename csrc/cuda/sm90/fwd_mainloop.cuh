@@ -49,10 +49,12 @@ struct ForwardMainloop {
 
   // O (unnormalised, in o: zeros on entry) and the softmax statistics of the
   // consumer's rows of work item w.
-  template <class Item>
+  // terms: a FragmentTerms (score_terms.cuh) of the item's rows.
+  template <class Item, class Terms>
   __device__ __forceinline__ void compute(const AttentionParams& p, const Item& w,
                                           const FragmentSegments<kLayouts>& segments,
-                                          RowSoftmax& softmax, float (&o)[kDimTiles * 4]) {
+                                          const Terms& terms, RowSoftmax& softmax,
+                                          float (&o)[kDimTiles * 4]) {
     const int64_t n_tiles = w.n_tiles;
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
@@ -110,7 +112,9 @@ struct ForwardMainloop {
                                 RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
                                                             w.keys.key_begin, w.keys.key_end));
       segments.template mask<kKeyTiles>(s, k0);
+      terms.template add<kKeyTiles>(s, k0);
       softmax.exponentiate<kKeyTiles>(s, alpha);
+      terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };
 
     // Ping-pong: named barrier kTurnBarrier + c is consumer c's turn; the
