@@ -15,6 +15,7 @@ set_target_properties(flashjax_ffi PROPERTIES CUDA_ARCHITECTURES OFF)
 
 target_sources(flashjax_ffi PRIVATE
   cuda/launch.cu
+  cuda/common/mask_tiles.cu
   cuda/common/sequence_layout.cu
   cuda/simt/simt_attention.cu
   cuda/sm80/tensor_core_forward.cu

@@ -91,9 +91,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         -slope * |i + seqlen_k - seqlen_q - j| added to query i / key j's score after
         the softcap (positions by q_offset / kv_offset when given); never materialised.
         Not differentiated.
-        bias, mask and alibi_slopes run on the CPU kernels and the pure-JAX path; on a
-        CUDA GPU, implementation=None takes the pure-JAX path for such calls for now
-        (the CUDA kernels do not read them yet: "cuda" raises ValueError).
+        bias, mask and alibi_slopes run on every path (CUDA, CPU, pure JAX).
       dropout_rate: static float in [0, 1): attention dropout on the probabilities
         (FlashAttention 2's): each is dropped with this probability, the kept ones
         scaled by 1 / (1 - dropout_rate). 0 (default): no dropout, the key unused.

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "flashjax/params.h"
+#include "mask_tiles.h"
 #include "sequence_layout.h"
 #include "work_list.h"
 
@@ -83,6 +84,7 @@ struct BackwardWorkspace {
   // backward_preprocess; read by recompute_nonfinite_gradients).
   int* nonfinite = nullptr;
   SegmentTiles segments;   // with segment ids only
+  MaskTiles masks;         // with a mask only (the Hopper kernels narrow their blocks by it)
   PaddedRows padded;             // the layout of the next three
   float* lse2_padded = nullptr;  // lse in log2 units, +inf past the used rows
   float* D_padded = nullptr;     // D, 0 past the used rows
@@ -112,6 +114,7 @@ struct BackwardWorkspace {
     dsink_rows = like_lse(take_floats(floats_like_lse(p)));
     nonfinite = static_cast<int*>(take(sizeof(int)));
     segments = SegmentTiles(p, take(SegmentTiles::workspace_bytes(p)));
+    masks = MaskTiles(p, take(MaskTiles::workspace_bytes(p)));
     if (padded_stats) {
       lse2_padded = take_floats(padded_rows);
       D_padded = take_floats(padded_rows);

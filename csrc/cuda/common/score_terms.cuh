@@ -24,11 +24,12 @@ namespace flashjax::cuda {
 // score_mod.cuh's scores_prescaled).
 template <bool kTerms, FragmentRows kRows>
 struct FragmentTerms {
+  static constexpr bool kActive = false;
   __device__ FragmentTerms(const AttentionParams&, const SeqlenInfo&, int64_t) {}
   __device__ void head(const AttentionParams&, const SeqlenInfo&, int64_t, int64_t) {}
   __device__ float term_log2_at(int, int64_t, bool* = nullptr) const { return 0.0f; }
   template <int kTiles>
-  __device__ void add(float (&)[kTiles * 4], int64_t) const {}
+  __device__ void add(float (&)[kTiles * 4], int64_t, bool = true) const {}
   template <int kTiles>
   __device__ void drop(float (&)[kTiles * 4], int64_t) const {}
   __device__ bool dropping() const { return false; }
@@ -40,6 +41,7 @@ struct FragmentTerms {
 
 template <FragmentRows kRows>
 struct FragmentTerms<true, kRows> {
+  static constexpr bool kActive = true;
   static constexpr bool kQueryRows = kRows == FragmentRows::kQueries;
   int64_t row;                // the thread's first fragment row (the other is row + 8)
   int64_t rows_used, cols_used;  // used queries / keys as rows and columns
@@ -79,7 +81,8 @@ struct FragmentTerms<true, kRows> {
   __device__ bool used(int r, int64_t c) const { return row + 8 * r < rows_used && c < cols_used; }
 
   // The bias and ALiBi terms (log2 units) of fragment element `index` of the tile
-  // from column c0 (0 for pairs past the used ones); *allowed: the mask's verdict.
+  // from column c0 (0 for pairs past the used ones); *allowed: the mask's verdict
+  // (not read when allowed is null).
   __device__ float term_log2_at(int index, int64_t c0, bool* allowed = nullptr) const {
     const int r = (index % 4) / 2;
     const int64_t c = c0 + (index / 4) * 8 + 2 * (threadIdx.x % 4) + (index & 1);
@@ -97,14 +100,15 @@ struct FragmentTerms<true, kRows> {
     return x;
   }
 
-  // s (log2 units) += the bias and ALiBi terms; -inf where the mask hides the pair.
-  // Hidden scores stay hidden (a +inf bias must not revive them).
+  // s (log2 units) += the bias and ALiBi terms; -inf where the mask hides the pair
+  // (mask_mixed false: the tile summaries say it hides none of these). Hidden scores
+  // stay hidden (a +inf bias must not revive them).
   template <int kTiles>
-  __device__ void add(float (&s)[kTiles * 4], int64_t c0) const {
+  __device__ void add(float (&s)[kTiles * 4], int64_t c0, bool mask_mixed = true) const {
 #pragma unroll
     for (int index = 0; index < kTiles * 4; ++index) {
-      bool allowed;
-      const float x = s[index] + term_log2_at(index, c0, &allowed);
+      bool allowed = true;
+      const float x = s[index] + term_log2_at(index, c0, mask_mixed ? &allowed : nullptr);
       if (s[index] != kNegInf) s[index] = allowed ? x : kNegInf;
     }
   }

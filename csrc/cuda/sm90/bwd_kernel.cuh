@@ -41,13 +41,13 @@ template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
 __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                       const RowStats stats, float* dq_accum, const VarlenWorkList list,
-                      const __grid_constant__ SegmentTiles segment_tiles) {
+                      const __grid_constant__ SegmentTiles segment_tiles,
+                      const __grid_constant__ MaskTiles mask_tiles) {
   using Config = TileConfig<kHeadDim>;
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
   using Block = KeyBlock<Config, kLayouts>;
-  // (No block, a grid slot past the list's: the whole CTA returns.)
-  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& kb) {
+  const auto block = [&](const Block& kb) {
     sm.init();
 
     const int warpgroup = warpgroup_index();
@@ -62,8 +62,18 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
       return;
     }
     consumer_registers<Config>();
-    key_consumer<T, kHeadDim, kFusedDq, kLayouts, kTerms>(sm, kb, p, segment_tiles, warpgroup - 1,
-                                                   stats.nonfinite);
+    key_consumer<T, kHeadDim, kFusedDq, kLayouts, kTerms>(sm, kb, p, segment_tiles, mask_tiles,
+                                                          warpgroup - 1, stats.nonfinite);
+  };
+  // (No block, a grid slot past the list's: the whole CTA returns.)
+  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& kb) {
+    if constexpr (kTerms) {  // (query tiles a mask hides from every owned key: skipped)
+      Block narrowed = kb;
+      narrowed.narrow_to_mask(p, mask_tiles);
+      block(narrowed);
+    } else {
+      block(kb);
+    }
   });
 }
 
@@ -73,12 +83,13 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     hopper_query_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                         const __grid_constant__ TensorRef D_all,
                         const __grid_constant__ TensorRef dsink_rows, const VarlenWorkList list,
-                        const __grid_constant__ SegmentTiles segment_tiles, int* nonfinite) {
+                        const __grid_constant__ SegmentTiles segment_tiles, int* nonfinite,
+                        const __grid_constant__ MaskTiles mask_tiles) {
   using Config = TileConfig<kHeadDim>;
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
   using Block = QueryBlock<Config, kLayouts>;
-  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& qb) {
+  const auto block = [&](const Block& qb) {
     sm.init();
 
     const int warpgroup = threadIdx.x / 128;  // (uniform: the query consumer spilled)
@@ -90,8 +101,17 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
       return;
     }
     consumer_registers<Config>();
-    query_consumer<T, kHeadDim, kLayouts, kTerms>(sm, qb, p, segment_tiles, warpgroup - 1, D_all,
-                                          dsink_rows, nonfinite);
+    query_consumer<T, kHeadDim, kLayouts, kTerms>(sm, qb, p, segment_tiles, mask_tiles,
+                                                  warpgroup - 1, D_all, dsink_rows, nonfinite);
+  };
+  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& qb) {
+    if constexpr (kTerms) {  // (key tiles a mask hides from every owned row: skipped)
+      Block narrowed = qb;
+      narrowed.narrow_to_mask(p, mask_tiles);
+      block(narrowed);
+    } else {
+      block(qb);
+    }
   });
 }
 
@@ -122,12 +142,12 @@ __global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
 __global__ void hopper_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                   const RowStats, float*, const VarlenWorkList,
-                                  const SegmentTiles) {}
+                                  const SegmentTiles, const MaskTiles) {}
 template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                     const __grid_constant__ TensorRef,
                                     const __grid_constant__ TensorRef, const VarlenWorkList,
-                                    const SegmentTiles, int*) {}
+                                    const SegmentTiles, int*, const MaskTiles) {}
 template <class T>
 __global__ void hopper_wide_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                        const RowStats, float*) {}

@@ -114,6 +114,8 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
     if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
     if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
   }
+  if constexpr (kTerms)
+    if (cudaError_t e = compute_mask_tiles(p, ws.masks, stream); e != cudaSuccess) return e;
   if constexpr (kVarlen) {
     if (cudaError_t e = build_blocks(p, ws.key_list, true, kKeysPerBlock, p.heads_kv, key_blocks,
                                      stream);
@@ -135,11 +137,12 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
       if (key_blocks > 0)
         hopper_key_kernel<T, kHeadDim, false, kLayouts, kTerms>
             <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-                p, key_maps, stats, nullptr, ws.key_list, ws.segments);
+                p, key_maps, stats, nullptr, ws.key_list, ws.segments, ws.masks);
       if (query_blocks > 0)
         hopper_query_kernel<T, kHeadDim, kLayouts, kTerms>
             <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(
-                p, query_maps, ws.D, ws.dsink_rows, ws.query_list, ws.segments, ws.nonfinite);
+                p, query_maps, ws.D, ws.dsink_rows, ws.query_list, ws.segments, ws.nonfinite,
+                ws.masks);
       return cudaGetLastError();
     }
   }
@@ -154,7 +157,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
     else
       hopper_key_kernel<T, kHeadDim, true, kLayouts, kTerms>
           <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-              p, key_maps, stats, ws.dq_accum, ws.key_list, ws.segments);
+              p, key_maps, stats, ws.dq_accum, ws.key_list, ws.segments, ws.masks);
   }
   convert_dq_kernel<T, kHeadDim><<<elementwise_blocks, 256, 0, stream>>>(p, ws.dq_accum,
                                                                          ws.padded, ws.nonfinite);

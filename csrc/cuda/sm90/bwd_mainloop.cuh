@@ -175,7 +175,8 @@ template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
 __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                              const KeyBlock<TileConfig<kHeadDim>, kLayouts>& kb,
                                              const AttentionParams& p,
-                                             const SegmentTiles& segment_tiles, int consumer,
+                                             const SegmentTiles& segment_tiles,
+                                             const MaskTiles& mask_tiles, int consumer,
                                              int* nonfinite) {
   using C = TileConfig<kHeadDim>;
   constexpr int kOwnRows = C::kOwnRows, kStreamRows = C::kStreamRows;
@@ -250,8 +251,12 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         const auto lse2_of = [&](int i) { return lse2[column(i)]; };
         const auto d_of = [&](int i) { return D[column(i)]; };
         if constexpr (kTerms) {
-          terms.head(p, kb.sequence(p), kb.b, kb.head(p, it));
-          terms.template add<8>(st, q0);
+          const int64_t h = kb.head(p, it);
+          terms.head(p, kb.sequence(p), kb.b, h);
+          // (the mask per element only where it hides some of these pairs)
+          terms.template add<8>(st, q0, !mask_tiles || (mask_tiles.of(kb.b, h, q0, kStreamRows,
+                                                                      kb.k0 + consumer * 64, 64) &
+                                                        MaskTiles::kAnyHidden));
           wait_dp();
           terms_probabilities_and_grad<true, 8>(st, dpt, p, terms, q0, lse2_of, d_of);
         } else {
@@ -318,7 +323,8 @@ template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm,
                                                const QueryBlock<TileConfig<kHeadDim>, kLayouts>& qb,
                                                const AttentionParams& p,
-                                               const SegmentTiles& segment_tiles, int consumer,
+                                               const SegmentTiles& segment_tiles,
+                                               const MaskTiles& mask_tiles, int consumer,
                                                const TensorRef& D_all,
                                                const TensorRef& dsink_rows, int* nonfinite) {
   using C = TileConfig<kHeadDim>;
@@ -374,7 +380,10 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm,
         const auto lse2_of = [&](int i) { return lse2[(i % 4) / 2]; };
         const auto d_of = [&](int i) { return D[(i % 4) / 2]; };
         if constexpr (kTerms) {
-          terms.template add<8>(s, k0);
+          terms.template add<8>(s, k0, !mask_tiles || (mask_tiles.of(qb.b, qb.h,
+                                                                     qb.q0 + consumer * 64, 64, k0,
+                                                                     kStreamRows) &
+                                                       MaskTiles::kAnyHidden));
           terms_probabilities_and_grad<false, 8>(s, dp, p, terms, k0, lse2_of, d_of);
         } else {
           probabilities_and_grad(s, dp, p, 1.0f, lse2_of, d_of);

@@ -14,6 +14,7 @@
 #include "../common/block.cuh"
 #include "../common/device.cuh"
 #include "../common/mask.cuh"
+#include "../common/mask_tiles.h"
 #include "../common/segments.cuh"
 #include "../common/sequence_layout.h"
 #include "../common/work_list.h"
@@ -157,6 +158,23 @@ struct KeyBlock {
     return row == row_begin + q_tiles * kStreamRows ? row_begin : row;
   }
 
+  // Only the query tiles where a mask lets some query head of the group see some
+  // of the owned keys (MaskTiles; a contiguous span, as for segment ids).
+  __device__ void narrow_to_mask(const AttentionParams& p, const MaskTiles& mask) {
+    if (!mask || q_tiles == 0) return;
+    const int64_t end = row_begin + q_tiles * kStreamRows;
+    int64_t lo = end, hi = row_begin;
+    for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h)
+      for (int64_t r = row_begin; r < end; r += kStreamRows)
+        if (mask.of(b, h, r, kStreamRows, k0, kRows) & MaskTiles::kAnyAllowed) {
+          lo = min(lo, r);
+          hi = max(hi, r + kStreamRows);
+        }
+    row_begin = lo;
+    q_tiles = hi > lo ? (hi - lo) / kStreamRows : 0;
+    tiles = q_tiles * p.group_size();
+  }
+
   // Masks a thread's S^T fragment (keys key, key + 8; queries col0 + [0, 8 kTiles))
   // where some of the block's (key, query) pairs are invisible.
   template <int kTiles>
@@ -200,6 +218,20 @@ struct QueryBlock {
     tiles = valid ? keys.tiles(kStreamRows) : 0;
   }
   __device__ int64_t key_tile(int64_t it) const { return keys.tile_begin + it * kStreamRows; }
+  // Only the key tiles where a mask lets some owned row see some key (a contiguous
+  // span, as for segment ids; KeyBlock::narrow_to_mask).
+  __device__ void narrow_to_mask(const AttentionParams&, const MaskTiles& mask) {
+    if (!mask || tiles == 0) return;
+    const int64_t end = keys.tile_begin + tiles * kStreamRows;
+    int64_t lo = end, hi = keys.tile_begin;
+    for (int64_t k = keys.tile_begin; k < end; k += kStreamRows)
+      if (mask.of(b, h, q0, kOwnRows, k, kStreamRows) & MaskTiles::kAnyAllowed) {
+        lo = min(lo, k);
+        hi = max(hi, k + kStreamRows);
+      }
+    keys.narrow(lo, hi, kStreamRows);
+    tiles = hi > lo ? keys.tiles(kStreamRows) : 0;
+  }
   // As KeyBlock's: the owned queries past the used ones, streamed keys past theirs.
   __device__ bool owned_crosses_end() const {
     return kLayouts != Layouts::kUniform && q0 + kOwnRows > seq.seqlen_q;

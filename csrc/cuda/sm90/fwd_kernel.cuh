@@ -34,11 +34,13 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
     hopper_forward_kernel(const __grid_constant__ AttentionParams p,
                           const __grid_constant__ TensorMaps maps,
                           const __grid_constant__ ScheduleOf<kLayouts> schedule,
-                          const __grid_constant__ SegmentTiles segment_tiles) {
+                          const __grid_constant__ SegmentTiles segment_tiles,
+                          const __grid_constant__ MaskTiles mask_tiles) {
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kConsumers = Cfg::kConsumers;
   constexpr bool kPacks = kPacksGroups<kHeadDim> && kLayouts == Layouts::kUniform;
   using Item = WorkItem<kLayouts, kBlockM, kBlockN>;
+  using Keys = ItemKeys<kTerms>;  // (kTerms: the mask's empty tiles are skipped)
   extern __shared__ unsigned char smem_raw[];
   const ForwardSmem<Cfg> sm(smem_raw);
   if (threadIdx.x == 0) sm.init();
@@ -57,7 +59,8 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
     if (threadIdx.x != 0) return;
     int64_t kv = 0, q_loads = 0;
     for_each_work_tile(schedule, [&](QueryTile tile) {
-      load_work_item(sm, maps, Item(p, tile, packed, segment_tiles), q_bytes, kv, q_loads);
+      const Item w(p, tile, packed, segment_tiles);
+      load_work_item(sm, maps, w, Keys(w, mask_tiles, kBlockN), q_bytes, kv, q_loads);
     });
     return;
   }
@@ -75,7 +78,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
                                               w.q0 + consumer * kConsumerRows, softmax.row);
     FragmentTerms<kTerms, FragmentRows::kQueries> terms(p, w.seq, softmax.row);
     terms.head(p, w.seq, w.b, w.h);
-    mainloop.compute(p, w, segments, terms, softmax, o);
+    mainloop.compute(p, w, Keys(w, mask_tiles, kBlockN), segments, terms, mask_tiles, softmax, o);
     store_work_item<TOut, kLayouts>(p, w, softmax, o, sm.nonfinite_warps,
                                     consumer * kWarpsPerGroup + warp_in_group, mainloop.lane);
   });
@@ -88,7 +91,7 @@ template <class T, class TOut, int kHeadDim, Layouts kLayouts, bool kTerms>
 __global__ void hopper_forward_kernel(const __grid_constant__ AttentionParams,
                                       const __grid_constant__ TensorMaps,
                                       const __grid_constant__ ScheduleOf<kLayouts>,
-                                      const SegmentTiles) {}
+                                      const SegmentTiles, const MaskTiles) {}
 
 #endif
 

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "../common/dispatch.h"
+#include "../common/mask_tiles.h"
 #include "../common/sequence_layout.h"
 #include "flashjax/params.h"
 #include "fwd_kernel.cuh"
@@ -38,20 +39,25 @@ bool make_maps(const AttentionParams& p, bool gqa_packed, TensorMaps& maps) {
 }
 
 // The workspace of a non-uniform call: the work list, then (segment ids) the
-// id ranges and spans of the segment-id tiles. base may be null (sizes only).
+// id ranges and spans of the segment-id tiles, then (a mask) its tile summaries.
+// base may be null (sizes only).
 struct ForwardWorkspace {
   static constexpr size_t kAlign = 256;
   VarlenWorkList list;
   SegmentTiles segments;
+  MaskTiles masks;
   size_t bytes = 0;
   ForwardWorkspace(const AttentionParams& p, void* base) {
     if (layouts_of(p) == Layouts::kUniform) return;
-    const size_t list_bytes = (VarlenWorkList::workspace_bytes(p) + kAlign - 1) / kAlign * kAlign;
+    const auto aligned = [](size_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
+    const size_t list_bytes = aligned(VarlenWorkList::workspace_bytes(p));
+    const size_t segment_bytes = aligned(SegmentTiles::workspace_bytes(p));
     if (base) {
       list = VarlenWorkList(p, base);
       segments = SegmentTiles(p, static_cast<char*>(base) + list_bytes);
+      masks = MaskTiles(p, static_cast<char*>(base) + list_bytes + segment_bytes);
     }
-    bytes = list_bytes + SegmentTiles::workspace_bytes(p);
+    bytes = list_bytes + segment_bytes + MaskTiles::workspace_bytes(p);
   }
 };
 
@@ -89,6 +95,8 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
     if constexpr (kLayouts == Layouts::kSegments)
       if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess)
         return e;
+    if constexpr (kTerms)
+      if (cudaError_t e = compute_mask_tiles(p, ws.masks, stream); e != cudaSuccess) return e;
     schedule.list = ws.list;
     schedule.heads = p.heads_q;
     WorkShape shape;
@@ -103,7 +111,7 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
   const int64_t blocks = std::min<int64_t>(items, multiprocessor_count());
   hopper_forward_kernel<T, TOut, kHeadDim, kLayouts, kTerms>
       <<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-          p, maps, schedule, ws.segments);
+          p, maps, schedule, ws.segments, ws.masks);
   return cudaGetLastError();
 }
 

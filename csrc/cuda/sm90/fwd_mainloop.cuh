@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "../common/fragment.cuh"
+#include "../common/mask_tiles.h"
 #include "../common/segments.cuh"
 #include "../common/sequence_layout.h"
 #include "../common/softmax.cuh"
@@ -49,13 +50,15 @@ struct ForwardMainloop {
 
   // O (unnormalised, in o: zeros on entry) and the softmax statistics of the
   // consumer's rows of work item w.
-  // terms: a FragmentTerms (score_terms.cuh) of the item's rows.
-  template <class Item, class Terms>
+  // keys: the item's ItemKeys; terms: a FragmentTerms (score_terms.cuh) of the
+  // item's rows, mask_tiles their mask's summaries (kTerms kernels).
+  template <class Item, class Keys, class Terms>
   __device__ __forceinline__ void compute(const AttentionParams& p, const Item& w,
+                                          const Keys& keys,
                                           const FragmentSegments<kLayouts>& segments,
-                                          const Terms& terms, RowSoftmax& softmax,
-                                          float (&o)[kDimTiles * 4]) {
-    const int64_t n_tiles = w.n_tiles;
+                                          const Terms& terms, const MaskTiles& mask_tiles,
+                                          RowSoftmax& softmax, float (&o)[kDimTiles * 4]) {
+    const int64_t n_tiles = keys.count;
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
       const int64_t g = kv + it;
@@ -94,7 +97,7 @@ struct ForwardMainloop {
     // before the P V that sums over them (zero_tile_rows says why); only an
     // item's last tile can cross the end.
     auto clear_values_past_end = [&](int64_t it) {
-      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
+      const int64_t k0 = keys.k0(it);
       if (k0 + kBlockN <= w.seq.seqlen_k) return;
       const int64_t g = kv + it;
       mbar_wait(&sm.v_full[g % kStages], (g / kStages) & 1);
@@ -107,12 +110,16 @@ struct ForwardMainloop {
       if (lane == 0) mbar_arrive(&sm.v_empty[(kv + it) % kStages]);
     };
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
-      const int64_t k0 = w.keys.tile_begin + it * kBlockN;
+      const int64_t k0 = keys.k0(it);
       softmax.scores<kKeyTiles>(s, p, w.seq, k0,
                                 RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
                                                             w.keys.key_begin, w.keys.key_end));
       segments.template mask<kKeyTiles>(s, k0);
-      terms.template add<kKeyTiles>(s, k0);
+      if constexpr (Terms::kActive)  // (the mask per element only where it hides pairs)
+        terms.template add<kKeyTiles>(
+            s, k0, !mask_tiles || (mask_tiles.of(w.b, w.h, w.q0 + consumer * kConsumerRows,
+                                                 kConsumerRows, k0, kBlockN) &
+                                   MaskTiles::kAnyHidden));
       softmax.exponentiate<kKeyTiles>(s, alpha);
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };

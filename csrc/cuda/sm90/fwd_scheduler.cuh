@@ -22,6 +22,7 @@
 
 #include "../common/block.cuh"
 #include "../common/device.cuh"
+#include "../common/mask_tiles.h"
 #include "../common/segments.cuh"
 #include "../common/sequence_layout.h"
 #include "../common/softmax.cuh"
@@ -130,6 +131,50 @@ struct WorkItem {
   __device__ int q_row() const { return static_cast<int>(seq.q_row(q0)); }
   __device__ int k_row(int64_t k0) const { return static_cast<int>(seq.k_row(k0)); }
   __device__ int batch() const { return static_cast<int>(seq.batch); }
+};
+
+// The key tiles a work item visits, tile it from key k0(it): its contiguous range
+// (kMasked false), or the tiles of that range that a mask does not hide
+// completely for any of the item's rows (MaskTiles; kTerms kernels, when the call
+// has a mask). k0 is asked for in order of it (the masked walk steps forward).
+template <bool kMasked>
+struct ItemKeys {
+  int64_t begin, count;
+  int n;
+  template <class Item>
+  __device__ ItemKeys(const Item& w, const MaskTiles&, int tile_keys)
+      : begin(w.keys.tile_begin), count(w.n_tiles), n(tile_keys) {}
+  __device__ int64_t k0(int64_t it) const { return begin + it * n; }
+};
+
+template <>
+struct ItemKeys<true> {
+  const MaskTiles& tiles;
+  int64_t b, h, q0, rows, end, count = 0;
+  int n;
+  mutable int64_t at_it = 0, at_k0 = 0;
+  template <class Item>
+  __device__ ItemKeys(const Item& w, const MaskTiles& mask_tiles, int tile_keys)
+      : tiles(mask_tiles),
+        b(w.b),
+        h(w.h),
+        q0(w.q0),
+        rows(w.last_row - w.q0 + 1),
+        end(w.keys.tile_begin + w.n_tiles * tile_keys),
+        n(tile_keys) {
+    at_k0 = next(w.keys.tile_begin);
+    for (int64_t k = at_k0; k < end; k = next(k + n)) ++count;
+  }
+  // The first tile from k0 (tile-aligned) that the mask lets any row see.
+  __device__ int64_t next(int64_t k0) const {
+    if (!tiles || rows <= 0) return k0;
+    while (k0 < end && !(tiles.of(b, h, q0, rows, k0, n) & MaskTiles::kAnyAllowed)) k0 += n;
+    return k0;
+  }
+  __device__ int64_t k0(int64_t it) const {
+    for (; at_it < it; ++at_it) at_k0 = next(at_k0 + n);
+    return at_k0;
+  }
 };
 
 // The rows of work item w that warp `warp_in_group` of consumer warpgroup

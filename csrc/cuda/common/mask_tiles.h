@@ -1,0 +1,65 @@
+// Tile summaries of a boolean mask (params.h's ScoreArray `mask`): per mask entry
+// and block of kRows query rows x kRows keys, whether any pair of the block is
+// allowed and whether any is hidden. compute_mask_tiles fills them on the device
+// before the attention kernels, which then skip the key tiles a mask hides
+// completely and read the mask per element only on tiles that mix both.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flashjax/params.h"
+
+namespace flashjax::cuda {
+
+struct MaskTiles {
+  static constexpr int64_t kRows = 64;
+  static constexpr uint8_t kAnyAllowed = 1, kAnyHidden = 2;
+  uint8_t* bits = nullptr;  // [batch entries][head entries][row_tiles][col_tiles]; null: no mask
+  int64_t row_tiles = 0, col_tiles = 0, head_entries = 0;
+  int64_t batch_div = 1, head_div = 1;
+
+  FJ_HOST_DEVICE static int64_t tiles(int64_t n) { return (n + kRows - 1) / kRows; }
+  FJ_HOST_DEVICE static int64_t entries(const AttentionParams& p) {
+    return (p.batch / p.mask.batch_div) * (p.heads_q / p.mask.head_div);
+  }
+  static size_t workspace_bytes(const AttentionParams& p) {
+    if (!p.mask) return 0;
+    return static_cast<size_t>(entries(p) * tiles(p.seqlen_q) * tiles(p.seqlen_k));
+  }
+  MaskTiles() = default;
+  // `workspace`: workspace_bytes(p) bytes, or null (no summaries).
+  MaskTiles(const AttentionParams& p, void* workspace) {
+    if (!p.mask || !workspace) return;
+    bits = static_cast<uint8_t*>(workspace);
+    row_tiles = tiles(p.seqlen_q);
+    col_tiles = tiles(p.seqlen_k);
+    head_entries = p.heads_q / p.mask.head_div;
+    batch_div = p.mask.batch_div;
+    head_div = p.mask.head_div;
+  }
+  explicit FJ_HOST_DEVICE operator bool() const { return bits != nullptr; }
+
+  // The summary bits (kAnyAllowed | kAnyHidden, OR-ed) of query rows [r0, r0 + rows)
+  // x keys [c0, c0 + cols) of sequence b, query head h (slot rows; blocks past the
+  // mask's end are left out).
+  FJ_HOST_DEVICE uint8_t of(int64_t b, int64_t h, int64_t r0, int64_t rows, int64_t c0,
+                            int64_t cols) const {
+    const uint8_t* entry =
+        bits + ((b / batch_div) * head_entries + h / head_div) * row_tiles * col_tiles;
+    uint8_t out = 0;
+    const int64_t r_end = (r0 + rows + kRows - 1) / kRows, c_end = (c0 + cols + kRows - 1) / kRows;
+    for (int64_t r = r0 / kRows; r < r_end && r < row_tiles; ++r)
+      for (int64_t c = c0 / kRows; c < c_end && c < col_tiles; ++c)
+        out |= entry[r * col_tiles + c];
+    return out;
+  }
+};
+
+// Fills `tiles` (of p's mask) on `stream`.
+cudaError_t compute_mask_tiles(const AttentionParams& p, const MaskTiles& tiles,
+                               cudaStream_t stream);
+
+}  // namespace flashjax::cuda
