@@ -21,5 +21,11 @@ cudaError_t recompute_nonfinite_gradients(const AttentionParams& p, const Backwa
                                           cudaStream_t stream);
 cudaError_t backward_dsinks(const AttentionParams& p, const TensorRef& dsink_rows,
                             cudaStream_t stream);
+// dbias (when p.dbias is set; else nothing), every element of it written: a pass of
+// its own that recomputes P and dP pair by pair, one warp per (bias entry, query
+// row), summing the entry's sequences and heads in a fixed order (deterministic).
+// D: ws.D as backward_preprocess leaves it. Reads q, k, v, dout, lse and the terms only.
+cudaError_t simt_bias_gradient(const AttentionParams& p, const TensorRef& D,
+                               cudaStream_t stream);
 
 }  // namespace flashjax::cuda

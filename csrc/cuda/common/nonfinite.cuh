@@ -34,8 +34,9 @@ __device__ void clear_unused_rows(const RowSoftmax& rows, float (&o)[kDimTiles *
 
 // Recomputes pair by pair the used rows of the warp's 16 whose out (written
 // by write_out_rows, by this warp) holds a NaN or inf. Call with the whole warp.
-// T: the inputs' element type, TOut: out's.
-template <class T, class TOut = T>
+// T: the inputs' element type, TOut: out's; kTerms: the score terms' form (a kernel
+// compiled for calls with or without them passes kRead or kNone).
+template <class T, class TOut = T, RowTerms kTerms = RowTerms::kPerCall>
 __device__ void recompute_nonfinite_rows(const RowSoftmax& rows, const AttentionParams& p,
                                          const SeqlenInfo& seq, int64_t b, int64_t h0) {
   const int lane = threadIdx.x % 32;
@@ -44,8 +45,10 @@ __device__ void recompute_nonfinite_rows(const RowSoftmax& rows, const Attention
   for (int r = 0; r < 16; ++r) {
     const int64_t tile_row = warp_row0 + r, i = rows.query(tile_row), h = rows.head(h0, tile_row);
     if (!rows.writes(p, seq, tile_row) || i >= seq.seqlen_q) continue;
-    if (row_nonfinite(seq.q_at<const TOut>(p.out, i, h), p.head_dim_v, lane))
-      exact_forward_row<T, TOut>(p, b, h, i, lane);
+    if (!row_nonfinite(seq.q_at<const TOut>(p.out, i, h), p.head_dim_v, lane)) continue;
+    with_row_terms<kTerms>(p, [&](auto terms) {
+      exact_forward_row<T, TOut, decltype(terms)::value>(p, b, h, i, lane);
+    });
   }
 }
 

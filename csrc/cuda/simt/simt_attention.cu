@@ -1,7 +1,9 @@
-// The SIMT path: one warp per query row (forward, dQ) or key (dK/dV), lanes
-// split the head dimension. Slow but exact for every dtype, head dim and
-// GPU; the tensor-core kernels take over where they apply.
+// The SIMT path: one warp per query row (forward, dQ), key (dK/dV) or dbias
+// row, lanes split the head dimension. Slow but exact for every dtype, head
+// dim and GPU; the tensor-core kernels take over where they apply. Kernels come
+// with and without the score terms and dropout (kTerms: exact_rows.cuh).
 #include <algorithm>
+#include <type_traits>
 
 #include "../common/backward_workspace.h"
 #include "../common/device.cuh"
@@ -31,14 +33,15 @@ __device__ int64_t global_warp() {
   return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
 }
 
-template <class T>
+// kTerms: whether the call has score terms or dropout (PairTerms, exact_rows.cuh).
+template <class T, bool kTerms>
 __global__ void forward_kernel(AttentionParams p) {
   const int64_t warp = global_warp();
   if (warp >= p.batch * p.heads_q * p.seqlen_q) return;
   const RowIndex r(warp, p.heads_q, p.seqlen_q);
   const SeqlenInfo seq(p, r.b);
   if (r.i >= seq.q_slot) return;
-  exact_forward_row<T>(p, r.b, r.h, r.i, threadIdx.x % 32);
+  exact_forward_row<T, T, kTerms>(p, r.b, r.h, r.i, threadIdx.x % 32);
 }
 
 // D = rowsum(dO * O) - dlse for every used row (no other row's D is read).
@@ -76,18 +79,18 @@ __global__ void preprocess_kernel(AttentionParams p, const __grid_constant__ Ten
 
 // dK, dV of one key, summed over the query heads of its group (0 for keys
 // past the used ones: no query sees them).
-template <class T>
+template <class T, bool kTerms>
 __global__ void dkdv_kernel(AttentionParams p, const __grid_constant__ TensorRef D) {
   const int64_t warp = global_warp();
   if (warp >= p.batch * p.heads_kv * p.seqlen_k) return;
   const RowIndex r(warp, p.heads_kv, p.seqlen_k);  // r.i is the key index j
   const SeqlenInfo seq(p, r.b);
   if (r.i >= seq.k_slot) return;
-  exact_key_gradients<T>(p, D, r.b, r.h, r.i, threadIdx.x % 32);
+  exact_key_gradients<T, kTerms>(p, D, r.b, r.h, r.i, threadIdx.x % 32);
 }
 
 // dQ of one row (0 past the used rows), and a used row's share of dsinks.
-template <class T>
+template <class T, bool kTerms>
 __global__ void dq_kernel(AttentionParams p, const __grid_constant__ TensorRef D,
                           const __grid_constant__ TensorRef dsink_rows) {
   const int64_t warp = global_warp();
@@ -96,13 +99,23 @@ __global__ void dq_kernel(AttentionParams p, const __grid_constant__ TensorRef D
   const RowIndex r(warp, p.heads_q, p.seqlen_q);
   const SeqlenInfo seq(p, r.b);
   if (r.i >= seq.q_slot) return;
-  exact_query_gradient<T>(p, D, r.b, r.h, r.i, lane);
+  exact_query_gradient<T, kTerms>(p, D, r.b, r.h, r.i, lane);
   if (lane == 0 && p.sinks && r.i < seq.seqlen_q) {  // d lse / d sink = p_sink; dL/d lse = -D
     const float lse = *seq.q_at<const float>(p.lse, r.i, r.h);
     const float D_row = *seq.q_at<const float>(D, r.i, r.h);
     const float sink = p.sinks[r.b * p.heads_q + r.h];
     *seq.q_at<float>(dsink_rows, r.i, r.h) = lse == kNegInf ? 0.0f : -expf(sink - lse) * D_row;
   }
+}
+
+// One row of one dbias entry: warp (entry b, entry h, row i) of `rows` warps.
+template <class T>
+__global__ void dbias_kernel(AttentionParams p, const __grid_constant__ TensorRef D,
+                             int64_t head_entries, int64_t rows) {
+  const int64_t warp = global_warp();
+  if (warp >= rows) return;
+  const RowIndex r(warp, head_entries, p.seqlen_q);  // r.b, r.h: the entry's indices
+  exact_bias_gradient_row<T>(p, D, r.b, r.h, r.i, threadIdx.x % 32);
 }
 
 // dsinks[b, h] = sum over sequence b's used rows, in a fixed order (deterministic).
@@ -121,7 +134,7 @@ __global__ void dsinks_kernel(AttentionParams p, const __grid_constant__ TensorR
 // once a tensor-core backward flagged one (BackwardWorkspace::nonfinite: a
 // tile product may have got them wrong, exact_rows.cuh). Otherwise the
 // kernel ends at once. Warps stride over the key rows, then the query rows.
-template <class T>
+template <class T, bool kTerms>
 __global__ void recompute_gradients_kernel(const __grid_constant__ AttentionParams p,
                                            const __grid_constant__ TensorRef D,
                                            const int* nonfinite) {
@@ -134,11 +147,11 @@ __global__ void recompute_gradients_kernel(const __grid_constant__ AttentionPara
     if (w < keys) {
       const RowIndex r(w, p.heads_kv, p.seqlen_k);
       const SeqlenInfo seq(p, r.b);
-      if (r.i < seq.k_slot) recompute_key_if_nonfinite<T>(p, D, seq, r.b, r.h, r.i, lane);
+      if (r.i < seq.k_slot) recompute_key_if_nonfinite<T, kTerms>(p, D, seq, r.b, r.h, r.i, lane);
     } else {
       const RowIndex r(w - keys, p.heads_q, p.seqlen_q);
       const SeqlenInfo seq(p, r.b);
-      if (r.i < seq.q_slot) recompute_query_if_nonfinite<T>(p, D, seq, r.b, r.h, r.i, lane);
+      if (r.i < seq.q_slot) recompute_query_if_nonfinite<T, kTerms>(p, D, seq, r.b, r.h, r.i, lane);
     }
   }
 }
@@ -152,12 +165,20 @@ cudaError_t launch_warps(Kernel kernel, int64_t warps, cudaStream_t stream, cons
   return cudaGetLastError();
 }
 
+// Calls fn(std::bool_constant<kTerms>{}): whether p has score terms or dropout.
+template <class Fn>
+cudaError_t with_pair_terms(const AttentionParams& p, Fn&& fn) {
+  return has_pair_terms(p) ? fn(std::true_type{}) : fn(std::false_type{});
+}
+
 }  // namespace
 
 cudaError_t simt_forward(const AttentionParams& p, cudaStream_t stream) {
   return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
-    return launch_warps(forward_kernel<decltype(tag)>, p.batch * p.heads_q * p.seqlen_q, stream,
-                        p);
+    return with_pair_terms(p, [&](auto terms) {
+      return launch_warps(forward_kernel<decltype(tag), decltype(terms)::value>,
+                          p.batch * p.heads_q * p.seqlen_q, stream, p);
+    });
   });
 }
 
@@ -185,9 +206,12 @@ cudaError_t recompute_nonfinite_gradients(const AttentionParams& p, const Backwa
                                            kBlocksPerMultiprocessor * multiprocessor_count());
   if (blocks <= 0) return cudaSuccess;
   return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
-    recompute_gradients_kernel<decltype(tag)>
-        <<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(p, ws.D, ws.nonfinite);
-    return cudaGetLastError();
+    return with_pair_terms(p, [&](auto terms) {
+      recompute_gradients_kernel<decltype(tag), decltype(terms)::value>
+          <<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(p, ws.D,
+                                                                              ws.nonfinite);
+      return cudaGetLastError();
+    });
   });
 }
 
@@ -199,19 +223,34 @@ cudaError_t backward_dsinks(const AttentionParams& p, const TensorRef& dsink_row
   return cudaGetLastError();
 }
 
+cudaError_t simt_bias_gradient(const AttentionParams& p, const TensorRef& D,
+                               cudaStream_t stream) {
+  const ScoreArray& dbias = p.dbias;
+  if (!dbias || dbias.batch_div <= 0 || dbias.head_div <= 0) return cudaSuccess;
+  const int64_t head_entries = p.heads_q / dbias.head_div;
+  const int64_t rows = p.batch / dbias.batch_div * head_entries * p.seqlen_q;
+  return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
+    return launch_warps(dbias_kernel<decltype(tag)>, rows, stream, p, D, head_entries, rows);
+  });
+}
+
 cudaError_t simt_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   const BackwardWorkspace ws(p, workspace, false, 0);
   if (cudaError_t e = backward_preprocess(p, ws, stream); e != cudaSuccess) return e;
   cudaError_t status = with_dtype(kAllTypes, p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    if (cudaError_t e = launch_warps(dkdv_kernel<T>, p.batch * p.heads_kv * p.seqlen_k, stream,
-                                     p, ws.D);
-        e != cudaSuccess)
-      return e;
-    return launch_warps(dq_kernel<T>, p.batch * p.heads_q * p.seqlen_q, stream, p, ws.D,
-                        ws.dsink_rows);
+    return with_pair_terms(p, [&](auto terms) {
+      using T = decltype(tag);
+      constexpr bool kTerms = decltype(terms)::value;
+      if (cudaError_t e = launch_warps(dkdv_kernel<T, kTerms>, p.batch * p.heads_kv * p.seqlen_k,
+                                       stream, p, ws.D);
+          e != cudaSuccess)
+        return e;
+      return launch_warps(dq_kernel<T, kTerms>, p.batch * p.heads_q * p.seqlen_q, stream, p, ws.D,
+                          ws.dsink_rows);
+    });
   });
   if (status != cudaSuccess) return status;
+  if (cudaError_t e = simt_bias_gradient(p, ws.D, stream); e != cudaSuccess) return e;
   return backward_dsinks(p, ws.dsink_rows, stream);
 }
 

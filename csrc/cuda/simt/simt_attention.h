@@ -17,7 +17,7 @@ cudaError_t simt_forward(const AttentionParams& p, cudaStream_t stream);
 // dlse and each row's dsinks share, laid out like lse.
 cudaError_t simt_backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 
-// (The stages around every backward path, defined with the SIMT kernels:
-// backward_stages.h.)
+// (The stages around every backward path, defined with the SIMT kernels, the dbias
+// pass simt_bias_gradient among them: backward_stages.h.)
 
 }  // namespace flashjax::cuda
