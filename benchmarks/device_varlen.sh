@@ -2,7 +2,7 @@
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
 # the dense A/B, the peers side by side, profiles.
-# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base ptx tests kvtests sanitize
+# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base ptx tests kvtests sanitize terms
 #   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
@@ -56,6 +56,10 @@ for step in "$@"; do
         compute-sanitizer --tool memcheck $PY $script > "$OUT/sanitize_$(basename $script .py).log" 2>&1
         echo "$script: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$(basename $script .py).log")"
       done ;;
+    terms)
+      # Issue 27's table (flashjax.bench_terms): masks, bias, ALiBi, dropout, flashjax.nn.
+      $PY -m flashjax.bench --terms ${TERMS:-all} --json "$OUT/terms.jsonl" > "$OUT/terms.log" 2>&1
+      tail -60 "$OUT/terms.log" ;;
     kvsanitize)
       compute-sanitizer --tool memcheck $PY tools/sanitize_kvcache.py > "$OUT/kvsanitize.log" 2>&1
       tail -8 "$OUT/kvsanitize.log" ;;

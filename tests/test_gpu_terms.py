@@ -137,7 +137,7 @@ def test_terms(name, d, path, monkeypatch, gpu_device):
 
 @pytest.mark.parametrize("name", ["bias", "bias_shared", "dropout_terms"])
 def test_terms_deterministic(name, monkeypatch, gpu_device):
-    """Bitwise-repeatable with terms: shared dbias entries take the SIMT path."""
+    """Bitwise-repeatable with terms (a shared dbias entry: the exact pass, no atomics)."""
     first = check(name, 64, "float16", "cuda", monkeypatch, deterministic=True)
     second = check(name, 64, "float16", "cuda", monkeypatch, deterministic=True)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):

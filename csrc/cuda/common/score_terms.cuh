@@ -69,7 +69,7 @@ struct FragmentTerms<true, kRows> {
     if (p.dbias) {
       dbias = p.dbias.at<float>(b, h);
       dbias_ld = p.dbias.row_stride;
-      dbias_shared = p.dbias.batch_div > 1 || p.dbias.head_div > 1;
+      dbias_shared = p.dbias.broadcast();
     }
   }
 

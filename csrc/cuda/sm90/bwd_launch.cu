@@ -173,12 +173,9 @@ bool hopper_backward_supports(const AttentionParams& p) {
   // only the fused (non-deterministic) kernel exists, for uniform layouts:
   // the mma.sync path takes the other calls there.
   const bool narrow = head_dim_bucket(kTensorCoreBuckets, p) <= 128;
-  // Score terms and dropout: the kVarlen layouts' kernels (not with segment ids);
-  // a dbias entry that several (sequence, head)s share is summed atomically, which
-  // the deterministic mode may not (the SIMT path takes it).
-  const bool shared_dbias = p.dbias && (p.dbias.batch_div > 1 || p.dbias.head_div > 1);
+  // Score terms and dropout: the kVarlen layouts' kernels (not with segment ids).
   return hopper_layouts_supported(p) && tensor_core_shapes(p) &&
-         !(needs_terms(p) && (p.has_segments() || (p.deterministic && shared_dbias))) &&
+         !(needs_terms(p) && p.has_segments()) &&
          (narrow || (!p.deterministic && layouts_of(p) == Layouts::kUniform)) &&
          p.head_dim >= 64 && p.head_dim_v >= 64 && p.seqlen_q < (1 << 30) &&
          p.seqlen_k < (1 << 30) && compute_capability() == 90 && encode_fn() != nullptr;
@@ -194,9 +191,14 @@ BackwardWorkspace hopper_backward_workspace(const AttentionParams& p, void* base
                            p.deterministic ? 0 : head_dim_bucket(kTensorCoreBuckets, p));
 }
 
-cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  const BackwardWorkspace ws = hopper_backward_workspace(p, workspace);
-  if (cudaError_t e = backward_preprocess(p, ws, stream); e != cudaSuccess) return e;
+cudaError_t hopper_backward(const AttentionParams& call, void* workspace, cudaStream_t stream) {
+  const BackwardWorkspace ws = hopper_backward_workspace(call, workspace);
+  if (cudaError_t e = backward_preprocess(call, ws, stream); e != cudaSuccess) return e;
+  // The key kernel adds a shared dbias entry's (sequence, head)s atomically; the
+  // deterministic mode sums them in a fixed order in the exact pass instead.
+  const bool exact_dbias = call.deterministic && call.dbias && call.dbias.broadcast();
+  AttentionParams p = call;
+  if (exact_dbias) p.dbias = ScoreArray{};
   cudaError_t status = with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
     return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
       constexpr int kHeadDim = decltype(dim)::value;
@@ -216,6 +218,8 @@ cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStrea
     });
   });
   if (status != cudaSuccess) return status;
+  if (exact_dbias)
+    if (cudaError_t e = simt_bias_gradient(call, ws.D, stream); e != cudaSuccess) return e;
   if (cudaError_t e = recompute_nonfinite_gradients(p, ws, stream); e != cudaSuccess) return e;
   return backward_dsinks(p, ws.dsink_rows, stream);
 }

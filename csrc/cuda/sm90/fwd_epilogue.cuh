@@ -37,7 +37,8 @@ __device__ __forceinline__ void store_work_item(const AttentionParams& p, const 
 // such rows of the consumer warps that flagged one (flags[4 * consumer +
 // warp]). Done here, not in the consumers, whose main loop would otherwise
 // keep registers for it (the kernel spills).
-template <class Cfg, class TOut, bool kPacks, Layouts kLayouts>
+// kTerms: the kernel's score-terms variant (the recompute reads them too).
+template <class Cfg, class TOut, bool kPacks, Layouts kLayouts, bool kTerms>
 __device__ __forceinline__ void recompute_flagged_rows(const AttentionParams& p,
                                                        const ScheduleOf<kLayouts>& schedule,
                                                        const SegmentTiles& segment_tiles,
@@ -53,7 +54,7 @@ __device__ __forceinline__ void recompute_flagged_rows(const AttentionParams& p,
     const WorkItem<kLayouts, Cfg::kBlockM, Cfg::kBlockN> w(p, tile, packed, segment_tiles);
     for (int f = 0; f < kConsumerWarps; ++f)
       if (flags[f])
-        recompute_nonfinite_rows<T, TOut>(
+        recompute_nonfinite_rows<T, TOut, kTerms ? RowTerms::kRead : RowTerms::kNone>(
             item_rows<kPacks>(w, schedule, f / kWarpsPerGroup, f % kWarpsPerGroup), p, w.seq,
             w.b, w.h);
   });

@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
   if (warpgroup == 0) {  // producer
     release_registers<Cfg::kProducerRegs>();
     if (threadIdx.x / 32 == kRecomputeWarp)
-      recompute_flagged_rows<Cfg, TOut, kPacks, kLayouts>(p, schedule, segment_tiles,
+      recompute_flagged_rows<Cfg, TOut, kPacks, kLayouts, kTerms>(p, schedule, segment_tiles,
                                                           sm.nonfinite_warps);
     if (threadIdx.x != 0) return;
     int64_t kv = 0, q_loads = 0;

@@ -146,6 +146,8 @@ struct ScoreArray {
     return static_cast<T*>(data) + (b / batch_div) * batch_stride + (h / head_div) * head_stride;
   }
   explicit FJ_HOST_DEVICE operator bool() const { return data != nullptr; }
+  // Several (sequence, head)s read each entry (a dbias entry sums them).
+  FJ_HOST_DEVICE bool broadcast() const { return batch_div > 1 || head_div > 1; }
 };
 
 // Attention dropout (dropout.h): `words` [batch, heads_q, 4] uint32 holds, per
