@@ -1,4 +1,7 @@
-// Backward on the tensor cores (mma.sync m16n8k16, sm_80+), deterministic.
+// Backward on the tensor cores (mma.sync m16n8k16, sm_80+), deterministic (a shared
+// dbias entry's atomic adds aside: tensor_core_backward_supports refuses those in
+// deterministic mode). Score terms (bias, mask, ALiBi, dropout, dbias) run kernels
+// compiled with them (variants.h).
 #pragma once
 
 #include <cuda_runtime.h>
