@@ -31,7 +31,15 @@ struct FragmentTerms {
   template <int kTiles>
   __device__ void add(float (&)[kTiles * 4], int64_t, bool = true) const {}
   template <int kTiles>
+  __device__ void terms_of(float (&)[kTiles * 4], int64_t) const {}
+  template <int kTiles>
+  __device__ static void add_terms(float (&)[kTiles * 4], const float (&)[kTiles * 4]) {}
+  template <int kTiles>
   __device__ void drop(float (&)[kTiles * 4], int64_t) const {}
+  template <int kTiles>
+  __device__ uint32_t keep_bits(int64_t) const { return ~0u; }
+  template <int kTiles>
+  __device__ void apply_keep(float (&)[kTiles * 4], uint32_t) const {}
   __device__ bool dropping() const { return false; }
   __device__ bool bias_gradient() const { return false; }
   __device__ void add_bias_gradient_at(int, int64_t, float) const {}
@@ -82,7 +90,8 @@ struct FragmentTerms<true, kRows> {
 
   // The bias and ALiBi terms (log2 units) of fragment element `index` of the tile
   // from column c0 (0 for pairs past the used ones); *allowed: the mask's verdict
-  // (not read when allowed is null).
+  // (not read when allowed is null). One element: for the backward's softcap slope,
+  // which needs the capped score without the terms.
   __device__ float term_log2_at(int index, int64_t c0, bool* allowed = nullptr) const {
     const int r = (index % 4) / 2;
     const int64_t c = c0 + (index / 4) * 8 + 2 * (threadIdx.x % 4) + (index & 1);
@@ -101,31 +110,112 @@ struct FragmentTerms<true, kRows> {
   }
 
   // s (log2 units) += the bias and ALiBi terms; -inf where the mask hides the pair
-  // (mask_mixed false: the tile summaries say it hides none of these). Hidden scores
-  // stay hidden (a +inf bias must not revive them).
+  // (mask_mixed false: the mask's tile summaries say it hides none of these pairs).
+  // Hidden scores stay hidden (a +inf bias must not revive them).
+  // By chunks of up to 8 column tiles (32 elements): one pass per term (uniform
+  // branches) of predicated loads and arithmetic, the pairs to change chosen first from
+  // s as given; the loads of a pass are independent, so they overlap (a branch per
+  // element made each wait for the previous one).
   template <int kTiles>
   __device__ void add(float (&s)[kTiles * 4], int64_t c0, bool mask_mixed = true) const {
+    constexpr int kChunk = kTiles < 8 ? kTiles : 8;
+    static_assert(kTiles % kChunk == 0, "whole chunks of 8 column tiles");
+    const int t = threadIdx.x % 4;
 #pragma unroll
-    for (int index = 0; index < kTiles * 4; ++index) {
-      bool allowed = true;
-      const float x = s[index] + term_log2_at(index, c0, mask_mixed ? &allowed : nullptr);
-      if (s[index] != kNegInf) s[index] = allowed ? x : kNegInf;
+    for (int n0 = 0; n0 < kTiles; n0 += kChunk) {
+      // f(bit, element, row half r, column c) over the chunk's elements
+      const auto each = [&](auto&& f) {
+#pragma unroll
+        for (int n = 0; n < kChunk; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            f(4 * n + e, 4 * (n0 + n) + e, e / 2, c0 + (n0 + n) * 8 + 2 * t + (e & 1));
+      };
+      uint32_t take = 0;  // bit: the element is a used pair, not hidden
+      each([&](int bit, int k, int r, int64_t c) {
+        take |= static_cast<uint32_t>(used(r, c) && s[k] != kNegInf) << bit;
+      });
+      if (terms.bias)
+        each([&](int bit, int k, int r, int64_t c) {
+          int64_t i, j;
+          pair(r, c, i, j);
+          const bool on = (take >> bit) & 1u;
+          const float b = on ? __ldg(terms.bias + i * terms.bias_ld + j) : 0.0f;
+          if (on) s[k] += kLog2e * b;
+        });
+      if (terms.alibi)
+        each([&](int bit, int k, int r, int64_t c) {
+          int64_t i, j;
+          pair(r, c, i, j);
+          const int64_t d = i + terms.diagonal - j;
+          const float x = s[k] - slope_log2 * static_cast<float>(d < 0 ? -d : d);
+          s[k] = (take >> bit) & 1u ? x : s[k];
+        });
+      if (terms.mask && mask_mixed)
+        each([&](int bit, int k, int r, int64_t c) {
+          int64_t i, j;
+          pair(r, c, i, j);
+          const bool on = (take >> bit) & 1u;
+          // (bool has no __ldg: its byte, false = 0)
+          const unsigned char m =
+              on ? __ldg(reinterpret_cast<const unsigned char*>(terms.mask + i * terms.mask_ld + j))
+                 : 1;
+          if (!m) s[k] = kNegInf;
+        });
     }
+  }
+
+  // add() in two steps, for a kernel that reads the terms before its scores are live
+  // (fewer registers while the loads are in flight, and their latency hidden behind
+  // the product): terms_of(term, c0) makes the tile's terms (add() on zeros: bias +
+  // ALiBi, -inf where the mask hides the pair, 0 past the used pairs), add_terms(s,
+  // term) adds them to the scores (hidden ones stay hidden). The same scores as add()
+  // up to rounding (s + (bias - ALiBi) for (s + bias) - ALiBi).
+  template <int kTiles>
+  __device__ void terms_of(float (&term)[kTiles * 4], int64_t c0) const {
+#pragma unroll
+    for (int k = 0; k < kTiles * 4; ++k) term[k] = 0.0f;
+    add<kTiles>(term, c0);
+  }
+  template <int kTiles>
+  __device__ static void add_terms(float (&s)[kTiles * 4], const float (&term)[kTiles * 4]) {
+#pragma unroll
+    for (int k = 0; k < kTiles * 4; ++k)
+      if (s[k] != kNegInf) s[k] += term[k];
   }
 
   __device__ bool dropping() const { return drops; }
   __device__ bool bias_gradient() const { return dbias != nullptr; }
 
   // x *= 1 / (1 - rate) where dropout keeps the pair, 0 where it drops it
-  // (dropout.h: one Philox call per 8 elements of a 16 x 16 block).
+  // (dropout.h: one Philox call per 8 elements of a 16 x 16 block), by chunks of up to
+  // 8 column tiles (keep_bits).
   template <int kTiles>
   __device__ void drop(float (&x)[kTiles * 4], int64_t c0) const {
     if (!drops) return;
+    constexpr int kChunk = kTiles < 8 ? kTiles : 8;
+    static_assert(kTiles % kChunk == 0, "whole chunks of 8 column tiles");
+#pragma unroll
+    for (int n0 = 0; n0 < kTiles; n0 += kChunk) {
+      const uint32_t keep = keep_bits<kChunk>(c0 + n0 * 8);
+#pragma unroll
+      for (int i = 0; i < kChunk * 4; ++i)
+        x[4 * n0 + i] = (keep >> i) & 1u ? x[4 * n0 + i] * keep_scale : 0.0f;
+    }
+  }
+
+  // Dropout's keep bits of the tile from column c0 (c0 % 16 == 0, fragment row % 16 <
+  // 8), for drop() and for a kernel that applies them to several fragments (the
+  // backward's P for dV and dP) or takes them early (fewer live registers): bit 4n + e
+  // is element 4n + e's (kTiles <= 8: one 32-bit word); apply_keep(x, bits) multiplies.
+  // Only when dropping() (the bits of no dropout are not all ones).
+  template <int kTiles>
+  __device__ uint32_t keep_bits(int64_t c0) const {
     static_assert(kTiles % 2 == 0, "dropout groups span 16 columns");
+    static_assert(kTiles * 4 <= 32, "one bit per element of a 32-bit word");
     const int t = threadIdx.x % 4;
+    uint32_t keep = 0;
     if constexpr (kQueryRows) {
-      // Rows row, row + 8 (row % 16 < 8) and columns c, c + 1, c + 8, c + 9 of a
-      // 16-column block: one group, slot r * 4 + (n % 2) * 2 + e.
       const uint32_t x1 = dropout::row_counter(static_cast<uint32_t>(row));
 #pragma unroll
       for (int m = 0; m < kTiles / 2; ++m) {
@@ -136,13 +226,10 @@ struct FragmentTerms<true, kRows> {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int slot = (e / 2) * 4 + half * 2 + (e & 1);
-            float& v = x[4 * (2 * m + half) + e];
-            v = (bits >> slot) & 1u ? v * keep_scale : 0.0f;
+            keep |= ((bits >> slot) & 1u) << (4 * (2 * m + half) + e);
           }
       }
     } else {
-      // Rows are keys j, j + 8 (one group's key columns), columns queries: query
-      // columns c + e and c + e + 8 (c = c0 + 16 m + 2 t) share a group (x1 of c + e).
       const uint32_t x0 = dropout::column_counter(static_cast<uint32_t>(row));
       const int key_slot = static_cast<int>(row % 2);
 #pragma unroll
@@ -152,15 +239,20 @@ struct FragmentTerms<true, kRows> {
           const uint32_t bits = dropout.group_keep_bits(
               dropout::row_counter(static_cast<uint32_t>(c0 + 16 * m + 2 * t + e)), x0);
 #pragma unroll
-          for (int half = 0; half < 2; ++half)    // query + 8 half
+          for (int half = 0; half < 2; ++half)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {         // key + 8 half
+            for (int r = 0; r < 2; ++r) {
               const int slot = half * 4 + r * 2 + key_slot;
-              float& v = x[4 * (2 * m + half) + 2 * r + e];
-              v = (bits >> slot) & 1u ? v * keep_scale : 0.0f;
+              keep |= ((bits >> slot) & 1u) << (4 * (2 * m + half) + 2 * r + e);
             }
         }
     }
+    return keep;
+  }
+  template <int kTiles>
+  __device__ void apply_keep(float (&x)[kTiles * 4], uint32_t keep) const {
+#pragma unroll
+    for (int i = 0; i < kTiles * 4; ++i) x[i] = (keep >> i) & 1u ? x[i] * keep_scale : 0.0f;
   }
 
   // dbias += g (the gradient of the score after softcap, natural units) at fragment

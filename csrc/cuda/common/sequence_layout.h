@@ -116,11 +116,18 @@ cudaError_t with_layouts(const AttentionParams& p, Fn&& fn) {
   }
 }
 
-// Calls fn(std::integral_constant<bool, needs_terms(p)>{}).
+// Calls fn(std::bool_constant<needs_terms(p)>{}, std::integral_constant<Layouts,
+// layouts_of(p)>{}): the kernel variant that runs p. Terms are compiled only with the
+// layouts that run any call (kVarlen, kSegments), so they cost the build one more
+// instantiation per kernel and layout class, not two.
 template <class Fn>
-cudaError_t with_terms(const AttentionParams& p, Fn&& fn) {
-  if (needs_terms(p)) return fn(std::true_type{});
-  return fn(std::false_type{});
+cudaError_t with_variant(const AttentionParams& p, Fn&& fn) {
+  if (needs_terms(p)) {
+    if (p.has_segments())
+      return fn(std::true_type{}, std::integral_constant<Layouts, Layouts::kSegments>{});
+    return fn(std::true_type{}, std::integral_constant<Layouts, Layouts::kVarlen>{});
+  }
+  return with_layouts(p, [&](auto layouts) { return fn(std::false_type{}, layouts); });
 }
 
 // Sequence b's SeqlenInfo in a kernel compiled for kLayouts.

@@ -1,5 +1,6 @@
 // Tensor-core backward (mma.sync m16n8k16, fp16/bf16, float32 accumulation),
-// deterministic by construction: no atomics.
+// deterministic by construction: no atomics (but for a dbias entry that several
+// (sequence, head)s share, which deterministic mode sums in the exact pass).
 //
 //  * key kernel: a CTA owns kBlock keys of one kv head (each warp 16 keys) and
 //    walks every query tile of every query head of the group that can see
@@ -11,6 +12,12 @@
 //
 // With P = exp(S - lse) and D = rowsum(dO * O) - dlse (preprocess kernel):
 // dP = dO V^T, dS = P * (dP - D) (times the softcap derivative).
+//
+// kTerms kernels (score_terms.cuh): S takes the bias, mask and ALiBi terms after the
+// masks (P from them); with dropout (keep factors Z: 0 or 1 / (1 - rate)), dP = Z *
+// (dO V^T) and dV += (P Z)^T dO (D is unchanged: O = (P Z) V). The softcap derivative
+// reads the capped scores before the terms; dbias (the query kernel's: each pair once
+// per (sequence, head)) takes dS before it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -23,6 +30,7 @@
 #include "../common/exact_rows.cuh"
 #include "../common/mask.cuh"
 #include "../common/score_mod.cuh"
+#include "../common/score_terms.cuh"
 #include "../common/segments.cuh"
 #include "../common/sequence_layout.h"
 #include "../common/softmax.cuh"
@@ -51,10 +59,11 @@ static_assert(kBlock == SegmentTiles::kRows, "segment-id ranges are kept per til
 
 
 // kLayouts (every kernel): the sequence layouts the instantiation takes
-// (sequence_layout.h). D_rows is laid out like lse. (Struct parameters are
-// __grid_constant__: helpers take them by reference, which otherwise copies
-// them to local memory and costs the key kernel spills.)
-template <class T, int kHeadDim, Layouts kLayouts, bool kWantDK, bool kWantDV>
+// (sequence_layout.h); kTerms: whether the scores take terms (without, `terms` is
+// an empty struct and the code is the plain kernel's). D_rows is laid out like lse.
+// (Struct parameters are __grid_constant__: helpers take them by reference, which
+// otherwise copies them to local memory and costs the key kernel spills.)
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms, bool kWantDK, bool kWantDV>
 __global__ void __launch_bounds__(kThreads)
     key_kernel(AttentionParams p, const __grid_constant__ TensorRef D_rows,
                const __grid_constant__ SegmentTiles segment_tiles, int* nonfinite) {
@@ -92,7 +101,9 @@ __global__ void __launch_bounds__(kThreads)
   narrow_to_segments<kLayouts>(queries, segment_tiles, b, k0, kBlock, kBlock);
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kKeys, k0,
                                             my_key);
+  FragmentTerms<kTerms, FragmentRows::kKeys> terms(p, seq, my_key);
   for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
+    terms.head(p, seq, b, h);
     const T* q_head = seq.q_at<const T>(p.q, 0, h);
     const T* do_head = seq.q_at<const T>(p.dout, 0, h);
     for (int64_t q0 = segments.next_tile(queries.tile_begin, queries.row_end, kBlock);
@@ -108,8 +119,21 @@ __global__ void __launch_bounds__(kThreads)
         s_lse[threadIdx.x] = used ? lse_to_log2(*seq.q_at<const float>(p.lse, i, h)) : -kNegInf;
         s_D[threadIdx.x] = used ? *seq.q_at<const float>(D_rows, i, h) : 0.0f;
       }
+      // kTerms: the tile's terms and dropout bits while Q and dO load (and before the
+      // fragments of the products are live).
+      float term[kTiles * 4];
+      [[maybe_unused]] uint32_t keep = ~0u;
+      if constexpr (kTerms) {
+        terms.template terms_of<kTiles>(term, q0);
+        if (terms.dropping()) keep = terms.template keep_bits<kTiles>(q0);
+      }
       cp_async_wait_all();
       __syncthreads();
+
+      // kTerms: dP^T = V dO^T before S^T, so that from S^T on everything up to the
+      // products is elementwise (P^T is not a third fragment beside S^T and dP^T).
+      float dpt[kTiles * 4];
+      if constexpr (kTerms && kWantDK) gemm_abt<T, kHeadDim, kBlock>(dpt, sV, warp * 16, sdO);
 
       // S^T: rows are this warp's keys, columns the tile's queries.
       float st[kTiles * 4];
@@ -132,13 +156,27 @@ __global__ void __launch_bounds__(kThreads)
       float pt[kTiles * 4];
 #pragma unroll
       for (int i = 0; i < kTiles * 4; ++i) pt[i] = st[i];
+      // kTerms: P^T from the scores with terms; st keeps the capped scores without
+      // them, which the softcap derivative reads.
+      if constexpr (kTerms) terms.template add_terms<kTiles>(pt, term);
       probabilities(pt, [&](int i) { return s_lse[column_of(i)]; });
-      if constexpr (kWantDV) gemm_ab<T, kHeadDim, kBlock>(dv, pt, sdO);
-      if constexpr (kWantDK) {
-        float dpt[kTiles * 4];
-        gemm_abt<T, kHeadDim, kBlock>(dpt, sV, warp * 16, sdO);
-        score_gradient(dpt, pt, st, p, [&](int i) { return s_D[column_of(i)]; });
-        gemm_ab<T, kHeadDim, kBlock>(dk, dpt, sQ);
+      if constexpr (kTerms) {
+        if constexpr (kWantDK) {  // dS^T from P^T and dP^T Z
+          if (terms.dropping()) terms.template apply_keep<kTiles>(dpt, keep);
+          score_gradient(dpt, pt, st, p, [&](int i) { return s_D[column_of(i)]; });
+        }
+        if constexpr (kWantDV) {  // dV += (P^T Z) dO
+          if (terms.dropping()) terms.template apply_keep<kTiles>(pt, keep);
+          gemm_ab<T, kHeadDim, kBlock>(dv, pt, sdO);
+        }
+        if constexpr (kWantDK) gemm_ab<T, kHeadDim, kBlock>(dk, dpt, sQ);
+      } else {
+        if constexpr (kWantDV) gemm_ab<T, kHeadDim, kBlock>(dv, pt, sdO);
+        if constexpr (kWantDK) {
+          gemm_abt<T, kHeadDim, kBlock>(dpt, sV, warp * 16, sdO);
+          score_gradient(dpt, pt, st, p, [&](int i) { return s_D[column_of(i)]; });
+          gemm_ab<T, kHeadDim, kBlock>(dk, dpt, sQ);
+        }
       }
     }
   }
@@ -152,7 +190,29 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kWantDV) flag_nonfinite(nonfinite, dv);
 }
 
-template <class T, int kHeadDim, Layouts kLayouts>
+// kTerms: dS = g * softcap'(S) with g = P * (dP - D) (dP dropped); dbias += g (a
+// store where this (sequence, head) owns the entry, atomic where it is shared), from
+// the capped scores without terms `s_log2`.
+template <int kN, class Terms, class DOf>
+__device__ __forceinline__ void score_gradient_with_terms(float (&dp)[kN], const float (&prob)[kN],
+                                                          const float (&s_log2)[kN],
+                                                          const AttentionParams& p,
+                                                          const Terms& terms, int64_t c0,
+                                                          DOf&& d_of) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) dp[i] = prob[i] * (dp[i] - d_of(i));
+  terms.template add_bias_gradient<kN / 4>(dp, c0);
+  if (p.softcap > 0.0f) {
+    const float inv_cap_log2 = 1.0f / (p.softcap * kLog2e);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const float t = prob[i] > 0.0f ? s_log2[i] * inv_cap_log2 : 0.0f;
+      dp[i] *= softcap_slope(t);
+    }
+  }
+}
+
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 __global__ void __launch_bounds__(kThreads)
     query_kernel(AttentionParams p, const __grid_constant__ TensorRef D_rows,
                  const __grid_constant__ TensorRef dsink_rows,
@@ -194,6 +254,8 @@ __global__ void __launch_bounds__(kThreads)
   narrow_to_segments<kLayouts>(keys, segment_tiles, b, q0, kBlock, kBlock);
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
                                             rows.row);
+  FragmentTerms<kTerms, FragmentRows::kQueries> terms(p, seq, rows.row);
+  terms.head(p, seq, b, h);
   const T* k_head = seq.k_at<const T>(p.k, 0, hk);
   const T* v_head = seq.k_at<const T>(p.v, 0, hk);
   for (int64_t k0 = segments.next_tile(keys.tile_begin, keys.key_end, kBlock); k0 < keys.key_end;
@@ -202,6 +264,13 @@ __global__ void __launch_bounds__(kThreads)
     load_tile<T, kHeadDim, kBlock>(sK, k_head, p.k.row_stride, k0, seq.seqlen_k, p.head_dim);
     load_tile<T, kHeadDim, kBlock>(sV, v_head, p.v.row_stride, k0, seq.seqlen_k, p.head_dim_v);
     cp_async_commit();
+    // kTerms: the tile's terms and dropout bits while K and V load.
+    float term[kTiles * 4];
+    [[maybe_unused]] uint32_t keep = ~0u;
+    if constexpr (kTerms) {
+      terms.template terms_of<kTiles>(term, k0);
+      if (terms.dropping()) keep = terms.template keep_bits<kTiles>(k0);
+    }
     cp_async_wait_all();
     __syncthreads();
 
@@ -214,10 +283,17 @@ __global__ void __launch_bounds__(kThreads)
     float prob[kTiles * 4];
 #pragma unroll
     for (int i = 0; i < kTiles * 4; ++i) prob[i] = s[i];
+    // kTerms: P from the scores with terms; s keeps the capped scores without them.
+    if constexpr (kTerms) terms.template add_terms<kTiles>(prob, term);
     probabilities(prob, [&](int i) { return lse2[(i % 4) / 2]; });
     float dp[kTiles * 4];
     gemm_abt<T, kHeadDim, kBlock>(dp, sdO, warp * 16, sV);
-    score_gradient(dp, prob, s, p, [&](int i) { return D[(i % 4) / 2]; });
+    if constexpr (kTerms) {
+      if (terms.dropping()) terms.template apply_keep<kTiles>(dp, keep);  // dP Z
+      score_gradient_with_terms(dp, prob, s, p, terms, k0, [&](int i) { return D[(i % 4) / 2]; });
+    } else {
+      score_gradient(dp, prob, s, p, [&](int i) { return D[(i % 4) / 2]; });
+    }
     gemm_ab<T, kHeadDim, kBlock>(dq, dp, sK);
   }
   store_rows<T, kHeadDim>(seq.q_at<T>(p.dq, 0, h), p.dq.row_stride, seq.q_slot, p.head_dim,
@@ -231,17 +307,18 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <class T, int kHeadDim, Layouts kLayouts>
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
   constexpr int kSmem = smem_bytes<kHeadDim>();
   constexpr bool kOnePass = kHeadDim <= 128;  // dK and dV fit in registers together
   static DeviceOnce configured;
   if (cudaError_t e = configured([] {
-        cudaError_t status = allow_smem(query_kernel<T, kHeadDim, kLayouts>, kSmem);
+        cudaError_t status = allow_smem(query_kernel<T, kHeadDim, kLayouts, kTerms>, kSmem);
         if (status == cudaSuccess)
-          status = allow_smem(key_kernel<T, kHeadDim, kLayouts, true, kOnePass>, kSmem);
-        if (status == cudaSuccess && !kOnePass)
-          status = allow_smem(key_kernel<T, kHeadDim, kLayouts, false, true>, kSmem);
+          status = allow_smem(key_kernel<T, kHeadDim, kLayouts, kTerms, true, kOnePass>, kSmem);
+        if constexpr (!kOnePass)  // (constexpr: no dV-only kernel is compiled where unused)
+          if (status == cudaSuccess)
+            status = allow_smem(key_kernel<T, kHeadDim, kLayouts, kTerms, false, true>, kSmem);
         return status;
       });
       e != cudaSuccess)
@@ -250,16 +327,16 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   const int64_t query_blocks = (p.seqlen_q + kBlock - 1) / kBlock * p.batch * p.heads_q;
   if (key_blocks > 0x7fffffff || query_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (key_blocks > 0) {
-    key_kernel<T, kHeadDim, kLayouts, true, kOnePass>
+    key_kernel<T, kHeadDim, kLayouts, kTerms, true, kOnePass>
         <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.segments,
                                                                           ws.nonfinite);
-    if (!kOnePass)
-      key_kernel<T, kHeadDim, kLayouts, false, true>
+    if constexpr (!kOnePass)
+      key_kernel<T, kHeadDim, kLayouts, kTerms, false, true>
           <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(p, ws.D, ws.segments,
                                                                           ws.nonfinite);
   }
   if (query_blocks > 0)
-    query_kernel<T, kHeadDim, kLayouts>
+    query_kernel<T, kHeadDim, kLayouts, kTerms>
         <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(
             p, ws.D, ws.dsink_rows, ws.segments, ws.nonfinite);
   return cudaGetLastError();
@@ -271,23 +348,30 @@ bool tensor_core_backward_supports(const AttentionParams& p) {
   return tensor_core_shapes(p) && compute_capability() >= 80;
 }
 
-cudaError_t tensor_core_backward(const AttentionParams& p, void* workspace,
+cudaError_t tensor_core_backward(const AttentionParams& call, void* workspace,
                                  cudaStream_t stream) {
-  const BackwardWorkspace ws(p, workspace, false, 0);
-  if (cudaError_t e = backward_preprocess(p, ws, stream); e != cudaSuccess) return e;
+  const BackwardWorkspace ws(call, workspace, false, 0);
+  if (cudaError_t e = backward_preprocess(call, ws, stream); e != cudaSuccess) return e;
+  // A dbias entry that several (sequence, head)s share takes atomic adds in the
+  // kernels; the deterministic mode sums it in a fixed order in the exact pass instead.
+  const bool exact_dbias = call.deterministic && call.dbias && call.dbias.broadcast();
+  AttentionParams p = call;
+  if (exact_dbias) p.dbias = ScoreArray{};
   if (p.has_segments()) {
     if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
     if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
   }
   cudaError_t status = with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
     return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
-      return with_layouts(p, [&](auto layouts) {
-        return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value>(p, ws,
-                                                                                     stream);
+      return with_variant(p, [&](auto terms, auto layouts) {
+        return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value,
+                      decltype(terms)::value>(p, ws, stream);
       });
     });
   });
   if (status != cudaSuccess) return status;
+  if (exact_dbias)
+    if (cudaError_t e = simt_bias_gradient(call, ws.D, stream); e != cudaSuccess) return e;
   if (cudaError_t e = recompute_nonfinite_gradients(p, ws, stream); e != cudaSuccess) return e;
   return backward_dsinks(p, ws.dsink_rows, stream);
 }

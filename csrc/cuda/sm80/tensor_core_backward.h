@@ -1,4 +1,7 @@
-// Backward on the tensor cores (mma.sync m16n8k16, sm_80+), deterministic.
+// Backward on the tensor cores (mma.sync m16n8k16, sm_80+), deterministic (a shared
+// dbias entry is added atomically, except in deterministic mode, where the exact pass
+// sums it). Score terms (bias, mask, ALiBi, dropout, dbias) run kernels
+// compiled with them (with_variant, common/sequence_layout.h).
 #pragma once
 
 #include <cuda_runtime.h>

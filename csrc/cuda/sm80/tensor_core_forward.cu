@@ -13,6 +13,7 @@
 #include "../common/dispatch.h"
 #include "../common/epilogue.cuh"
 #include "../common/nonfinite.cuh"
+#include "../common/score_terms.cuh"
 #include "../common/segments.cuh"
 #include "../common/sequence_layout.h"
 #include "../common/softmax.cuh"
@@ -35,8 +36,10 @@ constexpr int smem_bytes() {
 static_assert(kBlockM == SegmentTiles::kRows && kBlockN == SegmentTiles::kRows,
               "segment-id ranges are kept per tile");
 
-// kLayouts: the sequence layouts this instantiation takes (sequence_layout.h).
-template <class T, int kHeadDim, Layouts kLayouts>
+// kLayouts: the sequence layouts this instantiation takes (sequence_layout.h);
+// kTerms: whether the scores take bias, mask, ALiBi and dropout (score_terms.cuh;
+// without, `terms` is an empty struct and the code is the plain kernel's).
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 __global__ void __launch_bounds__(kThreads)
     forward_kernel(const __grid_constant__ AttentionParams p,
                    const __grid_constant__ SegmentTiles segment_tiles) {
@@ -63,6 +66,8 @@ __global__ void __launch_bounds__(kThreads)
   RowSoftmax softmax{q0 + warp * 16 + lane / 4};
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
                                             softmax.row);
+  FragmentTerms<kTerms, FragmentRows::kQueries> terms(p, seq, softmax.row);
+  terms.head(p, seq, b, h);
 
   // Only used rows and keys are read (the rest of a tile is zero): padding
   // may hold anything, NaN included.
@@ -80,6 +85,13 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // K_j landed; every warp is done with V_{j-1}
     load_tile<T, kHeadDim, kBlockN>(sV, v_base, p.v.row_stride, k0, seq.seqlen_k, p.head_dim_v);
     cp_async_commit();
+    // kTerms: the tile's terms and dropout bits while V loads, before S is live.
+    float term[kKeyTiles * 4];
+    [[maybe_unused]] uint32_t keep = ~0u;
+    if constexpr (kTerms) {
+      terms.template terms_of<kKeyTiles>(term, k0);
+      if (terms.dropping()) keep = terms.template keep_bits<kKeyTiles>(k0);
+    }
 
     float s[kKeyTiles * 4];
     gemm_abt<T, kHeadDim, kBlockN>(s, sQ, warp * 16, sK);
@@ -87,7 +99,11 @@ __global__ void __launch_bounds__(kThreads)
                               RowSoftmax::tile_needs_mask(seq, q0, last_row, k0, kBlockN,
                                                           keys.key_begin, keys.key_end));
     segments.template mask<kKeyTiles>(s, k0);
+    // Terms on the log2-unit scores (RowSoftmax::scores scaled them), after the masks;
+    // dropout after the statistics (l, hence lse, is undropped), before P V.
+    if constexpr (kTerms) terms.template add_terms<kKeyTiles>(s, term);
     softmax.update<kKeyTiles, kDimTiles>(s, o);
+    if (terms.dropping()) terms.template apply_keep<kKeyTiles>(s, keep);
 
     cp_async_wait_all();
     __syncthreads();  // V_j landed; every warp is done with K_j
@@ -102,15 +118,16 @@ __global__ void __launch_bounds__(kThreads)
   }
   cp_async_wait_all();
   const bool nonfinite = write_out_rows<T, kDimTiles>(softmax, p, seq, o, b, h);
-  if (__any_sync(0xffffffffu, nonfinite)) recompute_nonfinite_rows<T>(softmax, p, seq, b, h);
+  if (__any_sync(0xffffffffu, nonfinite)) recompute_nonfinite_rows<T, T, kTerms ? RowTerms::kRead : RowTerms::kNone>(
+        softmax, p, seq, b, h);
 }
 
-template <class T, int kHeadDim, Layouts kLayouts>
+template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 cudaError_t launch(const AttentionParams& p, const SegmentTiles& segment_tiles,
                    cudaStream_t stream) {
   static DeviceOnce configured;
   if (cudaError_t e = configured([] {
-        return cudaFuncSetAttribute(forward_kernel<T, kHeadDim, kLayouts>,
+        return cudaFuncSetAttribute(forward_kernel<T, kHeadDim, kLayouts, kTerms>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     smem_bytes<kHeadDim>());
       });
@@ -120,7 +137,7 @@ cudaError_t launch(const AttentionParams& p, const SegmentTiles& segment_tiles,
   const int64_t blocks = q_tiles * p.batch * p.heads_q;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (blocks == 0) return cudaSuccess;
-  forward_kernel<T, kHeadDim, kLayouts>
+  forward_kernel<T, kHeadDim, kLayouts, kTerms>
       <<<static_cast<unsigned>(blocks), kThreads, smem_bytes<kHeadDim>(), stream>>>(
           p, segment_tiles);
   return cudaGetLastError();
@@ -140,9 +157,9 @@ cudaError_t tensor_core_forward(const AttentionParams& p, void* workspace, cudaS
   }
   return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
     return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
-      return with_layouts(p, [&](auto layouts) {
-        return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value>(
-            p, segment_tiles, stream);
+      return with_variant(p, [&](auto terms, auto layouts) {
+        return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value,
+                      decltype(terms)::value>(p, segment_tiles, stream);
       });
     });
   });

@@ -1,5 +1,6 @@
 // Forward kernel on the tensor cores (mma.sync m16n8k16, fp16/bf16 inputs,
-// float32 accumulation): FlashAttention-2 style tiling with cp.async loads.
+// float32 accumulation): FlashAttention-2 style tiling with cp.async loads. Score
+// terms (bias, mask, ALiBi, dropout) run kernels compiled with them (with_variant, common/sequence_layout.h).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -203,17 +203,15 @@ cudaError_t hopper_backward(const AttentionParams& call, void* workspace, cudaSt
     return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
       constexpr int kHeadDim = decltype(dim)::value;
       using T = decltype(tag);
-      return with_layouts(p, [&](auto layouts) {
+      return with_variant(p, [&](auto terms, auto layouts) {
         constexpr Layouts kLayouts = decltype(layouts)::value;
-        return with_terms(p, [&](auto terms) {
-          constexpr bool kTerms = decltype(terms)::value;
-          // (hopper_backward_supports says no)
-          if constexpr ((hopper_bwd::kWide<kHeadDim> && kLayouts != Layouts::kUniform) ||
-                        (kTerms && kLayouts != Layouts::kVarlen))
-            return cudaErrorNotSupported;
-          else
-            return hopper_bwd::launch<T, kHeadDim, kLayouts, kTerms>(p, ws, stream);
-        });
+        constexpr bool kTerms = decltype(terms)::value;
+        // (hopper_backward_supports says no)
+        if constexpr ((hopper_bwd::kWide<kHeadDim> && kLayouts != Layouts::kUniform) ||
+                      (kTerms && kLayouts == Layouts::kSegments))
+          return cudaErrorNotSupported;
+        else
+          return hopper_bwd::launch<T, kHeadDim, kLayouts, kTerms>(p, ws, stream);
       });
     });
   });

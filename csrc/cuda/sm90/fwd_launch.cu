@@ -118,16 +118,14 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
 // out is written in the inputs' type (an fp8 input type would pick its own).
 template <class T, int kHeadDim>
 cudaError_t launch(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  return with_layouts(p, [&](auto layouts) {
+  return with_variant(p, [&](auto terms, auto layouts) {
     constexpr Layouts kLayouts = decltype(layouts)::value;
-    return with_terms(p, [&](auto terms) {
-      // (terms with segment ids: hopper_forward_supports says no)
-      if constexpr (decltype(terms)::value && kLayouts != Layouts::kVarlen)
-        return cudaErrorNotSupported;
-      else
-        return launch_layouts<T, T, kHeadDim, kLayouts, decltype(terms)::value>(p, workspace,
-                                                                                 stream);
-    });
+    // (terms with segment ids: hopper_forward_supports says no)
+    if constexpr (decltype(terms)::value && kLayouts == Layouts::kSegments)
+      return cudaErrorNotSupported;
+    else
+      return launch_layouts<T, T, kHeadDim, kLayouts, decltype(terms)::value>(p, workspace,
+                                                                               stream);
   });
 }
 
