@@ -111,57 +111,80 @@ struct FragmentTerms<true, kRows> {
 
   // s (log2 units) += the bias and ALiBi terms; -inf where the mask hides the pair
   // (mask_mixed false: the mask's tile summaries say it hides none of these pairs).
-  // Hidden scores stay hidden (a +inf bias must not revive them).
-  // By chunks of up to 8 column tiles (32 elements): one pass per term (uniform
-  // branches) of predicated loads and arithmetic, the pairs to change chosen first from
-  // s as given; the loads of a pass are independent, so they overlap (a branch per
-  // element made each wait for the previous one).
+  // Hidden scores stay hidden (a +inf bias must not revive them). Per row half, the
+  // addresses and the ALiBi distance are set up once; per element, a predicated load
+  // (bias and mask pairs of adjacent keys in one load where aligned: query rows) and
+  // a float distance (exact below 2^24). Pairs past the used ones are left alone
+  // (their scores are hidden already; the loads would leave the arrays).
   template <int kTiles>
   __device__ void add(float (&s)[kTiles * 4], int64_t c0, bool mask_mixed = true) const {
-    constexpr int kChunk = kTiles < 8 ? kTiles : 8;
-    static_assert(kTiles % kChunk == 0, "whole chunks of 8 column tiles");
+    constexpr int kCols = kTiles * 8;
     const int t = threadIdx.x % 4;
+    // Tile-relative columns [0, col_end) are used; this thread's are 8 n + 2 t + e.
+    const int col_end = static_cast<int>(clamp_to(cols_used - c0, 0, kCols)) - 2 * t;
+    const bool read_mask = terms.mask && mask_mixed;
 #pragma unroll
-    for (int n0 = 0; n0 < kTiles; n0 += kChunk) {
-      // f(bit, element, row half r, column c) over the chunk's elements
-      const auto each = [&](auto&& f) {
+    for (int r = 0; r < 2; ++r) {
+      const int64_t fr = row + 8 * r;
+      if (fr >= rows_used) continue;
+      // Element (n, e) is pair (i, j) = (fr, c0 + 2t + 8n + e) (query rows) or
+      // (c0 + 2t + 8n + e, fr) (key rows): its offset from the row's first is
+      // (8n + e) * step in the arrays.
+      const int64_t i0 = kQueryRows ? fr : c0 + 2 * t, j0 = kQueryRows ? c0 + 2 * t : fr;
+      const float* bias_at = terms.bias ? terms.bias + i0 * terms.bias_ld + j0 : nullptr;
+      const unsigned char* mask_at =
+          read_mask ? reinterpret_cast<const unsigned char*>(terms.mask) + i0 * terms.mask_ld + j0
+                    : nullptr;
+      const int64_t bias_step = kQueryRows ? 1 : terms.bias_ld;
+      const int64_t mask_step = kQueryRows ? 1 : terms.mask_ld;
+      // |i + diagonal - j| = |distance0 -/+ (8n + e)|
+      const float distance0 = static_cast<float>(i0 + terms.diagonal - j0);
+      // (pairs: 8-byte aligned bias pairs, 2-byte aligned mask pairs)
+      const bool pairs = kQueryRows && ((reinterpret_cast<uintptr_t>(terms.bias) |
+                                         static_cast<uintptr_t>(terms.bias_ld * 4)) % 8 == 0) &&
+                         ((reinterpret_cast<uintptr_t>(terms.mask) |
+                           static_cast<uintptr_t>(terms.mask_ld)) % 2 == 0);
 #pragma unroll
-        for (int n = 0; n < kChunk; ++n)
+      for (int n = 0; n < kTiles; ++n) {
+        float add[2] = {0.0f, 0.0f};
+        bool hidden[2] = {false, false};
+        const int o = 8 * n;
+        const bool both = o + 1 < col_end, first = o < col_end;
+        if (bias_at) {
+          if (pairs && both) {
+            const float2 b2 = __ldg(reinterpret_cast<const float2*>(bias_at + o));
+            add[0] = b2.x, add[1] = b2.y;
+          } else {
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            f(4 * n + e, 4 * (n0 + n) + e, e / 2, c0 + (n0 + n) * 8 + 2 * t + (e & 1));
-      };
-      uint32_t take = 0;  // bit: the element is a used pair, not hidden
-      each([&](int bit, int k, int r, int64_t c) {
-        take |= static_cast<uint32_t>(used(r, c) && s[k] != kNegInf) << bit;
-      });
-      if (terms.bias)
-        each([&](int bit, int k, int r, int64_t c) {
-          int64_t i, j;
-          pair(r, c, i, j);
-          const bool on = (take >> bit) & 1u;
-          const float b = on ? __ldg(terms.bias + i * terms.bias_ld + j) : 0.0f;
-          if (on) s[k] += kLog2e * b;
-        });
-      if (terms.alibi)
-        each([&](int bit, int k, int r, int64_t c) {
-          int64_t i, j;
-          pair(r, c, i, j);
-          const int64_t d = i + terms.diagonal - j;
-          const float x = s[k] - slope_log2 * static_cast<float>(d < 0 ? -d : d);
-          s[k] = (take >> bit) & 1u ? x : s[k];
-        });
-      if (terms.mask && mask_mixed)
-        each([&](int bit, int k, int r, int64_t c) {
-          int64_t i, j;
-          pair(r, c, i, j);
-          const bool on = (take >> bit) & 1u;
-          // (bool has no __ldg: its byte, false = 0)
-          const unsigned char m =
-              on ? __ldg(reinterpret_cast<const unsigned char*>(terms.mask + i * terms.mask_ld + j))
-                 : 1;
-          if (!m) s[k] = kNegInf;
-        });
+            for (int e = 0; e < 2; ++e)
+              if (o + e < col_end) add[e] = __ldg(bias_at + (o + e) * bias_step);
+          }
+#pragma unroll
+          for (int e = 0; e < 2; ++e) add[e] *= kLog2e;
+        }
+        if (terms.alibi) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            add[e] -= slope_log2 * fabsf(kQueryRows ? distance0 - static_cast<float>(o + e)
+                                                    : distance0 + static_cast<float>(o + e));
+        }
+        if (mask_at) {
+          if (pairs && both) {
+            const unsigned short m2 = __ldg(reinterpret_cast<const unsigned short*>(mask_at + o));
+            hidden[0] = (m2 & 0xffu) == 0, hidden[1] = (m2 >> 8) == 0;
+          } else {
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (o + e < col_end) hidden[e] = __ldg(mask_at + (o + e) * mask_step) == 0;
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * n + 2 * r + e];
+          const bool on = (e == 0 ? first : both) && x != kNegInf;
+          x = on ? (hidden[e] ? kNegInf : x + add[e]) : x;
+        }
+      }
     }
   }
 

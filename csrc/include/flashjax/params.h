@@ -143,7 +143,9 @@ struct ScoreArray {
   // Element (0, 0) of sequence b, query head h; T may be const.
   template <class T>
   FJ_HOST_DEVICE T* at(int64_t b, int64_t h) const {
-    return static_cast<T*>(data) + (b / batch_div) * batch_stride + (h / head_div) * head_stride;
+    // (no division where nothing broadcasts: kernels look entries up per tile)
+    const int64_t eb = batch_div == 1 ? b : b / batch_div, eh = head_div == 1 ? h : h / head_div;
+    return static_cast<T*>(data) + eb * batch_stride + eh * head_stride;
   }
   explicit FJ_HOST_DEVICE operator bool() const { return data != nullptr; }
   // Several (sequence, head)s read each entry (a dbias entry sums them).
