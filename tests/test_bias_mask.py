@@ -215,8 +215,6 @@ BAD = {
                     dict(alibi_slopes=jnp.ones((HK,), jnp.float32))),
     "alibi_dtype": (TypeError, "alibi_slopes must be float32",
                     dict(alibi_slopes=jnp.ones((H,), jnp.bfloat16))),
-    "cuda_forced": (ValueError, "not supported by flashjax's CUDA",
-                    dict(bias=jnp.zeros((1, 1, SQ, SK)), implementation="cuda")),
 }
 
 

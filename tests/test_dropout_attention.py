@@ -260,8 +260,6 @@ BAD = {
     "key_float": (TypeError, "dropout_key", dict(dropout_rate=0.1, dropout_key=jnp.ones(2))),
     "key_batch": (ValueError, "dropout_key", dict(dropout_rate=0.1,
                                                   dropout_key=jax.random.split(KEY, 2))),
-    "cuda_forced": (ValueError, "not supported by flashjax's CUDA",
-                    dict(dropout_rate=0.1, dropout_key=KEY, implementation="cuda")),
 }
 
 

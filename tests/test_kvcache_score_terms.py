@@ -131,13 +131,6 @@ def test_cpu_route_takes_the_dense_kernels():
     assert not {"bias", "mask", "alibi_slopes"} & {op.name for op in KVCACHE.optional}
 
 
-def test_cuda_implementation_is_refused():
-    """The split-KV CUDA kernel does not read score terms: implementation="cuda" raises
-    (before any platform check), as flash_attention's does."""
-    with pytest.raises(ValueError, match="alibi_slopes: not supported by flashjax.s CUDA"):
-        _call(alibi_slopes=jnp.asarray(SLOPES), implementation="cuda")()
-
-
 INVALID = [
     ("bias", np.zeros((B, H, SQ, 20), np.float32), ValueError, r"capacity.*24"),
     ("bias", np.zeros((2, H, SQ, CAP), np.float32), ValueError, r"bias must have shape"),

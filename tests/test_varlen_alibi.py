@@ -83,13 +83,10 @@ def test_bad_slopes(error, match, slopes):
         flashjax.flash_attention_varlen(*args, alibi_slopes=slopes)
 
 
-def test_cuda_forced_raises_and_no_packed_scores():
-    """implementation="cuda" names the unsupported argument; bias= and mask= are not
-    arguments of the packed call (docs/api.md: segment ids + flash_attention instead)."""
+def test_no_packed_scores():
+    """bias= and mask= are not arguments of the packed call (docs/api.md: segment ids +
+    flash_attention instead)."""
     args, _ = _packed()
-    with pytest.raises(ValueError, match="alibi_slopes: not supported by flashjax's CUDA"):
-        flashjax.flash_attention_varlen(*args, alibi_slopes=np.ones((4,), np.float32),
-                                        implementation="cuda")
     for name in ("bias", "mask"):
         with pytest.raises(TypeError, match=name):
             flashjax.flash_attention_varlen(*args, **{name: None})
@@ -97,9 +94,9 @@ def test_cuda_forced_raises_and_no_packed_scores():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
-def test_gpu_default_routes_to_pure_jax():
-    """On a CUDA GPU, implementation=None runs a packed call with ALiBi in pure JAX (the
-    CUDA kernels do not read slopes yet): implementation="xla"'s result."""
+def test_gpu_kernels_match_pure_jax():
+    """On a CUDA GPU, a packed call with per-sequence ALiBi on the CUDA kernels gives the
+    pure-JAX path's result."""
     (q, k, v, cu_q, cu_k, max_q, max_k), _ = _packed()
     gpu = jax.devices("gpu")[0]
     slopes = jax.device_put(VarlenCase(alibi="sequences").alibi_slopes(), gpu)

@@ -144,6 +144,10 @@ struct FragmentTerms<true, kRows> {
                                          static_cast<uintptr_t>(terms.bias_ld * 4)) % 8 == 0) &&
                          ((reinterpret_cast<uintptr_t>(terms.mask) |
                            static_cast<uintptr_t>(terms.mask_ld)) % 2 == 0);
+      if ((pairs || !kQueryRows) && cols_used - c0 >= kCols) {
+        add_full_row<kTiles>(s, r, bias_at, mask_at, distance0);
+        continue;
+      }
 #pragma unroll
       for (int n = 0; n < kTiles; ++n) {
         float add[2] = {0.0f, 0.0f};
@@ -184,6 +188,60 @@ struct FragmentTerms<true, kRows> {
           const bool on = (e == 0 ? first : both) && x != kNegInf;
           x = on ? (hidden[e] ? kNegInf : x + add[e]) : x;
         }
+      }
+    }
+  }
+
+  // add()'s common case, without a branch per element: a tile whose columns are all
+  // used (query rows: aligned pairs, one load each; key rows: a load per element, a
+  // row of the arrays apart). One pass per term, so that each pass's loads are
+  // independent.
+  template <int kTiles>
+  __device__ void add_full_row(float (&s)[kTiles * 4], int r, const float* bias_at,
+                               const unsigned char* mask_at, float distance0) const {
+    const auto add_to = [](float& x, float v) { x = x != kNegInf ? x + v : x; };
+    if (bias_at) {
+      float2 b2[kTiles];
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) {
+        if constexpr (kQueryRows) {
+          b2[n] = __ldg(reinterpret_cast<const float2*>(bias_at + 8 * n));
+        } else {
+          b2[n].x = __ldg(bias_at + 8 * n * terms.bias_ld);
+          b2[n].y = __ldg(bias_at + (8 * n + 1) * terms.bias_ld);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) {
+        add_to(s[4 * n + 2 * r], kLog2e * b2[n].x);
+        add_to(s[4 * n + 2 * r + 1], kLog2e * b2[n].y);
+      }
+    }
+    if (terms.alibi) {
+      // |i + diagonal - j| = |distance0 -/+ (8n + e)| (query / key rows)
+      const float sign = kQueryRows ? -1.0f : 1.0f;
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          add_to(s[4 * n + 2 * r + e],
+                 -slope_log2 * fabsf(fmaf(sign, static_cast<float>(8 * n + e), distance0)));
+    }
+    if (mask_at) {
+      unsigned short m2[kTiles];
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) {
+        if constexpr (kQueryRows) {
+          m2[n] = __ldg(reinterpret_cast<const unsigned short*>(mask_at + 8 * n));
+        } else {
+          m2[n] = static_cast<unsigned short>(__ldg(mask_at + 8 * n * terms.mask_ld) |
+                                              (__ldg(mask_at + (8 * n + 1) * terms.mask_ld) << 8));
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) {
+        if ((m2[n] & 0xffu) == 0) s[4 * n + 2 * r] = kNegInf;
+        if ((m2[n] >> 8) == 0) s[4 * n + 2 * r + 1] = kNegInf;
       }
     }
   }
