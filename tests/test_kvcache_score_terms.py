@@ -5,7 +5,7 @@ by hand, the terms sliced at its logical positions, ALiBi written out as a bias)
 contiguous (in place, cache_seqlens static or traced), cache_batch_idx, leftpad and
 paged caches, new rows appended (past the capacity too), rotary, GQA, ALiBi per head
 and per sequence, every broadcast shape of bias and mask; validation errors; the route
-(no split-KV call with score terms, implementation="cuda" refused).
+(no split-KV call with score terms: the dense kernels attend over the cache).
 
 Cases share their shapes (3 sequences, 4/2 heads, capacity 24) so that the reference's
 and the calls' compilations are shared; the C++ path runs with implementation="cpu"
