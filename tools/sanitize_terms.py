@@ -4,6 +4,8 @@ tools/sanitize_terms.py`: the sanitizer must report 0 errors. Covers owned and s
 dbias entries, masks with empty tiles and rows, seqused, default and deterministic
 backward, bf16 d128 / d64 and float32 d40."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,13 +31,16 @@ def case_options(key):
     ]
 
 
-def main():
+def main(only=()):
+    """only: case indices to run (all when empty)."""
     for dtype, d in ((jnp.bfloat16, 128), (jnp.bfloat16, 64), (jnp.float32, 40)):
         keys = jax.random.split(jax.random.key(0), 4)
         q = jax.random.normal(keys[0], (B, SQ, HQ, d), dtype)
         k = jax.random.normal(keys[1], (B, SK, HK, d), dtype)
         v = jax.random.normal(keys[2], (B, SK, HK, d), dtype)
         for n, options in enumerate(case_options(keys[3])):
+            if only and n not in only:
+                continue
             bias = options.pop("bias", None)
             for path in PATHS:
                 for deterministic in (False, True):
@@ -49,4 +54,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(tuple(int(a) for a in sys.argv[1:]))
