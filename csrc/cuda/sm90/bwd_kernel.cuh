@@ -34,6 +34,24 @@ __device__ __forceinline__ void consumer_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Config::kConsumerRegs));
 }
 
+// body(block) for this CTA's block (BlockSchedule); kTerms kernels narrow it to the
+// span of a mask (the streamed tiles the mask hides from every owned row: skipped).
+template <bool kTerms, class Block, class Body>
+__device__ __forceinline__ void for_each_block(const AttentionParams& p,
+                                               const VarlenWorkList& list,
+                                               const SegmentTiles& segment_tiles,
+                                               const MaskTiles& mask_tiles, Body&& body) {
+  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& listed) {
+    if constexpr (kTerms) {
+      Block narrowed = listed;
+      narrowed.narrow_to_mask(p, mask_tiles);
+      body(narrowed);
+    } else {
+      body(listed);
+    }
+  });
+}
+
 // dK and dV of a block of 128 keys (and, with kFusedDq, its shares of dQ).
 // kLayouts: any; `list`: the blocks of non-uniform ones; `segment_tiles`: kSegments'.
 // kTerms: score terms and dropout (non-uniform layouts only).
@@ -66,15 +84,7 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
                                                           warpgroup - 1, stats.nonfinite);
   };
   // (No block, a grid slot past the list's: the whole CTA returns.)
-  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& kb) {
-    if constexpr (kTerms) {  // (query tiles a mask hides from every owned key: skipped)
-      Block narrowed = kb;
-      narrowed.narrow_to_mask(p, mask_tiles);
-      block(narrowed);
-    } else {
-      block(kb);
-    }
-  });
+  for_each_block<kTerms, Block>(p, list, segment_tiles, mask_tiles, block);
 }
 
 // dQ of a block of 128 query rows, and those rows' shares of dsinks.
@@ -104,15 +114,7 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     query_consumer<T, kHeadDim, kLayouts, kTerms>(sm, qb, p, segment_tiles, mask_tiles,
                                                   warpgroup - 1, D_all, dsink_rows, nonfinite);
   };
-  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& qb) {
-    if constexpr (kTerms) {  // (key tiles a mask hides from every owned row: skipped)
-      Block narrowed = qb;
-      narrowed.narrow_to_mask(p, mask_tiles);
-      block(narrowed);
-    } else {
-      block(qb);
-    }
-  });
+  for_each_block<kTerms, Block>(p, list, segment_tiles, mask_tiles, block);
 }
 
 // dK, dV and the shares of dQ of a block of 64 keys, head dims 129-256.
