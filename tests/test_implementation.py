@@ -87,6 +87,7 @@ def test_info_describes_the_build_devices_and_kernels():
     cpu = next(name for name in kernels if name.startswith("cpu:"))
     assert kernels[cpu] == {"forward": "cpu", "backward": "cpu"}
     assert flashjax.info(q, k, v, implementation="xla")["kernels"][cpu]["forward"] == "xla"
+    assert flashjax.info(q, k, v, score_terms=True)["kernels"][cpu] == kernels[cpu]
     assert flashjax.info(q, k, v, implementation="cuda")["kernels"][cpu]["forward"] == \
         "unavailable"
 
@@ -106,3 +107,9 @@ def test_info_names_the_kernel_dispatch_picks_on_the_gpu():
     q32, k32 = shape(1, 64, 8, 128, dtype=jnp.float32), shape(1, 64, 2, 128, dtype=jnp.float32)
     assert flashjax.info(q32, k32, k32)["kernels"][gpu]["forward"] == "simt"
     assert flashjax.info(q, k, k, kv_cache=True)["kernels"][gpu]["forward"] == "split-kv"
+    if hopper:  # score terms: not with segment ids on Hopper, nor its backward above d128
+        terms = lambda *a, **o: flashjax.info(*a, score_terms=True, **o)["kernels"][gpu]
+        assert terms(q, k, k) == {"forward": "hopper", "backward": "hopper"}
+        assert terms(q, k, k, segment_ids=True) == {"forward": "mma", "backward": "mma"}
+        q256, k256 = shape(1, 1024, 8, 256), shape(1, 1024, 2, 256)
+        assert terms(q256, k256, k256) == {"forward": "hopper", "backward": "mma"}

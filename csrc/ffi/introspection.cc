@@ -29,6 +29,7 @@ namespace {
 flashjax::AttentionParams params_of(const FlashjaxCallDescription& d) {
   using flashjax::TensorRef;
   static const int32_t placeholder[2] = {0, 0};
+  static const float slope_placeholder[1] = {0.0f};
   flashjax::AttentionParams p;
   p.dtype = static_cast<flashjax::DType>(d.dtype);
   p.batch = d.batch;
@@ -50,6 +51,7 @@ flashjax::AttentionParams params_of(const FlashjaxCallDescription& d) {
   if (d.seqused) p.seqused_q = p.seqused_k = placeholder;
   if (d.segment_ids) p.q_segment_ids = p.kv_segment_ids = placeholder;
   if (d.positions) p.diagonal_offset = placeholder;
+  if (d.score_terms) p.alibi_slopes = slope_placeholder;  // (any term picks the same kernels)
   const int64_t rows_q = d.packed ? p.total_q : d.seqlen_q;
   const int64_t rows_k = d.packed ? p.total_k : d.seqlen_k;
   p.q = TensorRef::rows_heads_dim(nullptr, rows_q, d.heads_q, d.head_dim);

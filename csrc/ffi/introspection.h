@@ -11,6 +11,7 @@ struct FlashjaxCallDescription {
   int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
   int64_t window_left, window_right;  // causal: window_right = 0
   int32_t packed, seqused, segment_ids, positions, kv_cache, deterministic, kernel_cap;
+  int32_t score_terms;  // bias, mask, ALiBi or dropout (the kernels' kTerms variants)
 };
 
 extern "C" {

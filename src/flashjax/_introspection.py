@@ -30,7 +30,7 @@ class _CallDescription(ctypes.Structure):  # csrc/ffi/introspection.h
                                                   "window_left", "window_right")]
                 + [(n, ctypes.c_int32) for n in ("packed", "seqused", "segment_ids",
                                                   "positions", "kv_cache", "deterministic",
-                                                  "kernel_cap")])
+                                                  "kernel_cap", "score_terms")])
 
 
 def _build() -> dict:
@@ -71,11 +71,12 @@ def _kernels(device, call: _CallDescription, backend: str) -> dict:
 
 def info(q=None, k=None, v=None, *, causal=False, window_size=(-1, -1), deterministic=False,
          implementation=None, seqused=False, segment_ids=False, positions=False,
-         varlen=False, kv_cache=False) -> dict:
+         varlen=False, kv_cache=False, score_terms=False) -> dict:
     """The flashjax build and the devices JAX sees; given a call (q, k, v: arrays or
     jax.ShapeDtypeStruct in flash_attention's (batch, seqlen, heads, head_dim) layout,
-    and its options: the flags say which metadata it passes), also the kernels each
-    device would run for its forward and backward."""
+    and its options: the flags say which metadata it passes; score_terms: a bias, mask,
+    alibi_slopes or dropout), also the kernels each device would run for its forward and
+    backward."""
     result = {"version": version(), "jax": jax.__version__,
               "platforms": sorted(_ffi.load()), **_build(),
               "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in _all_devices()]}
@@ -91,7 +92,7 @@ def info(q=None, k=None, v=None, *, causal=False, window_size=(-1, -1), determin
         head_dim_v=v.shape[3], window_left=window.left, window_right=window.right,
         packed=int(varlen), seqused=int(seqused), segment_ids=int(segment_ids),
         positions=int(positions), kv_cache=int(kv_cache), deterministic=int(deterministic),
-        kernel_cap=fields["kernel_cap"])
+        kernel_cap=fields["kernel_cap"], score_terms=int(score_terms))
     result["kernels"] = {f"{d.platform}:{d.id}": _kernels(d, call, fields["implementation"])
                          for d in _all_devices()}
     return result
