@@ -102,9 +102,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         batch, heads_q, seqlen_q, seqlen_k) (True = kept), whatever causal, window,
         bias or mask are set, on every path; under jax.vmap over keys each instance
         gets the mask of the unbatched call with its key. Not differentiated.
-        Dropout runs on the CPU kernels and the pure-JAX path; on a CUDA GPU,
-        implementation=None takes the pure-JAX path for such calls for now ("cuda"
-        raises ValueError). Under shard_map the indices are the local call's.
+        Dropout runs on every path (CUDA, CPU, pure JAX). Under shard_map the indices
+        are the local call's.
       implementation: None (flashjax's kernels on CUDA GPUs and the CPU, the pure-JAX
         path elsewhere), "cuda" (the fastest CUDA kernels: Hopper, else mma.sync, else
         SIMT), "cuda:mma" / "cuda:simt" (at most the mma.sync / only the SIMT kernels),

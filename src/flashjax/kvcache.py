@@ -253,8 +253,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         row i is at position cache_seqlens + i when seqlen_q == seqlen_new (leftpad
         shifts both sides, so it does not change the distance).
         With any of the three the call appends through the FFI call and attends with
-        flash_attention over the cache (the CPU kernels; on a CUDA GPU, pure JAX for
-        now: implementation="cuda" raises ValueError). Not differentiated.
+        flash_attention's kernels over the cache (not the split-KV kernel). Not
+        differentiated.
       implementation: as in `flash_attention` ("xla": the new rows scattered into the
         caches and each sequence's rows gathered, in JAX).
 

@@ -97,9 +97,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         sequence): FlashAttention's varlen ALiBi, -slope * |i + seqlen_k_b -
         seqlen_q_b - j| added to query i / key j of sequence b (counted within it,
         on its used lengths; by position with q_offset / kv_offset) after the
-        softcap; never materialised, not differentiated. Runs on the CPU kernels and
-        the pure-JAX path; on a CUDA GPU, implementation=None takes the pure-JAX path
-        for such calls for now ("cuda" raises ValueError), as for flash_attention.
+        softcap; never materialised, not differentiated. Runs on every path (CUDA,
+        CPU, pure JAX), as for flash_attention.
       dropout_rate, dropout_key: attention dropout as in `flash_attention`; element
         (b, h, i, j) of the keep mask is sequence b, query head h, query row i and key
         j counted within the sequence (flashjax.dropout_mask(dropout_key, rate,
