@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import _checks, _core, _dropout, _ffi
+from . import _checks, _core, _dropout, _ffi, _fp8
 from ._spec import Extras, Layout
 
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
@@ -49,7 +49,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                     softcap=0.0, sinks=None, return_lse=False, deterministic=False,
                     q_segment_ids=None, kv_segment_ids=None, seqused_q=None, seqused_k=None,
                     q_offset=None, kv_offset=None, bias=None, mask=None, alibi_slopes=None,
-                    dropout_rate=0.0, dropout_key=None, implementation=None):
+                    dropout_rate=0.0, dropout_key=None, implementation=None, q_descale=None,
+                    k_descale=None, v_descale=None, out_dtype=None):
     """Exact attention softmax(q k^T * scale) v, computed tile by tile.
 
     Args:
@@ -110,17 +111,65 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         "cpu", or "xla" (pure JAX, blockwise: any platform). Static; a forced one that
         cannot run on the arrays' platform raises ValueError.
 
+      q_descale, k_descale, v_descale: float8 q, k, v only (float8_e4m3fn or
+        float8_e5m2, all three alike: FlashAttention 3's fp8 forward): float32
+        descale factors per (batch, kv head), of shape (), (1, 1), (batch, 1),
+        (1, heads_kv) or (batch, heads_kv); None: 1.0. The inputs mean x * descale
+        (q's heads by their kv head). Forward only: differentiating q, k or v raises
+        TypeError. Today every platform dequantises them and runs the kernels of
+        out_dtype (exact: the bf16 kernel's result on the dequantised inputs); the
+        Hopper fp8 kernel is not built yet.
+      out_dtype: float8 inputs only: out's dtype, bfloat16 (default), float16 or
+        float32.
+
     Returns:
-      out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, and lse if asked.
+      out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype (float8 inputs:
+      out_dtype), and lse if asked.
       A row that sees no key gets out 0 and lse -inf (or its sink logit); rows
       past seqused_q get out 0 and lse -inf.
     """
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    if any(map(_fp8.is_fp8, (q, k, v))):
+        options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                       softcap=softcap, sinks=sinks, return_lse=return_lse,
+                       deterministic=deterministic, q_segment_ids=q_segment_ids,
+                       kv_segment_ids=kv_segment_ids, seqused_q=seqused_q,
+                       seqused_k=seqused_k, q_offset=q_offset, kv_offset=kv_offset, bias=bias,
+                       mask=mask, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
+                       dropout_key=dropout_key, implementation=implementation)
+        return _fp8_attention(q, k, v, descales, out_dtype, options)
+    _fp8.check_no_fp8_options(q, out_dtype, descales)
     extras, layout, cfg = _describe(q, k, v, softmax_scale, causal, window_size, softcap, sinks,
                                     return_lse, deterministic, q_segment_ids, kv_segment_ids,
                                     seqused_q, seqused_k, q_offset, kv_offset, bias, mask,
                                     alibi_slopes, dropout_rate, dropout_key, implementation)
     out, lse = _core.attention(q, k, v, extras, layout, cfg)
     return (out, lse) if return_lse else out
+
+
+def _fp8_attention(q, k, v, descales: dict, out_dtype, options: dict):
+    """flash_attention of float8 q, k, v: the exact fallback (_fp8): dequantised inputs
+    in the compute dtype, its kernels, out in out_dtype."""
+    _fp8.check_inputs(q, k, v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim), got "
+                             f"shape {x.shape}")
+    batch, heads_kv = k.shape[0], k.shape[2]
+    if q.shape[2] % heads_kv != 0:
+        raise ValueError(f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({heads_kv}) "
+                         "for MQA/GQA")
+    compute = out_dtype = _fp8.out_dtype_of(out_dtype)  # (the kernels of out's dtype)
+    scales = {name: _fp8.descale_of(name, value, batch, heads_kv)
+              for name, value in descales.items()}
+    group = q.shape[2] // heads_kv
+    q, k, v = map(_fp8.forward_only, (q, k, v))
+    result = flash_attention(_fp8.dequantize(q, scales["q_descale"], compute, group),
+                             _fp8.dequantize(k, scales["k_descale"], compute),
+                             _fp8.dequantize(v, scales["v_descale"], compute), **options)
+    if isinstance(result, tuple):
+        return (result[0].astype(out_dtype),) + result[1:]
+    return result.astype(out_dtype)
 
 
 def _describe(q, k, v, softmax_scale, causal, window_size, softcap, sinks, return_lse,

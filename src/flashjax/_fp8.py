@@ -1,0 +1,85 @@
+"""float8 inputs of flash_attention (FlashAttention 3's fp8 forward): q, k, v in
+float8_e4m3fn or float8_e5m2 with descale factors per (batch, kv head), the output in
+bf16 by default (`out_dtype=`), forward only.
+
+Today every platform runs the exact fallback: the inputs are dequantised
+(x * descale, in float32), rounded to out_dtype and attended by the kernels of that
+dtype. Rounding an
+e4m3 / e5m2 value to bfloat16 is exact, so the result is the bf16 kernel's on the
+dequantised inputs (issue 28's accuracy bound: within 1.5x of that kernel's error). The
+Hopper fp8 wgmma path is not built yet.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def is_fp8(x) -> bool:
+    return getattr(x, "dtype", None) in FP8_DTYPES
+
+
+def check_no_fp8_options(q, out_dtype, descales: dict) -> None:
+    """A call whose inputs are not float8 takes no descales and no other out_dtype."""
+    for name, value in descales.items():
+        if value is not None:
+            raise ValueError(f"{name} is for float8 q, k, v; got {q.dtype} inputs")
+    if out_dtype is not None and jnp.dtype(out_dtype) != q.dtype:
+        raise ValueError(f"out_dtype is for float8 q, k, v (the output of {q.dtype} inputs is "
+                         f"{q.dtype}); got out_dtype={jnp.dtype(out_dtype)}")
+
+
+def out_dtype_of(out_dtype):
+    dtype = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {dtype}")
+    return dtype
+
+
+def check_inputs(q, k, v) -> None:
+    if not (is_fp8(k) and is_fp8(v) and k.dtype == q.dtype and v.dtype == q.dtype):
+        raise TypeError("float8 attention needs q, k, v of one float8 dtype (float8_e4m3fn "
+                        f"or float8_e5m2), got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def descale_of(name: str, value, batch: int, heads_kv: int):
+    """The float32 (batch, heads_kv) descale of `value`: None (1.0, as FlashAttention
+    3), or float32 of shape (), (1, 1), (batch, 1), (1, heads_kv), (batch, heads_kv)."""
+    if value is None:
+        return jnp.ones((batch, heads_kv), jnp.float32)
+    value = jnp.asarray(value)
+    if value.dtype != jnp.float32:
+        raise TypeError(f"{name} must be float32, got {value.dtype}")
+    shape = tuple(value.shape)
+    if not (shape == () or (len(shape) == 2 and shape[0] in (1, batch)
+                            and shape[1] in (1, heads_kv))):
+        raise ValueError(f"{name} must have shape (), (1, 1), (batch, 1), (1, heads_kv) or "
+                         f"(batch, heads_kv) = {(batch, heads_kv)}, got {shape}")
+    return jnp.broadcast_to(value, (batch, heads_kv))
+
+
+def dequantize(x, descale, compute_dtype, rows_per_head: int = 1, row_batch=None):
+    """x * descale in float32, rounded to compute_dtype. x: (batch, seqlen, heads, dim)
+    (row_batch None) or packed (tokens, heads, dim) with row_batch[t] the sequence of
+    token t; descale: (batch, heads_kv); rows_per_head: x's heads per kv head (q: the
+    GQA group, k and v: 1)."""
+    scale = jnp.repeat(descale, rows_per_head, axis=1)  # (batch, heads of x)
+    scale = scale[:, None, :, None] if row_batch is None else scale[row_batch][:, :, None]
+    return (x.astype(jnp.float32) * scale).astype(compute_dtype)
+
+
+@jax.custom_jvp
+def forward_only(x):
+    """x, with a derivative that raises: float8 attention is forward only."""
+    return x
+
+
+@forward_only.defjvp
+def _forward_only_jvp(primals, tangents):
+    raise TypeError(f"flash_attention with {primals[0].dtype} inputs is forward only: q, k, v "
+                    "have no gradient (differentiate a bfloat16 / float16 call instead)")

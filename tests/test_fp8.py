@@ -1,0 +1,134 @@
+"""float8 q, k, v on flash_attention (issue 28 section 1, the exact fallback every
+platform runs today): q_descale / k_descale / v_descale per (batch, kv head) and their
+broadcast shapes, out_dtype, the accuracy bound against the float64 reference of the
+dequantised inputs (within 1.5x of the bf16 kernel's error on the same inputs), lse,
+jit with traced descales, forward only (a gradient raises), validation errors.
+
+One small GQA shape (seqlen_q != seqlen_k, causal) serves every case."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashjax
+from flashjax import reference
+
+B, SQ, SK, H, HK, D = 2, 40, 47, 4, 2, 32
+GROUP = H // HK
+RNG = np.random.default_rng(0)
+FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+def quantised(shape, dtype, spread=2.0):
+    return jnp.asarray(RNG.normal(size=shape) * spread, jnp.float32).astype(dtype)
+
+
+def inputs(dtype):
+    return (quantised((B, SQ, H, D), dtype), quantised((B, SK, HK, D), dtype),
+            quantised((B, SK, HK, D), dtype))
+
+
+DESCALES = dict(q_descale=jnp.asarray(RNG.uniform(0.1, 0.5, (B, HK)), jnp.float32),
+                k_descale=jnp.asarray(RNG.uniform(0.1, 0.5, (1, HK)), jnp.float32),
+                v_descale=jnp.float32(0.7))
+
+
+def dequantised(q, k, v, descales, dtype=jnp.float64):
+    def deq(x, name, group):
+        s = jnp.broadcast_to(jnp.asarray(descales.get(name, 1.0), jnp.float32), (B, HK))
+        return (x.astype(jnp.float64) * jnp.repeat(s, group, axis=1)[:, None, :, None]).astype(dtype)
+    return deq(q, "q_descale", GROUP), deq(k, "k_descale", 1), deq(v, "v_descale", 1)
+
+
+def rel_err(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("implementation", ["cpu", "xla"])
+def test_accuracy_against_the_dequantised_reference(dtype, implementation):
+    q, k, v = inputs(dtype)
+    out, lse = flashjax.flash_attention(q, k, v, causal=True, return_lse=True,
+                                        implementation=implementation, **DESCALES)
+    assert out.dtype == jnp.bfloat16 and out.shape == (B, SQ, H, D)
+    ref_out, ref_lse = reference.attention(*dequantised(q, k, v, DESCALES), causal=True,
+                                           return_lse=True, compute_dtype=jnp.float64)
+    bf16, bf16_lse = flashjax.flash_attention(*dequantised(q, k, v, DESCALES, jnp.bfloat16),
+                                              causal=True, return_lse=True,
+                                              implementation=implementation)
+    assert rel_err(out, ref_out) <= 1.5 * rel_err(bf16, ref_out) + 1e-6
+    # (lse: the bf16 kernel's on the same inputs; the reference's up to their rounding)
+    np.testing.assert_allclose(lse, bf16_lse, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-2, atol=2e-2)
+
+
+def test_descale_shapes_broadcast():
+    q, k, v = inputs(jnp.float8_e4m3fn)
+    full = flashjax.flash_attention(q, k, v, implementation="cpu",
+                                    q_descale=jnp.full((B, HK), 0.3, jnp.float32))
+    for shape in ((), (1, 1), (B, 1), (1, HK)):
+        got = flashjax.flash_attention(q, k, v, implementation="cpu",
+                                       q_descale=jnp.full(shape, 0.3, jnp.float32))
+        np.testing.assert_array_equal(got, full)
+    ones = flashjax.flash_attention(q, k, v, implementation="cpu")
+    np.testing.assert_array_equal(
+        ones, flashjax.flash_attention(q, k, v, implementation="cpu",
+                                       k_descale=jnp.ones((), jnp.float32)))
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float16, jnp.float32])
+def test_out_dtype(out_dtype):
+    q, k, v = inputs(jnp.float8_e4m3fn)
+    out = flashjax.flash_attention(q, k, v, out_dtype=out_dtype, implementation="cpu",
+                                   **DESCALES)
+    assert out.dtype == out_dtype
+    ref = reference.attention(*dequantised(q, k, v, DESCALES), compute_dtype=jnp.float64)
+    assert rel_err(out, ref) < (1e-5 if out_dtype == jnp.float32 else 2e-3)
+
+
+def test_jit_with_traced_descales():
+    q, k, v = inputs(jnp.float8_e4m3fn)
+    call = jax.jit(lambda q, k, v, s: flashjax.flash_attention(q, k, v, q_descale=s,
+                                                               implementation="cpu"))
+    np.testing.assert_array_equal(
+        call(q, k, v, DESCALES["q_descale"]),
+        flashjax.flash_attention(q, k, v, q_descale=DESCALES["q_descale"], implementation="cpu"))
+
+
+def test_forward_only():
+    q, k, v = inputs(jnp.float8_e4m3fn)
+    loss = lambda q: flashjax.flash_attention(q, k, v, implementation="cpu").astype(
+        jnp.float32).sum()
+    with pytest.raises(TypeError, match="float8_e4m3fn inputs is forward only"):
+        jax.grad(loss)(q)
+
+
+BAD = {
+    "descale_shape": (ValueError, r"q_descale must have shape .* = \(2, 2\)",
+                      dict(q_descale=jnp.ones((3,), jnp.float32))),
+    "descale_heads_q": (ValueError, "k_descale must have shape",
+                        dict(k_descale=jnp.ones((B, H), jnp.float32))),
+    "descale_dtype": (TypeError, "v_descale must be float32",
+                      dict(v_descale=jnp.ones((1, 1), jnp.float16))),
+    "out_dtype": (TypeError, "out_dtype must be bfloat16, float16 or float32",
+                  dict(out_dtype=jnp.int8)),
+}
+
+
+@pytest.mark.parametrize("error, match, kwargs", BAD.values(), ids=BAD.keys())
+def test_bad_input(error, match, kwargs):
+    q, k, v = inputs(jnp.float8_e4m3fn)
+    with pytest.raises(error, match=match):
+        flashjax.flash_attention(q, k, v, **kwargs)
+
+
+def test_fp8_options_need_fp8_inputs():
+    q, k, v = (x.astype(jnp.bfloat16) for x in inputs(jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="q_descale is for float8"):
+        flashjax.flash_attention(q, k, v, q_descale=jnp.ones((), jnp.float32))
+    with pytest.raises(ValueError, match="out_dtype is for float8"):
+        flashjax.flash_attention(q, k, v, out_dtype=jnp.float32)
+    with pytest.raises(TypeError, match="one float8 dtype"):
+        flashjax.flash_attention(q.astype(jnp.float8_e4m3fn), k, v)
