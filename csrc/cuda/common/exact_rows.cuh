@@ -60,11 +60,6 @@ __device__ void store_lane(T* row, const float (&x)[kSlots], int64_t dim, int la
   }
 }
 
-// Whether a call's pairs have score terms (bias, mask, ALiBi) or dropout.
-__host__ __device__ __forceinline__ bool has_pair_terms(const AttentionParams& p) {
-  return p.has_score_terms() || static_cast<bool>(p.dropout);
-}
-
 // The score terms and dropout of one (sequence, query head), pair by pair (the
 // CPU path's semantics: flashjax/score_terms.h, dropout.h), built once per row or
 // head. kTerms true reads them at run time (any call: the rows the tensor-core
@@ -122,7 +117,7 @@ enum class RowTerms { kNone, kRead, kPerCall };
 template <RowTerms kForm, class Row>
 __device__ __forceinline__ void with_row_terms(const AttentionParams& p, Row&& row) {
   if constexpr (kForm == RowTerms::kPerCall) {
-    if (has_pair_terms(p)) row(std::true_type{});
+    if (p.has_pair_terms()) row(std::true_type{});
     else row(std::false_type{});
   } else {
     row(std::bool_constant<kForm == RowTerms::kRead>{});

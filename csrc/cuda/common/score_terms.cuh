@@ -27,7 +27,7 @@ struct FragmentTerms {
   static constexpr bool kActive = false;
   __device__ FragmentTerms(const AttentionParams&, const SeqlenInfo&, int64_t) {}
   __device__ void head(const AttentionParams&, const SeqlenInfo&, int64_t, int64_t) {}
-  __device__ float term_log2_at(int, int64_t, bool* = nullptr) const { return 0.0f; }
+  __device__ float term_log2_at(int, int64_t) const { return 0.0f; }
   template <int kTiles>
   __device__ void add(float (&)[kTiles * 4], int64_t, bool = true) const {}
   template <int kTiles>
@@ -41,7 +41,6 @@ struct FragmentTerms {
   template <int kTiles>
   __device__ void apply_keep(float (&)[kTiles * 4], uint32_t) const {}
   __device__ bool dropping() const { return false; }
-  __device__ bool bias_gradient() const { return false; }
   __device__ void add_bias_gradient_at(int, int64_t, float) const {}
   template <int kTiles>
   __device__ void add_bias_gradient(const float (&)[kTiles * 4], int64_t) const {}
@@ -87,25 +86,26 @@ struct FragmentTerms<true, kRows> {
     else i = c, j = row + 8 * r;
   }
   __device__ bool used(int r, int64_t c) const { return row + 8 * r < rows_used && c < cols_used; }
-
-  // The bias and ALiBi terms (log2 units) of fragment element `index` of the tile
-  // from column c0 (0 for pairs past the used ones); *allowed: the mask's verdict
-  // (not read when allowed is null). One element: for the backward's softcap slope,
-  // which needs the capped score without the terms.
-  __device__ float term_log2_at(int index, int64_t c0, bool* allowed = nullptr) const {
+  // (query, key) of fragment element `index` of the tile from column c0; false past
+  // the used pairs.
+  __device__ bool pair_at(int index, int64_t c0, int64_t& i, int64_t& j) const {
     const int r = (index % 4) / 2;
     const int64_t c = c0 + (index / 4) * 8 + 2 * (threadIdx.x % 4) + (index & 1);
-    if (allowed) *allowed = true;
-    if (!used(r, c)) return 0.0f;
-    int64_t i, j;
     pair(r, c, i, j);
+    return used(r, c);
+  }
+
+  // The bias and ALiBi terms (log2 units) of fragment element `index` of the tile
+  // from column c0 (0 for pairs past the used ones). One element: for the backward's
+  // softcap slope, which needs the capped score without the terms.
+  __device__ float term_log2_at(int index, int64_t c0) const {
+    int64_t i, j;
+    if (!pair_at(index, c0, i, j)) return 0.0f;
     float x = terms.bias ? kLog2e * __ldg(terms.bias + i * terms.bias_ld + j) : 0.0f;
     if (terms.alibi) {
       const int64_t d = i + terms.diagonal - j;
       x -= slope_log2 * static_cast<float>(d < 0 ? -d : d);
     }
-    if (allowed && terms.mask)
-      *allowed = __ldg(reinterpret_cast<const unsigned char*>(terms.mask) + i * terms.mask_ld + j);
     return x;
   }
 
@@ -266,7 +266,6 @@ struct FragmentTerms<true, kRows> {
   }
 
   __device__ bool dropping() const { return drops; }
-  __device__ bool bias_gradient() const { return dbias != nullptr; }
 
   // x *= 1 / (1 - rate) where dropout keeps the pair, 0 where it drops it
   // (dropout.h: one Philox call per 8 elements of a 16 x 16 block), by chunks of up to
@@ -341,12 +340,8 @@ struct FragmentTerms<true, kRows> {
   // this (sequence, head) owns the entry (every pair is visited once; launch zeroes
   // dbias first), an atomic add where the entry is shared.
   __device__ void add_bias_gradient_at(int index, int64_t c0, float g) const {
-    if (!dbias) return;
-    const int r = (index % 4) / 2;
-    const int64_t c = c0 + (index / 4) * 8 + 2 * (threadIdx.x % 4) + (index & 1);
-    if (!used(r, c)) return;
     int64_t i, j;
-    pair(r, c, i, j);
+    if (!dbias || !pair_at(index, c0, i, j)) return;
     float* at = dbias + i * dbias_ld + j;
     if (dbias_shared) atomicAdd(at, g);
     else *at = g;

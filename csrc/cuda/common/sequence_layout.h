@@ -94,16 +94,12 @@ cudaError_t compute_segment_tiles(const AttentionParams& p, const SegmentTiles& 
 // that the generality costs registers only where it is used.
 enum class Layouts { kUniform, kVarlen, kSegments };
 
-// Score terms (bias, mask, ALiBi) or dropout: the tensor-core kernels compile these
-// into a variant of their own (kTerms, common/score_terms.cuh), instantiated with the
-// general layouts only: a uniform call with terms runs as kVarlen.
-inline bool needs_terms(const AttentionParams& p) {
-  return p.has_score_terms() || static_cast<bool>(p.dropout);
-}
-
 inline Layouts layouts_of(const AttentionParams& p) {
   if (p.has_segments()) return Layouts::kSegments;
-  return p.uniform() && !needs_terms(p) ? Layouts::kUniform : Layouts::kVarlen;
+  // (Score terms or dropout, p.has_pair_terms(): the tensor-core kernels compile them
+  // into a variant of their own, kTerms, with the general layouts only: a uniform call
+  // with terms runs as kVarlen.)
+  return p.uniform() && !p.has_pair_terms() ? Layouts::kUniform : Layouts::kVarlen;
 }
 
 // Calls fn(std::integral_constant<Layouts, layouts_of(p)>{}).
@@ -116,13 +112,13 @@ cudaError_t with_layouts(const AttentionParams& p, Fn&& fn) {
   }
 }
 
-// Calls fn(std::bool_constant<needs_terms(p)>{}, std::integral_constant<Layouts,
+// Calls fn(std::bool_constant<p.has_pair_terms()>{}, std::integral_constant<Layouts,
 // layouts_of(p)>{}): the kernel variant that runs p. Terms are compiled only with the
 // layouts that run any call (kVarlen, kSegments), so they cost the build one more
 // instantiation per kernel and layout class, not two.
 template <class Fn>
 cudaError_t with_variant(const AttentionParams& p, Fn&& fn) {
-  if (needs_terms(p)) {
+  if (p.has_pair_terms()) {
     if (p.has_segments())
       return fn(std::true_type{}, std::integral_constant<Layouts, Layouts::kSegments>{});
     return fn(std::true_type{}, std::integral_constant<Layouts, Layouts::kVarlen>{});

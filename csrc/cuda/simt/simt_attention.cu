@@ -168,7 +168,7 @@ cudaError_t launch_warps(Kernel kernel, int64_t warps, cudaStream_t stream, cons
 // Calls fn(std::bool_constant<kTerms>{}): whether p has score terms or dropout.
 template <class Fn>
 cudaError_t with_pair_terms(const AttentionParams& p, Fn&& fn) {
-  return has_pair_terms(p) ? fn(std::true_type{}) : fn(std::false_type{});
+  return p.has_pair_terms() ? fn(std::true_type{}) : fn(std::false_type{});
 }
 
 }  // namespace

@@ -175,7 +175,7 @@ bool hopper_backward_supports(const AttentionParams& p) {
   const bool narrow = head_dim_bucket(kTensorCoreBuckets, p) <= 128;
   // Score terms and dropout: the kVarlen layouts' kernels (not with segment ids).
   return hopper_layouts_supported(p) && tensor_core_shapes(p) &&
-         !(needs_terms(p) && p.has_segments()) &&
+         !(p.has_pair_terms() && p.has_segments()) &&
          (narrow || (!p.deterministic && layouts_of(p) == Layouts::kUniform)) &&
          p.head_dim >= 64 && p.head_dim_v >= 64 && p.seqlen_q < (1 << 30) &&
          p.seqlen_k < (1 << 30) && compute_capability() == 90 && encode_fn() != nullptr;

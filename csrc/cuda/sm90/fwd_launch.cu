@@ -63,7 +63,7 @@ struct ForwardWorkspace {
 
 // `workspace`: hopper_forward_workspace_bytes(p) bytes (ForwardWorkspace).
 // T: the inputs' element type, TOut: out's.
-// kTerms: score terms or dropout (needs_terms), with non-uniform layouts only.
+// kTerms: score terms or dropout (p.has_pair_terms()), with non-uniform layouts only.
 template <class T, class TOut, int kHeadDim, Layouts kLayouts, bool kTerms>
 cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   using Cfg = TileConfig<T, kHeadDim>;
@@ -146,7 +146,8 @@ bool hopper_forward_supports(const AttentionParams& p) {
   // coordinates bound the sizes.
   // Score terms or dropout: compiled with the kVarlen layouts only (not with
   // segment ids). Bias and mask: their rows are slot rows (dense only).
-  return hopper_layouts_supported(p) && !(needs_terms(p) && p.has_segments()) && p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
+  return hopper_layouts_supported(p) && !(p.has_pair_terms() && p.has_segments()) &&
+         p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 &&
          p.head_dim_v % 8 == 0 && head_dim_bucket(kBuckets, p) != 0 && p.head_dim >= 64 &&
          p.head_dim_v >= 64 &&
          p.seqlen_q < (1 << 30) && p.seqlen_k < (1 << 30) && compute_capability() == 90 &&

@@ -249,9 +249,13 @@ struct AttentionParams {
     return !packed() && !seqused_q && !seqused_k && !has_segments() && !cache.active() &&
            !diagonal_offset;
   }
-  // Bias, mask or ALiBi terms in the scores (no CUDA kernel reads them yet).
+  // Bias, mask or ALiBi terms in the scores.
   FJ_HOST_DEVICE bool has_score_terms() const {
     return static_cast<bool>(bias) || static_cast<bool>(mask) || alibi_slopes != nullptr;
+  }
+  // Score terms or dropout: what the CUDA kernels' terms variants (kTerms) read.
+  FJ_HOST_DEVICE bool has_pair_terms() const {
+    return has_score_terms() || static_cast<bool>(dropout);
   }
 };
 
