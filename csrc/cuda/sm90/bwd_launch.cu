@@ -96,6 +96,12 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
       !map(&key_maps.stream_a, p.q, qe, p.heads_q, p.head_dim, KeyConfig::kStreamRows) ||
       !map(&key_maps.stream_b, p.dout, qe, p.heads_q, p.head_dim_v, KeyConfig::kStreamRows))
     return cudaErrorInvalidValue;
+  // dK and dV by TMA stores (uniform layouts: a box never reaches into another
+  // sequence's rows), where their maps can be made (else per-thread stores).
+  constexpr int kConsumerRows = kKeysPerBlock / KeyConfig::kConsumers;
+  key_maps.store_own = !kVarlen && !kWide<kHeadDim> &&
+                       map(&key_maps.grad_a, p.dk, ke, p.heads_kv, p.head_dim, kConsumerRows) &&
+                       map(&key_maps.grad_b, p.dv, ke, p.heads_kv, p.head_dim_v, kConsumerRows);
   int64_t query_blocks = 0;
   if constexpr (!kWide<kHeadDim>) {  // (no query kernel above head dim 128)
     static_assert(QueryConfig::kSmemBytes == kSmem && QueryConfig::kThreads == kThreads,

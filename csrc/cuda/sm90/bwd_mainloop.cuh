@@ -31,6 +31,7 @@
 #include "../common/segments.cuh"
 #include "../common/softmax.cuh"
 #include "bwd_dq_writer.cuh"
+#include "bwd_epilogue.cuh"
 #include "bwd_gradients.cuh"
 #include "bwd_scheduler.cuh"
 #include "bwd_smem.cuh"
@@ -157,15 +158,6 @@ __device__ __forceinline__ void zero_rows_of_pair(unsigned char* a, unsigned cha
   zero_tile_rows<kRows, kHeadDim>(b, first_row, barrier);
 }
 
-// Writes rows row0 + [0, 64) of a consumer's 64 x kHeadDim accumulator.
-template <class T, int kHeadDim>
-__device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, int64_t rows,
-                                            int64_t dim, int64_t row0,
-                                            const float (&acc)[kHeadDim / 2], float scale) {
-  store_rows<T, kHeadDim>(head_base, row_stride, rows, dim, row0 + ((threadIdx.x / 32) % 4) * 16,
-                          acc, scale);
-}
-
 // A key-kernel consumer: dK and dV of its 64 keys over the block's query
 // tiles (with kFusedDq also each tile's share of dQ, staged for the writer),
 // then its rows of dk and dv. `consumer` must be warp-uniform as the compiler
@@ -174,7 +166,7 @@ __device__ __forceinline__ void store_block(T* head_base, int64_t row_stride, in
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
 __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                              const KeyBlock<TileConfig<kHeadDim>, kLayouts>& kb,
-                                             const AttentionParams& p,
+                                             const AttentionParams& p, const BackwardMaps& maps,
                                              const SegmentTiles& segment_tiles,
                                              const MaskTiles& mask_tiles, int consumer,
                                              int* nonfinite) {
@@ -267,7 +259,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         pack_fragments<T, 4>(pa, st);
         pack_fragments<T, 4>(dsa, dpt);
         if constexpr (kFusedDq) {
-          store_transposed(sm.ds + ds_buffer * C::kDsBytes, consumer * 64, 0, dsa);
+          store_fragment(sm.ds + ds_buffer * C::kDsBytes, consumer * 64, 0, dsa);
           fence_proxy_async();
         }
       },
@@ -307,12 +299,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         ds_buffer ^= 1;
         q0 = kb.next_row(q0);
       });
-  const int64_t row0 = kb.k0 + consumer * 64;
-  const SeqlenInfo seq = kb.sequence(p);
-  store_block<T, kHeadDim>(seq.template k_at<T>(p.dk, 0, kb.hk), p.dk.row_stride, seq.k_slot,
-                           p.head_dim, row0, dk, p.softmax_scale);
-  store_block<T, kHeadDim>(seq.template k_at<T>(p.dv, 0, kb.hk), p.dv.row_stride, seq.k_slot,
-                           p.head_dim_v, row0, dv, 1.0f);
+  store_key_gradients<T, kHeadDim, kLayouts>(sm, maps, kb, p, dk, dv, consumer);
   flag_nonfinite(nonfinite, dk, dv);  // rows a tile product may have got wrong (exact_rows.cuh)
 }
 

@@ -21,6 +21,10 @@ struct RowStats {
 
 struct BackwardMaps {
   CUtensorMap own_a, own_b, stream_a, stream_b;  // key kernel: K, V, Q, dO; query: Q, dO, K, V
+  // Key kernel, uniform layouts: dK and dV, stored by TMA from shared memory
+  // (bwd_epilogue.cuh) when `store_own` (their maps could be made).
+  CUtensorMap grad_a, grad_b;
+  bool store_own = false;
 };
 
 }  // namespace flashjax::cuda::hopper_bwd

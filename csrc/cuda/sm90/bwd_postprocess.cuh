@@ -6,6 +6,7 @@
 
 #include "../common/backward_workspace.h"
 #include "../common/device.cuh"
+#include "../common/fragment.cuh"
 #include "bwd_tile_config.h"
 #include "flashjax/params.h"
 
@@ -21,11 +22,7 @@ __device__ __forceinline__ void store_group(T* dst, const float (&v)[kConvertCol
   if (aligned) {
     uint32_t packed[kConvertCols / 2];
 #pragma unroll
-    for (int j = 0; j < kConvertCols / 2; ++j) {
-      const T lo = from_float<T>(v[2 * j]), hi = from_float<T>(v[2 * j + 1]);
-      packed[j] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&lo)) |
-                  static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16;
-    }
+    for (int j = 0; j < kConvertCols / 2; ++j) packed[j] = pack2<T>(v[2 * j], v[2 * j + 1]);
     *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   } else {
 #pragma unroll

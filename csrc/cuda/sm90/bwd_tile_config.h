@@ -23,6 +23,10 @@ enum class NamedBarrier : int {
   // Key and query kernels (kVarlen): a consumer has zeroed a tile's rows past
   // the used ones (zero_tile_rows).
   kTileZeroed = 7,
+  // Key kernel, TMA epilogue: no consumer reads the owned tiles any more (256
+  // threads); a consumer's dK and dV rows are in shared memory (its own).
+  kOwnedRead = 9,
+  kGradientsStaged = 10,
 };
 __host__ __device__ constexpr int barrier_id(NamedBarrier barrier, int consumer = 0) {
   return static_cast<int>(barrier) + consumer;

@@ -81,8 +81,8 @@ __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<WideT
     uint32_t frag[2][2][4];
     pack_fragments<T, 2>(frag[0], st);
     pack_fragments<T, 2>(frag[1], dpt);
-    store_transposed(sm.pt(it), 0, 4 * c, frag[0]);
-    store_transposed(sm.dst(it), 0, 4 * c, frag[1]);
+    store_fragment(sm.pt(it), 0, 4 * c, frag[0]);
+    store_fragment(sm.dst(it), 0, 4 * c, frag[1]);
     fence_proxy_async();
     // Both consumers' halves of P^T and dS^T are stored.
     named_sync(barrier_id(NamedBarrier::kDsStored));

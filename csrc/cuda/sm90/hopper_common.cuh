@@ -52,6 +52,15 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t x) {
 __device__ __forceinline__ void st_shared(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
+// Four 8x8 16-bit matrices, each thread's 32-bit register of matrix i holding
+// row lane / 4, columns 2 (lane % 4) and the next (the accumulator fragment's
+// layout); lanes 8i..8i+7 give the addresses of matrix i's rows (16 bytes each).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
+                                            uint32_t d) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
 __device__ __forceinline__ void ld_shared(uint32_t addr, float& x, float& y) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
 }
@@ -120,12 +129,29 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
       : "memory");
 }
 
+// Stores box {64 columns, rows} of `src` at (col, row, head, batch) (a bulk
+// group: commit it, and wait for its reads before `src` is written again or
+// the CTA exits). Rows and columns past the tensor's extents are not written.
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int col,
+                                          int row, int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+      ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(col), "r"(row), "r"(head),
+      "r"(batch)
+      : "memory");
+}
+
 // Plain (non-tensor) bulk copy of `bytes` (a multiple of 16, 16-byte aligned).
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
       ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
+}
+
+// Closes the bulk group of the bulk stores and reductions issued since the last.
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
 // Adds `bytes` of float32 from shared memory to global memory (one bulk
@@ -135,7 +161,7 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, in
       "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
       ::"l"(reinterpret_cast<uint64_t>(dst)), "r"(smem_u32(src)), "r"(bytes)
       : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  bulk_commit();
 }
 // Waits until all but the kPending most recent bulk groups have read their
 // shared-memory sources.
