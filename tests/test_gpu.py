@@ -169,6 +169,30 @@ def test_outputs_fully_written(case, gpu_device):
     check_forward(case, device=gpu_device)
 
 
+# The Hopper key kernels store dK / dV by TMA boxes that the tensors' extents clip
+# (uniform layouts): seqlen_k below a consumer's 64 rows, head dims below the bucket
+# (72, 96 / 64), GQA, the wide kernel (200 / 96, 256 / 136).
+FULLY_WRITTEN_GRADIENT_CASES = [LARGE_CASES[0], LARGE_CASES[3], LARGE_CASES[4], LARGE_CASES[5],
+                                WIDE_GRADIENT_CASES[1]]
+
+
+@pytest.mark.parametrize("case", FULLY_WRITTEN_GRADIENT_CASES, ids=str)
+def test_gradients_fully_written(case, gpu_device):
+    # As test_outputs_fully_written, for dq, dk and dv: a call whose gradients are
+    # NaN leaves buffers of their shapes in the allocator's free list.
+    q, k, v, s = case_inputs(case, device=gpu_device)
+
+    def poisoned_gradients(q, k, v, s):
+        out, pullback = jax.vjp(
+            lambda q, k, v: flashjax.flash_attention(q, k, v, sinks=s, **case.options()), q, k, v)
+        return pullback(out * np.nan)
+
+    poisoned = jax.jit(poisoned_gradients)(q, k, v, s)
+    assert all(np.isnan(np.asarray(g.astype(np.float32))).any() for g in poisoned)
+    del poisoned
+    check_gradients(case, device=gpu_device, return_lse=False)
+
+
 def test_vmap_over_an_empty_axis(gpu_device):
     check_empty_vmap(Case(batch=1, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=128,
                           dtype="bfloat16", sinks=True, causal=True), device=gpu_device)

@@ -1,7 +1,7 @@
 """Dense forward + backward through every GPU kernel path at small, odd shapes, for
 `compute-sanitizer --tool memcheck python tools/sanitize_dense.py`: the sanitizer must
 report 0 errors. Covers causal / window / sinks / GQA, bf16 d128 and d64, fp16 d96,
-float32 d40, default and deterministic backward."""
+float32 d40, the wide kernel (d192, d256), default and deterministic backward."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,10 @@ CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, heads_q, heads_kv, options)
     (jnp.bfloat16, 64, 130, 70, 6, 2, dict(causal=True, sinks=jnp.zeros((6,), jnp.float32))),
     (jnp.float16, 96, 90, 190, 2, 1, dict(softcap=20.0)),
     (jnp.float32, 40, 65, 65, 2, 2, dict(causal=True)),
+    # dK / dV TMA stores: boxes past seqlen_k (30 keys), the wide kernel (d192, d256)
+    (jnp.bfloat16, 128, 40, 30, 2, 2, dict()),
+    (jnp.bfloat16, 192, 70, 90, 2, 1, dict(causal=True)),
+    (jnp.float16, 256, 100, 150, 2, 2, dict(window_size=(30, 5))),
 ]
 
 

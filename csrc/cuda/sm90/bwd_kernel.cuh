@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
       return;
     }
     consumer_registers<Config>();
-    wide_consumer<T>(sm, kb, p, stats, dq_accum, warpgroup - 1);
+    wide_consumer<T>(sm, kb, p, maps, stats, dq_accum, warpgroup - 1);
   });
 }
 

@@ -98,10 +98,9 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
     return cudaErrorInvalidValue;
   // dK and dV by TMA stores (uniform layouts: a box never reaches into another
   // sequence's rows), where their maps can be made (else per-thread stores).
-  constexpr int kConsumerRows = kKeysPerBlock / KeyConfig::kConsumers;
-  key_maps.store_own = !kVarlen && !kWide<kHeadDim> &&
-                       map(&key_maps.grad_a, p.dk, ke, p.heads_kv, p.head_dim, kConsumerRows) &&
-                       map(&key_maps.grad_b, p.dv, ke, p.heads_kv, p.head_dim_v, kConsumerRows);
+  constexpr int kBox = KeyConfig::kStoreRows;
+  key_maps.store_own = !kVarlen && map(&key_maps.grad_a, p.dk, ke, p.heads_kv, p.head_dim, kBox) &&
+                       map(&key_maps.grad_b, p.dv, ke, p.heads_kv, p.head_dim_v, kBox);
   int64_t query_blocks = 0;
   if constexpr (!kWide<kHeadDim>) {  // (no query kernel above head dim 128)
     static_assert(QueryConfig::kSmemBytes == kSmem && QueryConfig::kThreads == kThreads,
@@ -152,10 +151,7 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
       return cudaGetLastError();
     }
   }
-  const size_t accum_bytes =
-      sizeof(float) * static_cast<size_t>(ws.padded.total() * ws.dq_cols);
-  if (cudaError_t e = cudaMemsetAsync(ws.dq_accum, 0, accum_bytes, stream); e != cudaSuccess)
-    return e;
+  // (backward_preprocess has zeroed ws.dq_accum)
   if (key_blocks > 0) {
     if constexpr (kWide<kHeadDim>)
       hopper_wide_key_kernel<T><<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(

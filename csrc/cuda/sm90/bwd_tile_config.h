@@ -93,6 +93,7 @@ struct TileConfig {
   static constexpr int kOwnRows = 64 * kConsumers;  // rows a CTA owns
   static constexpr int kStreamRows = 64;            // rows of each streamed tile
   static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kStoreRows = kOwnRows / kConsumers;  // of a dK / dV TMA store box
   // Registers per thread (setmaxnreg): warpgroup 0 (the producer, and the
   // fused key kernel's dQ writer) gives its share to the consumers.
   static constexpr int kProducerRegs = 24;
@@ -155,6 +156,7 @@ struct WideTileConfig {
   static constexpr int kOwnRows = 64;     // keys a CTA owns
   static constexpr int kStreamRows = 64;  // queries of each streamed tile
   static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kStoreRows = kOwnRows;  // of a dK / dV TMA store box: the block
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   // Q stages (with their rows' lse2) and one dO stage (with D): dO is released

@@ -18,6 +18,7 @@
 #include "../common/exact_rows.cuh"
 #include "../common/score_mod.cuh"
 #include "bwd_dq_writer.cuh"
+#include "bwd_epilogue.cuh"
 #include "bwd_gradients.cuh"
 #include "bwd_params.h"
 #include "bwd_scheduler.cuh"
@@ -34,7 +35,8 @@ namespace flashjax::cuda::hopper_bwd {
 // its query tiles, and their shares of dQ, then its columns of dk and dv.
 template <class T>
 __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<WideTileConfig>& kb,
-                                              const AttentionParams& p, const RowStats& stats,
+                                              const AttentionParams& p,
+                                              const BackwardMaps& maps, const RowStats& stats,
                                               float* dq_accum, int c) {
   using C = WideTileConfig;
   constexpr int kHeadDim = C::kHeadDim, kKeys = C::kOwnRows, kStreamRows = C::kStreamRows;
@@ -129,11 +131,7 @@ __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<WideT
     if (lane == 0) mbar_arrive(&sm.q_empty[s]);
   }
   if (threadIdx.x % 128 == 0) bulk_wait_all();
-  const int64_t row0 = kb.k0 + ((threadIdx.x / 32) % 4) * 16;
-  store_rows<T, 128>(p.dk.at<T>(kb.b, 0, kb.hk), p.dk.row_stride, p.seqlen_k, p.head_dim, row0,
-                     dk, p.softmax_scale, 128 * c);
-  store_rows<T, 128>(p.dv.at<T>(kb.b, 0, kb.hk), p.dv.row_stride, p.seqlen_k, p.head_dim_v, row0,
-                     dv, 1.0f, 128 * c);
+  store_wide_gradients<T>(sm, maps, kb, p, dk, dv, c);
   flag_nonfinite(stats.nonfinite, dk, dv);  // rows a tile product may have got wrong (exact_rows.cuh)
 }
 
