@@ -21,9 +21,11 @@ namespace flashjax::cuda {
 // thread's holds a non-finite value: the caller then has the warp run
 // recompute_nonfinite_rows (exact_rows.cuh says why), after its main loop.
 // h0: the head of the tile (the group's first head when packed).
-template <class T, int kDimTiles>
+// kOutInPlace: out is not written; o is normalised in place for the caller to
+// store (rows that write nothing are left as they are).
+template <class T, int kDimTiles, bool kOutInPlace = false>
 __device__ bool write_out_rows(const RowSoftmax& rows, const AttentionParams& p,
-                               const SeqlenInfo& seq, const float (&o)[kDimTiles * 4], int64_t b,
+                               const SeqlenInfo& seq, float (&o)[kDimTiles * 4], int64_t b,
                                int64_t h0) {
   const int t = threadIdx.x % 4;
   float probe[2] = {0.0f, 0.0f};
@@ -46,13 +48,21 @@ __device__ bool write_out_rows(const RowSoftmax& rows, const AttentionParams& p,
                                    [](float x) { return fast_exp2(x); },
                                    [](float x) { return __log2f(x); });
     const float factor = normaliser.factor, lse = normaliser.lse / kLog2e;
-    T* dst = seq.q_at<T>(p.out, out_row, h);
+    if constexpr (kOutInPlace) {
 #pragma unroll
-    for (int n = 0; n < kDimTiles; ++n) {
-      const int col = n * 8 + 2 * t;
-      if (col < p.head_dim_v)
-        *reinterpret_cast<uint32_t*>(dst + col) =
-            pack2<T>(o[4 * n + 2 * r] * factor, o[4 * n + 2 * r + 1] * factor);
+      for (int n = 0; n < kDimTiles; ++n) {
+        o[4 * n + 2 * r] *= factor;
+        o[4 * n + 2 * r + 1] *= factor;
+      }
+    } else {
+      T* dst = seq.q_at<T>(p.out, out_row, h);
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+        const int col = n * 8 + 2 * t;
+        if (col < p.head_dim_v)
+          *reinterpret_cast<uint32_t*>(dst + col) =
+              pack2<T>(o[4 * n + 2 * r] * factor, o[4 * n + 2 * r + 1] * factor);
+      }
     }
     if (t == 0) *seq.q_at<float>(p.lse, out_row, h) = lse;
   }

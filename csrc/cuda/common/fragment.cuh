@@ -34,4 +34,11 @@ __device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&s)[kK
   a[3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
 }
 
+// A fragment of kK 16-column k-steps (x: 8 kK floats) as kK k-steps of A-operand registers.
+template <class T, int kK>
+__device__ __forceinline__ void pack_fragments(uint32_t (&a)[kK][4], const float (&x)[kK * 8]) {
+#pragma unroll
+  for (int kk = 0; kk < kK; ++kk) p_fragment<T, 2 * kK>(a[kk], x, kk);
+}
+
 }  // namespace flashjax::cuda

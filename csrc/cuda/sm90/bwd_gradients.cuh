@@ -83,39 +83,6 @@ __device__ __forceinline__ void terms_probabilities_and_grad(float (&s)[kTiles *
   terms.template drop<kTiles>(s, c0);
 }
 
-template <class T, int kK>
-__device__ __forceinline__ void pack_fragments(uint32_t (&a)[kK][4], const float (&x)[kK * 8]) {
-#pragma unroll
-  for (int kk = 0; kk < kK; ++kk) p_fragment<T, 2 * kK>(a[kk], x, kk);
-}
-
-// Stores a warpgroup's packed [64 rows][16 kK columns] fragment (x: kK k-steps
-// of A-operand registers, as pack_fragments makes them) at rows row0 + [0, 64)
-// and columns 8 chunk0 + [0, 16 kK) (chunk0 even) of a 16-bit tile in the
-// 128-byte-swizzled layout of TMA and wgmma: column blocks of kBlockRows rows
-// x 128 bytes, 16-byte chunk c of row r at c ^ (r % 8). One stmatrix per
-// k-step: its matrices are x[kk]'s registers (rows +8 for odd ones, the next
-// chunk for 2 and 3), lane l addressing row l % 8 of matrix l / 8. The tile is
-// 1024-byte aligned and a k-step's first chunk even, so each address is one
-// XOR from one base. Used for P^T / dS^T ([keys][64 queries]: 16 32-bit
-// stores a k-step before, 4x the instructions and their address arithmetic,
-// between the softmax and the dS barrier) and the dK / dV epilogue.
-template <int kK, int kBlockRows = 0>
-__device__ __forceinline__ void store_fragment(unsigned char* tile, int row0, int chunk0,
-                                               const uint32_t (&x)[kK][4]) {
-  constexpr int kChunks = kSwizzleBytes / 16;  // 16-byte chunks of a swizzle row
-  const int lane = threadIdx.x % 32;
-  const int row = row0 + ((threadIdx.x / 32) % 4) * 16 + lane % 8 + 8 * ((lane / 8) % 2);
-  const uint32_t base =
-      (smem_u32(tile) + row * kSwizzleBytes) | (((lane / 16) ^ (row % 8)) << 4);
-#pragma unroll
-  for (int kk = 0; kk < kK; ++kk) {
-    const int chunk = chunk0 + 2 * kk;
-    stmatrix_x4((base ^ ((chunk % kChunks) << 4)) + chunk / kChunks * kBlockRows * kSwizzleBytes,
-                x[kk][0], x[kk][1], x[kk][2], x[kk][3]);
-  }
-}
-
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace flashjax::cuda::hopper_bwd

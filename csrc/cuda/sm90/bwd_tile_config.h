@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "hopper_common.cuh"
+
 namespace flashjax::cuda::hopper_bwd {
 
 // Named barriers among the consumers (id 0 is __syncthreads'); an id plus a
@@ -62,7 +64,6 @@ __host__ __device__ __forceinline__ int64_t dq_block_start(int64_t padded_row,
 // Shared memory is planned as regions appended in order, each at the next
 // offset its use allows (a plan runs in a constexpr function: its offsets are
 // constants).
-constexpr int kSmemLimit = 227 * 1024;  // the opt-in shared memory of sm_90
 constexpr int kSmemBaseAlign = 1024;    // align_smem rounds the kernel's base up to this
 constexpr int kTileAlign = 1024;        // a swizzled tile (8 rows of 128 B)
 constexpr int kBulkAlign = 16;          // a bulk copy's or bulk reduction's buffer

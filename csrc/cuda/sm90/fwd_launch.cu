@@ -108,6 +108,12 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
   }
   TensorMaps maps;
   if (!make_maps<Cfg>(p, gqa_packed, maps)) return cudaErrorInvalidValue;
+  // Out by TMA stores (store_work_item): uniform layouts (a box never reaches
+  // into another sequence's rows), unpacked items, where its map can be made.
+  static_assert(sizeof(TOut) == 2, "out's map is of 16-bit p.dtype elements");
+  maps.store_out = kLayouts == Layouts::kUniform && Cfg::kStagesOut && !gqa_packed &&
+                   make_map(&maps.out, p.out, p.dtype, p.batch, p.seqlen_q, p.heads_q,
+                            p.head_dim_v, kConsumerRows);
   const int64_t blocks = std::min<int64_t>(items, multiprocessor_count());
   hopper_forward_kernel<T, TOut, kHeadDim, kLayouts, kTerms>
       <<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(

@@ -15,9 +15,11 @@
 
 namespace flashjax::cuda::hopper_fwd {
 
-// TMA maps of q, k and v (fwd_launch.cu makes them).
+// TMA maps of q, k and v (fwd_launch.cu makes them), and of out where the
+// consumers store their rows by TMA (`store_out`: fwd_epilogue.cuh says when).
 struct TensorMaps {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, out;
+  bool store_out = false;
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

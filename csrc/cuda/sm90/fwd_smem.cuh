@@ -17,6 +17,7 @@ namespace flashjax::cuda::hopper_fwd {
 template <class Cfg>
 struct ForwardSmem {
   unsigned char *q, *k, *v;  // k, v: kStages tiles each
+  unsigned char* out;        // Cfg::kStagesOut: each consumer's out rows
   uint64_t *q_full, *q_empty, *k_full, *k_empty, *v_full, *v_empty;
   // Per consumer warp: whether a row it wrote holds NaN or inf (in shared
   // memory: the main loop has no register to spare for it).
@@ -27,6 +28,7 @@ struct ForwardSmem {
     q = base;
     k = q + Cfg::kQBytes;
     v = k + kStages * Cfg::kKVBytes;
+    out = base + Cfg::kOutOffset;
     q_full = reinterpret_cast<uint64_t*>(base + Cfg::kBarrierOffset);
     q_empty = q_full + 1;
     k_full = q_empty + 1;

@@ -23,6 +23,8 @@ constexpr int kMaxConsumers = 3;
 constexpr int kTurnBarrier = 1;
 constexpr int kClearBarrier = kTurnBarrier + kMaxConsumers;
 constexpr int kRowsDoneBarrier = kClearBarrier + kMaxConsumers;
+// kOutStagedBarrier + c: consumer c's out rows are staged / its buffer is free.
+constexpr int kOutStagedBarrier = kRowsDoneBarrier + 1;
 // The producer warpgroup's warp that recomputes rows a tile product got wrong.
 constexpr int kRecomputeWarp = 1;
 // GQA packing is compiled for head dims up to 128 (at 256 its row arithmetic
@@ -52,14 +54,25 @@ struct TileConfig {
   static constexpr int kMmaK = kMmaKBytes / kElementBytes;
   static constexpr int kQBytes = kBlockM * kPaddedDim * kElementBytes;
   static constexpr int kKVBytes = kBlockN * kPaddedDim * kElementBytes;
-  // Shared memory: Q, the K ring, the V ring, then the barriers (Q full and
-  // empty, K and V full and empty per stage) and a flag per consumer warp;
-  // +1024 to align the base for the swizzle.
+  // Shared memory: Q, the K ring, the V ring, each consumer's out rows
+  // (16-bit; kStagesOut), then the barriers (Q full and empty, K and V full
+  // and empty per stage) and a flag per consumer warp; +1024 to align the base
+  // for the swizzle.
   static constexpr int kBarriers = 2 + 4 * kStages;
-  static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
+  static constexpr int kOutOffset = kQBytes + 2 * kStages * kKVBytes;
+  static constexpr int kOutBytes = kConsumerRows * kPaddedDim * 2;  // a consumer's rows
+  static constexpr int kFixedBytes = 8 * kBarriers + 4 * kWarpsPerGroup * kConsumers + 1024;
+  // Out stored by TMA from shared memory (fwd_epilogue.cuh) at head dim 64
+  // only: there the 2k causal kernel took 475 us instead of 485; at 128 it
+  // took 308 instead of 293 and the 16k ones 6.5% longer (its spills grew
+  // from 344 to 384 B), and at 256 the rows do not fit (H200, 2026-11-27).
+  static constexpr bool kStagesOut =
+      kHeadDim == 64 && kOutOffset + kConsumers * kOutBytes + kFixedBytes <= kSmemLimit;
+  static constexpr int kBarrierOffset = kOutOffset + (kStagesOut ? kConsumers * kOutBytes : 0);
   static constexpr int kFlagOffset = kBarrierOffset + 8 * kBarriers;
   static constexpr int kSmemBytes = kFlagOffset + 4 * kWarpsPerGroup * kConsumers + 1024;
   static_assert(kConsumers <= kMaxConsumers, "named barrier ids overlap");
+  static_assert(kOutStagedBarrier + kConsumers <= 16, "16 named barriers");
 };
 
 }  // namespace flashjax::cuda::hopper_fwd

@@ -17,7 +17,8 @@
 
 namespace flashjax::cuda {
 
-constexpr int kSwizzleBytes = 128;  // a swizzle row (of one column block)
+constexpr int kSmemLimit = 227 * 1024;  // the opt-in shared memory of an sm_90 CTA
+constexpr int kSwizzleBytes = 128;      // a swizzle row (of one column block)
 // Elements per swizzle row: the columns of one column block.
 template <int kElementBytes>
 constexpr int kSwizzleCols = kSwizzleBytes / kElementBytes;
@@ -183,6 +184,33 @@ __device__ __forceinline__ void tma_tile(unsigned char* dst, const CUtensorMap* 
   for (int c = 0; c < kColumnBlocks<kHeadDim, kElementBytes>; ++c)
     tma_load(dst + c * kRows * kSwizzleBytes, map, bar, c * kSwizzleCols<kElementBytes>, row,
              head, batch);
+}
+
+// Stores a warpgroup's packed [64 rows][16 kK columns] fragment (x: kK k-steps
+// of A-operand registers, as pack_fragments makes them) at rows row0 + [0, 64)
+// and columns 8 chunk0 + [0, 16 kK) (chunk0 even) of a 16-bit tile in the
+// 128-byte-swizzled layout of TMA and wgmma: column blocks of kBlockRows rows
+// x 128 bytes, 16-byte chunk c of row r at c ^ (r % 8). One stmatrix per
+// k-step: its matrices are x[kk]'s registers (rows +8 for odd ones, the next
+// chunk for 2 and 3), lane l addressing row l % 8 of matrix l / 8. The tile is
+// 1024-byte aligned and a k-step's first chunk even, so each address is one
+// XOR from one base. Used for P^T / dS^T ([keys][64 queries]: 16 32-bit
+// stores a k-step before, 4x the instructions and their address arithmetic,
+// between the softmax and the dS barrier) and the epilogues' dK / dV and out.
+template <int kK, int kBlockRows = 0>
+__device__ __forceinline__ void store_fragment(unsigned char* tile, int row0, int chunk0,
+                                               const uint32_t (&x)[kK][4]) {
+  constexpr int kChunks = kSwizzleBytes / 16;  // 16-byte chunks of a swizzle row
+  const int lane = threadIdx.x % 32;
+  const int row = row0 + ((threadIdx.x / 32) % 4) * 16 + lane % 8 + 8 * ((lane / 8) % 2);
+  const uint32_t base =
+      (smem_u32(tile) + row * kSwizzleBytes) | (((lane / 16) ^ (row % 8)) << 4);
+#pragma unroll
+  for (int kk = 0; kk < kK; ++kk) {
+    const int chunk = chunk0 + 2 * kk;
+    stmatrix_x4((base ^ ((chunk % kChunks) << 4)) + chunk / kChunks * kBlockRows * kSwizzleBytes,
+                x[kk][0], x[kk][1], x[kk][2], x[kk][3]);
+  }
 }
 
 // wgmma shared-memory descriptor, 128-byte swizzle.
