@@ -70,7 +70,7 @@ __device__ __forceinline__ void send_key_gradients(const BackwardMaps& maps,
 // box per column block (rows past seqlen_k and head dims past the tensors' are
 // not written): the per-thread stores wrote 8 rows x 16 bytes a warp
 // instruction, 64 of them a thread, and kept ~10% of a 2k causal backward's
-// warps waiting at the CTA's end (ncu, H100, 2026-11-27). V's rows are this
+// warps waiting at the CTA's end (ncu, H200, 2026-11-27). V's rows are this
 // consumer's alone (dP^T); K's are read by both consumers' dQ products, so dK
 // waits for both to finish.
 template <class T, int kHeadDim, Layouts kLayouts>
