@@ -79,7 +79,7 @@ __device__ __forceinline__ void store_key_gradients(
     const KeyBlock<TileConfig<kHeadDim>, kLayouts>& kb, const AttentionParams& p,
     const float (&dk)[kHeadDim / 2], const float (&dv)[kHeadDim / 2], int consumer) {
   using C = TileConfig<kHeadDim>;
-  constexpr int kRows = C::kOwnRows, kConsumerRows = kRows / C::kConsumers;
+  constexpr int kRows = C::kOwnRows, kConsumerRows = C::kStoreRows;  // (the maps' box rows)
   const int64_t row0 = kb.k0 + consumer * kConsumerRows;
   const SeqlenInfo seq = kb.sequence(p);
   if (kLayouts != Layouts::kUniform || !maps.store_own) {
@@ -112,7 +112,8 @@ __device__ __forceinline__ void store_wide_gradients(WideSmem& sm, const Backwar
                                                      const float (&dk)[64], const float (&dv)[64],
                                                      int c) {
   using C = WideTileConfig;
-  constexpr int kCols = 128, kBlocks = kCols / kSwizzleCols<2>, kRows = C::kOwnRows;
+  constexpr int kCols = 128, kBlocks = kCols / kSwizzleCols<2>;
+  constexpr int kRows = C::kStoreRows;  // (the maps' box rows: all the block's keys)
   if (!maps.store_own) {
     const int64_t row0 = kb.k0 + ((threadIdx.x / 32) % 4) * 16;
     store_rows<T, kCols>(p.dk.at<T>(kb.b, 0, kb.hk), p.dk.row_stride, p.seqlen_k, p.head_dim,

@@ -80,8 +80,8 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
       return;
     }
     consumer_registers<Config>();
-    key_consumer<T, kHeadDim, kFusedDq, kLayouts, kTerms>(sm, kb, p, maps, segment_tiles, mask_tiles,
-                                                          warpgroup - 1, stats.nonfinite);
+    key_consumer<T, kHeadDim, kFusedDq, kLayouts, kTerms>(
+        sm, kb, p, maps, segment_tiles, mask_tiles, warpgroup - 1, stats.nonfinite);
   };
   // (No block, a grid slot past the list's: the whole CTA returns.)
   for_each_block<kTerms, Block>(p, list, segment_tiles, mask_tiles, block);

@@ -99,7 +99,8 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   // dK and dV by TMA stores (uniform layouts: a box never reaches into another
   // sequence's rows), where their maps can be made (else per-thread stores).
   constexpr int kBox = KeyConfig::kStoreRows;
-  key_maps.store_own = !kVarlen && map(&key_maps.grad_a, p.dk, ke, p.heads_kv, p.head_dim, kBox) &&
+  key_maps.store_own = !kVarlen &&
+                       map(&key_maps.grad_a, p.dk, ke, p.heads_kv, p.head_dim, kBox) &&
                        map(&key_maps.grad_b, p.dv, ke, p.heads_kv, p.head_dim_v, kBox);
   int64_t query_blocks = 0;
   if constexpr (!kWide<kHeadDim>) {  // (no query kernel above head dim 128)

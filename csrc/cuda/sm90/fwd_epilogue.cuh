@@ -24,8 +24,9 @@ namespace flashjax::cuda::hopper_fwd {
 
 // Consumer warp `warp`'s rows of work item w from O (o) and the statistics
 // (softmax); sm.nonfinite_warps[warp] is set (by lane 0) when one holds NaN or inf.
-// Uniform layouts, unpacked items, Cfg::kStagesOut (maps.store_out): the consumer stages its 64 rows of out (stmatrix) and its
-// first thread sends them by TMA stores (rows past seqlen_q, head dims past
+// Uniform layouts, unpacked items, Cfg::kStagesOut (maps.store_out): the
+// consumer stages its 64 rows of out (stmatrix) and its first thread sends
+// them by TMA stores (rows past seqlen_q, head dims past
 // head_dim_v not written), which overlap the next item; per-thread stores
 // wrote 8 rows x 16 bytes a warp instruction, 16 of them a row pair, with
 // their 64-bit addresses: ~500 instructions an item and warp more than FA3's
