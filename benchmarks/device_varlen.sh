@@ -2,7 +2,7 @@
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
 # the dense A/B, the peers side by side, profiles.
-# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base ptx tests kvtests sanitize terms
+# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base variant ptx tests kvtests sanitize terms
 #   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
@@ -13,7 +13,7 @@ set -uo pipefail
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PY=python3
-if [ -d .peers ]; then
+if [ -d .peers ] && [ -z "${FJ_NO_PEERS:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .peers/*.whl > "$OUT/peers_install.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
@@ -32,6 +32,13 @@ for step in "$@"; do
       cp src/flashjax/bench.py src/flashjax/bench_varlen.py src/flashjax/bench_decode.py \
         /tmp/base/flashjax/  # same timing code
       echo "baseline built" ;;
+    variant)
+      # This tree again, built with VARIANT_FLAGS (e.g. "-DFLASHJAX_BWD_STAGGER=1") into
+      # /tmp/variant (FJ_VARIANT_DIMS narrows its head dims): traintrace's impl "variant".
+      $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/variant -C build-dir=/tmp/fjb_variant \
+        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ${FJ_VARIANT_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_VARIANT_DIMS"} \
+        -C "cmake.define.CMAKE_CUDA_FLAGS=${VARIANT_FLAGS:-}" . > "$OUT/build_variant.log" 2>&1 || { tail -30 "$OUT/build_variant.log"; exit 1; }
+      echo "variant built ($VARIANT_FLAGS)" ;;
     tests)
       # GPU_TESTS=tests runs every GPU test (1363, ~5 min with GPU_WORKERS=12); GPU_K picks.
       $PY -m pytest -q -n ${GPU_WORKERS:-8} -m gpu -x ${GPU_TESTS:-tests/test_gpu_varlen.py tests/test_gpu.py} \
@@ -138,6 +145,7 @@ PYEOF
         for impl in ${impls//,/ }; do
           pp=${PYTHONPATH:-}; who=$impl
           [ "$impl" = base ] && { pp=/tmp/base:$pp; who=flashjax; echo "[baseline build]"; }
+          [ "$impl" = variant ] && { pp=/tmp/variant:$pp; who=flashjax; echo "[variant build]"; }
           PYTHONPATH=$pp $PY tools/profile_train.py "$d" "$s" "$m" "$who" 2>&1 \
             | grep -v "^W\|^I0\|^E0" | head -${TRAIN_LINES:-14}
         done

@@ -11,6 +11,7 @@
 //    mode) it also stores dS^T in shared memory and computes this key block's
 //    share of dQ_j = dS_j K, added to a float32 buffer by bulk reductions; a
 //    last kernel converts that buffer to dq (5 products per tile pair in all).
+//    At head dim 128, dQ_j is issued with tile j + 1's updates (kDqLagsTile).
 //  * query kernel (deterministic mode): a CTA owns 128 query rows; the
 //    producer streams (K_j, V_j) tiles of 64 keys. Per tile: S = Q K_j^T,
 //    dP = dO V_j^T, dS in registers, dQ += dS K_j (7 products in all, no
@@ -172,6 +173,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                              int* nonfinite) {
   using C = TileConfig<kHeadDim>;
   constexpr int kOwnRows = C::kOwnRows, kStreamRows = C::kStreamRows;
+  constexpr bool kDqLags = kFusedDq && C::kDqLagsTile;
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int64_t my_key = kb.k0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
   // Descriptors, built once: the owned rows', and each ring's stage 0 (a
@@ -202,6 +204,27 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   const FragmentSegments<kLayouts> segments(p, segment_tiles, kb.seq, kb.b, FragmentRows::kKeys,
                                             kb.k0 + consumer * 64, my_key);
   FragmentTerms<kTerms, FragmentRows::kKeys> terms(p, kb.sequence(p), my_key);
+  // Hands this consumer's share of a tile's dQ (in dq) to the dQ writer.
+  // (real = false: staged only, into a stage not yet handed over.)
+  const auto send_dq = [&](bool real = true) {
+    const int slot = consumer * C::kDqStages + dq_stage.stage;
+    mbar_wait(&sm.dq_empty[slot], dq_stage.phase ^ 1);
+    stage_dq<C::kDqCols>(sm.dq_stage + slot * kDqBlock<C::kDqCols>, dq, 0);
+    fence_proxy_async();
+    if (!real) return;
+    mbar_arrive(&sm.dq_full[slot]);
+    dq_stage.next();
+  };
+  // kDqLagsTile: issues (and commits) dQ of tile j from dS^T buffer `buffer`
+  // once both consumers' halves are stored.
+  // (Tile 0 issues one too, from a buffer not yet written, and drops it: a
+  // product issued only from tile 1 on makes ptxas spill.)
+  const auto issue_lagging_dq = [&](int64_t j, int buffer) {
+    if (j >= 0) mbar_wait(&sm.ds_full[buffer], (j >> 1) & 1);
+    issue_dq<T, kHeadDim>(dq, desc_advance(ds_mn_major, buffer * C::kDsBytes), k_mn_major,
+                          consumer);
+    wgmma_commit();
+  };
   mbar_wait(sm.owned, 0);
   if (kb.owned_crosses_end())
     zero_rows_of_pair<kOwnRows, kHeadDim>(sm.own_a, sm.own_b, kb.first_unused_owned_row(), zeroed);
@@ -255,23 +278,37 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
           probabilities_then_grad(st, dpt, p, exponent_scale(p), lse2_of, d_of, wait_dp);
         }
       },
-      [&](int64_t) {
+      [&](int64_t it) {
         pack_fragments<T, 4>(pa, st);
         pack_fragments<T, 4>(dsa, dpt);
         if constexpr (kFusedDq) {
+          // (kDqLagsTile: the buffer's last tile's dQ products are done)
+          if constexpr (kDqLags) mbar_wait(&sm.ds_empty[ds_buffer], ((it >> 1) & 1) ^ 1);
           store_fragment(sm.ds + ds_buffer * C::kDsBytes, consumer * 64, 0, dsa);
           fence_proxy_async();
+          if constexpr (kDqLags) warp_arrive(&sm.ds_full[ds_buffer]);
         }
       },
-      [&](int64_t) {  // dV += P^T dO_j, (dQ_j = dS_j K,) dK += dS^T Q_j
+      [&](int64_t it) {  // dV += P^T dO_j, (dQ_j = dS_j K,) dK += dS^T Q_j
+        if constexpr (kDqLags) {
+          // dQ_{j-1} (both halves of its dS^T stored a tile ago), then dV_j and
+          // dK_j; dQ_{j-1} is staged while those run.
+          issue_lagging_dq(it - 1, ds_buffer ^ 1);
+          wgmma_fence();
+          issue_ab<T, kHeadDim>(dv, pa, desc_advance(do_n_major, stream_offset()));
+          issue_ab<T, kHeadDim>(dk, dsa, desc_advance(q_n_major, stream_offset()));
+          wgmma_commit();
+          wgmma_wait<1>();
+          fence_operands(dq);
+          if (it > 0) warp_arrive(&sm.ds_empty[ds_buffer ^ 1]);
+          send_dq(it > 0);
+          return;
+        }
         wgmma_fence();
         issue_ab<T, kHeadDim>(dv, pa, desc_advance(do_n_major, stream_offset()));
         if constexpr (kFusedDq) {
-          // Both halves of dS^T (or this consumer's, at head dim 64) are stored.
-          if constexpr (C::kDqOfOwnKeys)
-            named_sync(barrier_id(NamedBarrier::kDsStored, consumer), 128);
-          else
-            named_sync(barrier_id(NamedBarrier::kDsStored));
+          // This consumer's dS^T is stored (kDqOfOwnKeys: the others lag).
+          named_sync(barrier_id(NamedBarrier::kDsStored, consumer), 128);
           issue_dq<T, kHeadDim>(dq, desc_advance(ds_mn_major, ds_buffer * C::kDsBytes),
                                 k_mn_major, consumer);
           wgmma_commit();
@@ -280,11 +317,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
           // dQ is staged for the writer while dK's product runs.
           wgmma_wait<1>();
           fence_operands(dq);
-          const int slot = consumer * C::kDqStages + dq_stage.stage;
-          mbar_wait(&sm.dq_empty[slot], dq_stage.phase ^ 1);
-          stage_dq<C::kDqCols>(sm.dq_stage + slot * kDqBlock<C::kDqCols>, dq, 0);
-          fence_proxy_async();
-          mbar_arrive(&sm.dq_full[slot]);
+          send_dq();
         } else {
           issue_ab<T, kHeadDim>(dk, dsa, desc_advance(q_n_major, stream_offset()));
           wgmma_commit();
@@ -295,10 +328,17 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         fence_operands(dk);
         if (lane == 0) mbar_arrive(&sm.empty[tile.stage]);
         tile.next();
-        dq_stage.next();
         ds_buffer ^= 1;
         q0 = kb.next_row(q0);
       });
+  if constexpr (kDqLags) {  // the last tile's dQ
+    if (kb.tiles > 0) {
+      issue_lagging_dq(kb.tiles - 1, ds_buffer ^ 1);
+      wgmma_wait<0>();
+      fence_operands(dq);
+      send_dq();
+    }
+  }
   store_key_gradients<T, kHeadDim, kLayouts>(sm, maps, kb, p, dk, dv, consumer);
   flag_nonfinite(nonfinite, dk, dv);  // rows a tile product may have got wrong (exact_rows.cuh)
 }

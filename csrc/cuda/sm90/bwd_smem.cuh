@@ -27,7 +27,7 @@ template <int kHeadDim>
 struct Smem {
   unsigned char *own_a, *own_b, *stream_a, *stream_b, *ds;
   float *dq_stage, *stats;
-  uint64_t *owned, *full, *empty, *dq_full, *dq_empty;
+  uint64_t *owned, *full, *empty, *dq_full, *dq_empty, *ds_full, *ds_empty;
   __device__ explicit Smem(unsigned char* raw) {
     constexpr auto at = TileConfig<kHeadDim>::kSmem;
     unsigned char* base = align_smem(raw);
@@ -43,6 +43,8 @@ struct Smem {
     empty = smem_region<uint64_t>(base, at.empty);
     dq_full = smem_region<uint64_t>(base, at.dq_full);
     dq_empty = smem_region<uint64_t>(base, at.dq_empty);
+    ds_full = smem_region<uint64_t>(base, at.ds_full);
+    ds_empty = smem_region<uint64_t>(base, at.ds_empty);
   }
   __device__ void init() {
     if (threadIdx.x == 0) {
@@ -55,6 +57,10 @@ struct Smem {
       for (int s = 0; s < Config::kConsumers * Config::kDqStages; ++s) {
         mbar_init(&dq_full[s], 128);  // every thread of the consumer
         mbar_init(&dq_empty[s], 1);   // the dQ writer
+      }
+      for (int b = 0; b < 2; ++b) {  // (per dS^T buffer: one arrival per consumer warp)
+        mbar_init(&ds_full[b], 4 * Config::kConsumers);
+        mbar_init(&ds_empty[b], 4 * Config::kConsumers);
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }

@@ -17,8 +17,8 @@ namespace flashjax::cuda::hopper_bwd {
 // Named barriers among the consumers (id 0 is __syncthreads'); an id plus a
 // consumer index is that consumer's own barrier (128 threads).
 enum class NamedBarrier : int {
-  // Key kernels: both consumers' halves of dS^T (wide: and of P^T) are in
-  // shared memory (256 threads); at head dim 64, each consumer's own.
+  // Key kernels: a consumer's dS^T is in shared memory (head dim 64: its own
+  // 128 threads); wide: both consumers' halves of P^T and dS^T (256 threads).
   kDsStored = 3,
   // Wide kernel: a consumer's dQ stage is written / may be written again.
   kDqStage = 5,
@@ -110,6 +110,13 @@ struct TileConfig {
   // head dims (the reductions add the halves); at 128 the consumers split the
   // head dims and share all keys.
   static constexpr bool kDqOfOwnKeys = kHeadDim == 64;
+  // There (fused dQ) a consumer computes tile j's dQ share with tile j + 1's
+  // dK and dV updates: the other consumer's half of dS^T_j is long stored by
+  // then (ds_full / ds_empty mbarriers hand the buffers over), so no 256-thread
+  // barrier per tile holds both consumers in step. Key kernel, H200: d128 2k
+  // causal 687 -> 679 us, 16k causal 4547 -> 4399, 2k full 1203 -> 1206;
+  // starting consumer 1 a softmax later on top: 698 / 4483 / 1220 (2026-11-27).
+  static constexpr bool kDqLagsTile = !kDqOfOwnKeys;
 
   static constexpr int kOwnBytes = kOwnRows * kHeadDim * 2;       // one owned tensor
   static constexpr int kStreamBytes = kStreamRows * kHeadDim * 2; // one streamed tile
@@ -122,7 +129,7 @@ struct TileConfig {
   // full and empty per stage; dQ full and empty per consumer and dQ stage.
   struct Offsets {
     int own_a, own_b, stream_a, stream_b, ds, dq_stage, stats;
-    int owned, full, empty, dq_full, dq_empty;
+    int owned, full, empty, dq_full, dq_empty, ds_full, ds_empty;
     int bytes;
   };
   static constexpr Offsets kSmem = [] {
@@ -140,6 +147,8 @@ struct TileConfig {
     at.empty = plan.barriers(kStages);
     at.dq_full = plan.barriers(kConsumers * kDqStages);
     at.dq_empty = plan.barriers(kConsumers * kDqStages);
+    at.ds_full = plan.barriers(2);
+    at.ds_empty = plan.barriers(2);
     at.bytes = plan.smem_bytes();
     return at;
   }();
