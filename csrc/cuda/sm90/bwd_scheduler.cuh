@@ -54,16 +54,42 @@ struct BlockIndex {
   int64_t b = 0, head = 0, tile = 0;
   bool valid = true;
 };
+
+// Uniform calls number a kernel's blocks (b, head) pair by pair, the pair's
+// `tiles` blocks in a row. With `longest_first` (key kernels of causal calls,
+// where a head's first key block sees every query and its last only the
+// diagonal) they go in sections of `group` pairs, block-major within a section
+// (FA3's order for its causal backward): a section is about one wave of CTAs
+// (the SMs, %nsmid, over `tiles`; a power of two), so the L2 holds the same
+// pairs' rows as in pair order while the longest blocks start first and the
+// short ones fill the tail. (Pair order left SMs idle ~7% of the d128 2k causal
+// key kernel, FA3's ~3%: ncu, H100, 2026-11-27.)
+__device__ __forceinline__ void uniform_block(int64_t tiles, bool longest_first, int64_t& pair,
+                                              int64_t& tile) {
+  const uint32_t x = blockIdx.x, n = static_cast<uint32_t>(tiles);
+  if (!longest_first) {
+    pair = x / n;
+    tile = x % n;
+    return;
+  }
+  uint32_t sms;
+  asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
+  const uint32_t per_wave = max(sms / n, 1u);
+  const uint32_t group = 1u << (31 - __clz(per_wave));
+  const uint32_t pairs = gridDim.x / n, section = x / (group * n), first = section * group;
+  const uint32_t in_section = x - first * n, width = min(group, pairs - first);
+  pair = first + in_section % width;
+  tile = in_section / width;
+}
+
 template <Layouts kLayouts>
 __device__ __forceinline__ BlockIndex block_index(int64_t tiles_per_head, int64_t heads,
-                                                  const VarlenWorkList& list) {
+                                                  const VarlenWorkList& list,
+                                                  bool longest_first = false) {
   BlockIndex i;
   if constexpr (kLayouts == Layouts::kUniform) {
-    // (Head-major. Longest-first tiles within L2-sized head groups, as FA3's
-    // causal backward orders them, measured 2% slower at d128 and 10% at d64,
-    // 2k causal, H100 2026-11-25.)
-    const int64_t bh = blockIdx.x / tiles_per_head;
-    i.tile = blockIdx.x % tiles_per_head;
+    int64_t bh;
+    uniform_block(tiles_per_head, longest_first, bh, i.tile);
     i.b = bh / heads;
     i.head = bh % heads;
   } else {
@@ -92,7 +118,8 @@ struct KeyBlock {
   __device__ KeyBlock(const AttentionParams& p, const VarlenWorkList& list,
                       const SegmentTiles& segment_tiles) {
     const BlockIndex i =
-        block_index<kLayouts>((p.seqlen_k + kRows - 1) / kRows, p.heads_kv, list);
+        block_index<kLayouts>((p.seqlen_k + kRows - 1) / kRows, p.heads_kv, list,
+                              p.window_right == 0);
     valid = i.valid;
     b = i.b;
     hk = i.head;
