@@ -29,4 +29,23 @@ cudaError_t backward_dsinks(const AttentionParams& p, const TensorRef& dsink_row
 cudaError_t simt_bias_gradient(const AttentionParams& p, const TensorRef& D,
                                cudaStream_t stream);
 
+// A tensor-core backward (Hopper, mma.sync): the preprocess, its main kernels
+// (`kernels(p)`), then the exact dbias pass, the non-finite rows and dsinks.
+// The kernels add a dbias entry that several (sequence, head)s share
+// atomically; deterministic mode leaves such an entry out of their p and sums
+// it in a fixed order in the exact pass instead.
+template <class Kernels>
+cudaError_t run_backward_stages(const AttentionParams& call, const BackwardWorkspace& ws,
+                                cudaStream_t stream, Kernels&& kernels) {
+  if (cudaError_t e = backward_preprocess(call, ws, stream); e != cudaSuccess) return e;
+  const bool exact_dbias = call.deterministic && call.dbias && call.dbias.broadcast();
+  AttentionParams p = call;
+  if (exact_dbias) p.dbias = ScoreArray{};
+  if (cudaError_t e = kernels(static_cast<const AttentionParams&>(p)); e != cudaSuccess) return e;
+  if (exact_dbias)
+    if (cudaError_t e = simt_bias_gradient(call, ws.D, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = recompute_nonfinite_gradients(p, ws, stream); e != cudaSuccess) return e;
+  return backward_dsinks(p, ws.dsink_rows, stream);
+}
+
 }  // namespace flashjax::cuda

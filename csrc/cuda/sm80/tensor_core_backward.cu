@@ -351,29 +351,21 @@ bool tensor_core_backward_supports(const AttentionParams& p) {
 cudaError_t tensor_core_backward(const AttentionParams& call, void* workspace,
                                  cudaStream_t stream) {
   const BackwardWorkspace ws(call, workspace, false, 0);
-  if (cudaError_t e = backward_preprocess(call, ws, stream); e != cudaSuccess) return e;
-  // A dbias entry that several (sequence, head)s share takes atomic adds in the
-  // kernels; the deterministic mode sums it in a fixed order in the exact pass instead.
-  const bool exact_dbias = call.deterministic && call.dbias && call.dbias.broadcast();
-  AttentionParams p = call;
-  if (exact_dbias) p.dbias = ScoreArray{};
-  if (p.has_segments()) {
-    if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
-    if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
-  }
-  cudaError_t status = with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
-    return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
-      return with_variant(p, [&](auto terms, auto layouts) {
-        return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value,
-                      decltype(terms)::value>(p, ws, stream);
+  return run_backward_stages(call, ws, stream, [&](const AttentionParams& p) {
+    if (p.has_segments()) {
+      if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
+      if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess)
+        return e;
+    }
+    return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
+      return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
+        return with_variant(p, [&](auto terms, auto layouts) {
+          return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value,
+                        decltype(terms)::value>(p, ws, stream);
+        });
       });
     });
   });
-  if (status != cudaSuccess) return status;
-  if (exact_dbias)
-    if (cudaError_t e = simt_bias_gradient(call, ws.D, stream); e != cudaSuccess) return e;
-  if (cudaError_t e = recompute_nonfinite_gradients(p, ws, stream); e != cudaSuccess) return e;
-  return backward_dsinks(p, ws.dsink_rows, stream);
 }
 
 }  // namespace flashjax::cuda

@@ -196,33 +196,24 @@ BackwardWorkspace hopper_backward_workspace(const AttentionParams& p, void* base
 
 cudaError_t hopper_backward(const AttentionParams& call, void* workspace, cudaStream_t stream) {
   const BackwardWorkspace ws = hopper_backward_workspace(call, workspace);
-  if (cudaError_t e = backward_preprocess(call, ws, stream); e != cudaSuccess) return e;
-  // The key kernel adds a shared dbias entry's (sequence, head)s atomically; the
-  // deterministic mode sums them in a fixed order in the exact pass instead.
-  const bool exact_dbias = call.deterministic && call.dbias && call.dbias.broadcast();
-  AttentionParams p = call;
-  if (exact_dbias) p.dbias = ScoreArray{};
-  cudaError_t status = with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
-    return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
-      constexpr int kHeadDim = decltype(dim)::value;
-      using T = decltype(tag);
-      return with_variant(p, [&](auto terms, auto layouts) {
-        constexpr Layouts kLayouts = decltype(layouts)::value;
-        constexpr bool kTerms = decltype(terms)::value;
-        // (hopper_backward_supports says no)
-        if constexpr ((hopper_bwd::kWide<kHeadDim> && kLayouts != Layouts::kUniform) ||
-                      (kTerms && kLayouts == Layouts::kSegments))
-          return cudaErrorNotSupported;
-        else
-          return hopper_bwd::launch<T, kHeadDim, kLayouts, kTerms>(p, ws, stream);
+  return run_backward_stages(call, ws, stream, [&](const AttentionParams& p) {
+    return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
+      return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
+        constexpr int kHeadDim = decltype(dim)::value;
+        using T = decltype(tag);
+        return with_variant(p, [&](auto terms, auto layouts) {
+          constexpr Layouts kLayouts = decltype(layouts)::value;
+          constexpr bool kTerms = decltype(terms)::value;
+          // (hopper_backward_supports says no)
+          if constexpr ((hopper_bwd::kWide<kHeadDim> && kLayouts != Layouts::kUniform) ||
+                        (kTerms && kLayouts == Layouts::kSegments))
+            return cudaErrorNotSupported;
+          else
+            return hopper_bwd::launch<T, kHeadDim, kLayouts, kTerms>(p, ws, stream);
+        });
       });
     });
   });
-  if (status != cudaSuccess) return status;
-  if (exact_dbias)
-    if (cudaError_t e = simt_bias_gradient(call, ws.D, stream); e != cudaSuccess) return e;
-  if (cudaError_t e = recompute_nonfinite_gradients(p, ws, stream); e != cudaSuccess) return e;
-  return backward_dsinks(p, ws.dsink_rows, stream);
 }
 
 }  // namespace flashjax::cuda
