@@ -28,7 +28,10 @@ class KVCase:
     seqlen_new: int = 0
     page_size: int = 0                 # 0: contiguous
     num_pages: int = 0                 # paged: pages in the pool
-    batch_cache: int = 0               # contiguous with cache_batch_idx (0: none)
+    batch_cache: int = 0               # cache sequences (contiguous entries / page-table
+                                       # rows; 0: the batch), chosen by cache_batch_idx
+    batch_idx: bool = True             # with batch_cache: pass cache_batch_idx (else
+                                       # sequence i uses entry / row i)
     leftpad: tuple = ()
     rotary_dim: int = 0
     interleaved: bool = True
@@ -46,7 +49,7 @@ class KVCase:
         if self.page_size:
             parts.append(f"page{self.page_size}")
         if self.batch_cache:
-            parts.append(f"bidx{self.batch_cache}")
+            parts.append(f"{'bidx' if self.batch_idx else 'entries'}{self.batch_cache}")
         if self.leftpad:
             parts.append("leftpad")
         if self.rotary_dim:
@@ -66,19 +69,20 @@ def make_inputs(case: KVCase, seed=0):
     dt = jnp.dtype(case.dtype)
     normal = lambda *s: jnp.asarray(rng.standard_normal(s), dt)
     hkv, d, dv = case.heads_kv, case.head_dim, case.head_dim_v
+    sequences = case.batch_cache or case.batch  # cache entries / page-table rows
     if case.page_size:
         pages_per_seq = case.capacity // case.page_size
         k_cache = normal(case.num_pages, case.page_size, hkv, d)
         v_cache = normal(case.num_pages, case.page_size, hkv, dv)
-        table = rng.permutation(case.num_pages)[:case.batch * pages_per_seq]
-        extra = dict(page_table=jnp.asarray(table.reshape(case.batch, pages_per_seq), jnp.int32))
+        table = rng.permutation(case.num_pages)[:sequences * pages_per_seq]
+        extra = dict(page_table=jnp.asarray(table.reshape(sequences, pages_per_seq), jnp.int32))
     else:
-        rows = case.batch_cache or case.batch
-        k_cache, v_cache = normal(rows, case.capacity, hkv, d), normal(rows, case.capacity, hkv, dv)
+        k_cache = normal(sequences, case.capacity, hkv, d)
+        v_cache = normal(sequences, case.capacity, hkv, dv)
         extra = {}
-        if case.batch_cache:
-            extra["cache_batch_idx"] = jnp.asarray(
-                rng.permutation(case.batch_cache)[:case.batch], jnp.int32)
+    if case.batch_cache and case.batch_idx:
+        extra["cache_batch_idx"] = jnp.asarray(
+            rng.permutation(case.batch_cache)[:case.batch], jnp.int32)
     if case.leftpad:
         extra["cache_leftpad"] = jnp.asarray(case.leftpad, jnp.int32)
     if case.rotary_dim:
@@ -99,10 +103,12 @@ def make_inputs(case: KVCase, seed=0):
 
 
 def cache_location(case: KVCase, extra, i, r):
-    """(slot, row) of logical row r of sequence i."""
+    """(slot, row) of logical row r of sequence i: sequence i is cache entry / page-table
+    row cache_batch_idx[i] (default i), as FlashAttention addresses caches."""
+    entry = int(extra["cache_batch_idx"][i]) if "cache_batch_idx" in extra else i
     if case.page_size:
-        return int(extra["page_table"][i, r // case.page_size]), r % case.page_size
-    return (int(extra["cache_batch_idx"][i]) if case.batch_cache else i), r
+        return int(extra["page_table"][entry, r // case.page_size]), r % case.page_size
+    return entry, r
 
 
 def poison_unread_rows(case: KVCase, k_cache, v_cache, extra):
@@ -171,7 +177,7 @@ def expected(case: KVCase, q, k_cache, v_cache, new, extra, terms=None):
             return cache_location(case, extra, i, r)
         seqlen = case.seqlens[i]
         left = case.leftpad[i] if case.leftpad else 0
-        position = seqlen - left
+        position = seqlen  # rotary at cache rows, as FlashAttention (leftpad included)
         for j in range(case.seqlen_new):
             r = seqlen + j
             if r >= case.capacity:

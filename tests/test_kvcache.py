@@ -4,6 +4,7 @@ continuous batching through flash_attention_varlen."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,6 +38,13 @@ CASES = [
            leftpad=(3, 0, 1), causal=True, poison=True),  # NaN in every unread row
     KVCase(seqlen_q=20, heads_q=8, heads_kv=2, seqlens=(30, 3, 0), capacity=64, seqlen_new=20,
            causal=True, rotary_dim=16),  # a prefill block (dense kernels on the GPU)
+    # FlashAttention's addressing: rotary at cache rows with leftpad; a paged cache whose
+    # page-table rows cache_batch_idx picks; more cache entries / table rows than sequences
+    KVCase(seqlen_q=2, seqlen_new=2, leftpad=(2, 0, 4), rotary_dim=16, causal=True),
+    KVCase(page_size=4, num_pages=40, capacity=24, batch_cache=5, seqlens=(9, 2, 20),
+           seqlen_new=2, leftpad=(3, 0, 1), rotary_dim=16, interleaved=False, causal=True),
+    KVCase(batch_cache=5, batch_idx=False, seqlen_new=1),
+    KVCase(page_size=8, num_pages=20, batch_cache=5, batch_idx=False, seqlen_new=1),
 ]
 
 
@@ -124,6 +132,39 @@ def test_python_int_cache_seqlens_and_no_lse():
     np.testing.assert_allclose(np.asarray(kc, np.float64), want_kc, rtol=2e-4, atol=2e-4)
 
 
+def test_cache_seqlens_none_is_the_whole_cache():
+    """As FlashAttention: no cache_seqlens means every cache row is a key (new tokens,
+    at the capacity, are not written)."""
+    case = KVCase(page_size=8, num_pages=12, seqlen_new=1, causal=True)
+    q, k_cache, v_cache, new, extra = make_inputs(case)
+    attend = jax.jit(lambda n, **kw: flashjax.flash_attention_with_kvcache(
+        q, k_cache, v_cache, **new, **extra, cache_seqlens=n, causal=True, **kw),
+        static_argnums=0)
+    whole = attend(case.capacity)
+    for got, want in zip(attend(None), whole):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    want, _, _, _ = expected(dataclasses.replace(case, seqlens=(case.capacity,) * case.batch),
+                             q, k_cache, v_cache, new, extra)
+    np.testing.assert_allclose(np.asarray(whole[0], np.float64), want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "uint16", "int8"])
+def test_integer_metadata_of_any_dtype(dtype):
+    """Integer metadata of any integer dtype is taken as int32 (the same result)."""
+    case = KVCase(page_size=4, num_pages=40, capacity=24, batch_cache=5, seqlens=(9, 2, 20),
+                  seqlen_new=1, leftpad=(3, 0, 1))
+    q, k_cache, v_cache, new, extra = make_inputs(case)
+    metadata = dict(extra, cache_seqlens=jnp.asarray(case.seqlens, jnp.int32))
+
+    @jax.jit
+    def attend(metadata):
+        return flashjax.flash_attention_with_kvcache(q, k_cache, v_cache, **new, **metadata)
+    want = attend(metadata)
+    got = attend({name: x.astype(dtype) for name, x in metadata.items()})
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_donated_caches_are_updated_in_place():
     """Under jit with the caches donated, XLA aliases them to the returned caches."""
     case = KVCase(seqlen_new=1)
@@ -160,6 +201,15 @@ def test_adversarial_metadata_stays_in_bounds(implementation):
         cache_batch_idx=jnp.asarray([-1, 4, 2 ** 31 - 1], jnp.int32))
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_array_equal(np.asarray(kc), np.asarray(k_cache))  # no valid row
+    # a paged cache's cache_batch_idx outside the page table: no page, nothing written
+    q, k_cache, v_cache, new, extra = make_inputs(
+        KVCase(page_size=4, num_pages=24, capacity=16, batch_cache=4, seqlen_new=1))
+    out, kc, _ = attend(
+        q, k_cache, v_cache, **new, cache_seqlens=jnp.asarray([1, 2, 3], jnp.int32),
+        page_table=extra["page_table"],
+        cache_batch_idx=jnp.asarray([-1, 4, 2 ** 31 - 1], jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(kc), np.asarray(k_cache))
 
 
 def test_gradients_raise():
@@ -178,18 +228,22 @@ def test_argument_errors():
     n = jnp.asarray(case.seqlens, jnp.int32)
     with pytest.raises(ValueError, match="k and v"):
         call(q, k_cache, v_cache, new["k"], cache_seqlens=n)
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(TypeError, match="k_cache"):
         call(q, k_cache.astype(jnp.bfloat16), v_cache, cache_seqlens=n)
-    with pytest.raises(TypeError, match="cache_seqlens"):
-        call(q, k_cache, v_cache, cache_seqlens=n.astype(jnp.float32))
-    with pytest.raises(TypeError, match="cache_seqlens"):
-        call(q, k_cache, v_cache, cache_seqlens=None)
-    with pytest.raises(ValueError, match="page_table"):
+    with pytest.raises(ValueError, match="v_cache must have k_cache's rows"):
+        call(q, k_cache, v_cache[:, :5], cache_seqlens=n)
+    with pytest.raises(ValueError, match="k_cache must have rank 4"):
+        call(q, k_cache[0], v_cache, cache_seqlens=n)
+    for name in ("cache_seqlens", "cache_leftpad", "cache_batch_idx"):
+        with pytest.raises(TypeError, match=f"{name} must be an integer array"):
+            call(q, k_cache, v_cache, **{"cache_seqlens": n, name: n.astype(jnp.float32)})
+    with pytest.raises(ValueError, match="cache_leftpad must have shape"):
+        call(q, k_cache, v_cache, cache_seqlens=n, cache_leftpad=n[:2])
+    with pytest.raises(ValueError, match="page_table"):  # (3 sequences, no cache_batch_idx)
         call(q, k_cache, v_cache, cache_seqlens=n, page_table=jnp.zeros((2, 3), jnp.int32))
-    with pytest.raises(ValueError, match="cache_batch_idx"):
-        call(q, k_cache, v_cache, cache_seqlens=n, page_table=jnp.zeros((3, 3), jnp.int32),
-             cache_batch_idx=jnp.zeros((3,), jnp.int32))
-    with pytest.raises(ValueError, match="batch_cache"):
+    with pytest.raises(TypeError, match="page_table"):
+        call(q, k_cache, v_cache, cache_seqlens=n, page_table=jnp.zeros((3, 3), jnp.float32))
+    with pytest.raises(ValueError, match="k_cache needs an entry per sequence"):
         call(q, k_cache[:2], v_cache[:2], cache_seqlens=n)
     with pytest.raises(ValueError, match="rotary_dim"):
         call(q, k_cache, v_cache, cache_seqlens=n, rotary_cos=jnp.ones((8, 3)),

@@ -32,26 +32,29 @@ def is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def check_qkv(q, k, v, rank: int, dims: tuple, key_rows: str) -> None:
+def check_qkv(q, k, v, rank: int, dims: tuple, key_rows: str,
+              names: tuple = ("q", "k", "v")) -> None:
     """Ranks, one dtype, matching head dims and k/v heads; `dims` names the axes,
-    `key_rows` k's row axis."""
-    qs, ks, vs = shape_of("q", q), shape_of("k", k), shape_of("v", v)
-    for name, s, axes in zip(("q", "k", "v"), (qs, ks, vs), dims):
+    `key_rows` k's row axis, `names` the arguments (as the caller calls them)."""
+    nq, nk, nv = names
+    qs, ks, vs = shape_of(nq, q), shape_of(nk, k), shape_of(nv, v)
+    for name, s, axes in zip(names, (qs, ks, vs), dims):
         if len(s) != rank:
             raise ValueError(f"{name} must have rank {rank} {axes}, got shape {s}")
     if q.dtype not in DTYPES:
-        raise TypeError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
+        raise TypeError(f"{nq} dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{nq}, {nk}, {nv} must share one dtype, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
     heads_q, head_dim, heads_kv = qs[-2], qs[-1], ks[-2]
     if ks[-1] != head_dim:
-        raise ValueError(f"head_dim of k must equal q's ({head_dim}), got k shape {ks}")
+        raise ValueError(f"head_dim of {nk} must equal {nq}'s ({head_dim}), got {nk} shape {ks}")
     if vs[-3] != ks[-3] or vs[-2] != heads_kv:
         raise ValueError(
-            f"v must have k's {key_rows} and heads_kv {ks[-3:-1]}, got v shape {vs}")
+            f"{nv} must have {nk}'s {key_rows} and heads_kv {ks[-3:-1]}, got {nv} shape {vs}")
     for name, n in (("heads_q", heads_q), ("heads_kv", heads_kv)):
         if n < 1:
-            raise ValueError(f"{name} must be >= 1, got {n} (q {qs}, k {ks})")
+            raise ValueError(f"{name} must be >= 1, got {n} ({nq} {qs}, {nk} {ks})")
     if heads_q % heads_kv != 0:
         raise ValueError(
             f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for MQA/GQA")
@@ -115,6 +118,25 @@ def check_int_array(name: str, x, shape: tuple, meaning: str) -> None:
 
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def int_metadata(name: str, x, shape: tuple, meaning: str):
+    """x (None, or an array of any integer dtype and exactly `shape`) as int32, values
+    outside int32 saturated (they stay out of range, and are clamped or dropped as
+    inconsistent metadata is, rather than wrapping into range)."""
+    if x is None:
+        return None
+    s = shape_of(name, x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+    if s != tuple(shape):
+        raise ValueError(f"{name} must have shape {meaning} = {tuple(shape)}, got {s}")
+    if x.dtype == jnp.int32:
+        return x
+    info = jnp.iinfo(x.dtype)
+    if info.min < INT32_MIN or info.max > INT32_MAX:
+        x = jnp.clip(x, max(info.min, INT32_MIN), min(info.max, INT32_MAX))
+    return x.astype(jnp.int32)
 
 
 def _position(name: str, x, sequences: int, meaning: str):

@@ -137,11 +137,13 @@ def _terms_on_keys(terms: dict, first, rows: int) -> dict:
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
            page_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse):
     """Checks every argument; returns the static options as Python values
-    (rotary_interleaved, return_lse, num_splits)."""
+    (rotary_interleaved, return_lse, num_splits) and the integer metadata as int32
+    arrays (or None; cache_seqlens may stay a Python int), in FlashAttention's terms:
+    see _metadata."""
     _checks.check_qkv(q, k_cache, v_cache, 4, (
         "(batch, seqlen_q, heads_q, head_dim)",
         "(batch_cache, seqlen_cache, heads_kv, head_dim) or (num_pages, page_size, heads_kv, "
-        "head_dim)", "like k_cache, with head_dim_v"), "rows")
+        "head_dim)", "like k_cache, with head_dim_v"), "rows", names=("q", "k_cache", "v_cache"))
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     for name, n in (("batch", batch), ("seqlen_q", seqlen_q), ("k_cache rows", k_cache.shape[1]),
@@ -163,28 +165,27 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_left
         if v.shape[1] != k.shape[1]:
             raise ValueError(f"k and v must have the same seqlen_new, got {k.shape}, {v.shape}")
     if _checks.is_int(cache_seqlens):
-        if cache_seqlens < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
-    elif cache_seqlens is None:
-        raise TypeError("cache_seqlens is required: an int32 (batch,) array or a Python int")
+        if not 0 <= cache_seqlens <= _checks.INT32_MAX:
+            raise ValueError(f"cache_seqlens must be in [0, 2^31), got {cache_seqlens}")
+    elif cache_seqlens is None:  # (FlashAttention: the whole cache)
+        cache_seqlens = cache_capacity(k_cache, page_table)
     else:
-        _checks.check_int_array("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
-    _checks.check_int_array("cache_leftpad", cache_leftpad, (batch,), "(batch,)")
+        cache_seqlens = _checks.int_metadata("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    cache_leftpad = _checks.int_metadata("cache_leftpad", cache_leftpad, (batch,), "(batch,)")
+    cache_batch_idx = _checks.int_metadata("cache_batch_idx", cache_batch_idx, (batch,),
+                                           "(batch,)")
     if page_table is not None:
         s = _checks.shape_of("page_table", page_table)
-        if len(s) != 2 or s[0] != batch or s[1] < 1:
-            raise ValueError(f"page_table must have shape (batch, max_pages) with batch = "
-                             f"{batch} and max_pages >= 1, got {s}")
-        _checks.check_int_array("page_table", page_table, s, "(batch, max_pages)")
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx is for contiguous caches; a paged cache's "
-                             "sequences are named by page_table")
-    else:
-        _checks.check_int_array("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)")
-        if cache_batch_idx is None and k_cache.shape[0] != batch:
-            raise ValueError(
-                f"without cache_batch_idx, k_cache's batch_cache must equal q's batch ({batch}), "
-                f"got k_cache shape {k_cache.shape}")
+        rows = "rows" if cache_batch_idx is not None else f"rows >= batch = {batch}"
+        if len(s) != 2 or s[0] < (1 if cache_batch_idx is not None else batch) or s[1] < 1:
+            raise ValueError(f"page_table must have shape (cache sequences, max_pages) with "
+                             f"{rows} and max_pages >= 1, got {s}")
+        page_table = _checks.int_metadata("page_table", page_table, s,
+                                          "(cache sequences, max_pages)")
+    elif cache_batch_idx is None and k_cache.shape[0] < batch:
+        raise ValueError(
+            f"without cache_batch_idx, k_cache needs an entry per sequence: its batch_cache "
+            f"must be >= q's batch ({batch}), got k_cache shape {k_cache.shape}")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:
@@ -202,8 +203,30 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_left
     num_splits = _checks.static_int("num_splits", num_splits)
     if num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
-    return (_checks.static_flag("rotary_interleaved", rotary_interleaved),
-            _checks.static_flag("return_lse", return_lse), num_splits)
+    statics = (_checks.static_flag("rotary_interleaved", rotary_interleaved),
+               _checks.static_flag("return_lse", return_lse), num_splits)
+    return statics, _metadata(batch, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                              page_table)
+
+
+def _metadata(batch, k_cache, seqlens, batch_idx, leftpad, page_table) -> dict:
+    """FlashAttention's cache addressing on the kernels' (which take one page-table row
+    per sequence, and a cache_batch_idx for contiguous caches only): a paged sequence i
+    reads page_table row cache_batch_idx[i] (rows outside the table: no page, so
+    nothing is read or written there), or row i; a contiguous cache with more entries
+    than the batch and no cache_batch_idx serves sequence i from entry i."""
+    if page_table is not None:
+        if batch_idx is not None:  # (no negative-index wrap-around)
+            inside = (batch_idx >= 0) & (batch_idx < page_table.shape[0])
+            rows = page_table[jnp.clip(batch_idx, 0, page_table.shape[0] - 1)]
+            page_table = jnp.where(inside[:, None], rows, -1)
+            batch_idx = None
+        elif page_table.shape[0] != batch:
+            page_table = page_table[:batch]
+    elif batch_idx is None and k_cache.shape[0] != batch:
+        batch_idx = jnp.arange(batch, dtype=jnp.int32)
+    return dict(cache_seqlens=seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad,
+                page_table=page_table)
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
@@ -221,18 +244,25 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         or paged (num_pages, page_size, heads_kv, head_dim[_v]) with `page_table`.
       k, v: optional new tokens (batch, seqlen_new, heads_kv, head_dim[_v]): written at
         rows cache_seqlens[i]... of sequence i (after rotary on k), then attended.
-      cache_seqlens: int32 (batch,) or a Python int: rows already in the cache.
-      cache_batch_idx: int32 (batch,): the contiguous cache row of each batch entry
-        (default: entry i uses row i).
-      cache_leftpad: int32 (batch,): first valid cache row of each sequence.
-      page_table: int32 (batch, max_pages): logical row p of sequence i is row
-        p % page_size of page page_table[i, p // page_size].
+      cache_seqlens: (batch,) integers or a Python int: the cache row where each
+        sequence's cached tokens end (its keys are rows [cache_leftpad, cache_seqlens)),
+        where the new tokens go. None: the whole cache (the capacity), as in
+        FlashAttention.
+      cache_batch_idx: (batch,) integers: the cache entry of each sequence (contiguous:
+        k_cache's entry; paged: page_table's row). Default: entry / row i; a cache or
+        page table with more entries than the batch then serves sequence i from its
+        entry i.
+      cache_leftpad: (batch,) integers: first valid cache row of each sequence.
+      page_table: (cache sequences, max_pages) integers: logical row p of sequence i is
+        row p % page_size of page page_table[cache_batch_idx[i], p // page_size].
+        Integer metadata of any integer dtype is taken (as int32; values outside
+        int32 saturate, and are then out of range).
       rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), float32 or q's dtype:
         rotary embedding of q and the new k (GPT-J pairs when rotary_interleaved,
-        else NeoX halves). Positions count from the first valid key: new token j
-        is at cache_seqlens - cache_leftpad + j; q row j at the same position as
-        new token j when causal or windowed, else every q row at
-        cache_seqlens - cache_leftpad.
+        else NeoX halves), at cache rows as FlashAttention: new token j at
+        cache_seqlens + j (cache_leftpad does not shift it); q row j at the same
+        position as new token j when causal or windowed, else every q row at
+        cache_seqlens.
       softmax_scale, causal, window_size, softcap, sinks: as in flash_attention;
         causal and windows are aligned bottom-right on the sequence's keys
         (cache rows [cache_leftpad, cache_seqlens) then the new tokens).
@@ -271,9 +301,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     sequence's keys are at most the capacity's. Not differentiable: gradients
     raise a TypeError.
     """
-    rotary_interleaved, return_lse, num_splits = _check(
+    (rotary_interleaved, return_lse, num_splits), metadata = _check(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
         rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
+    cache_seqlens, cache_batch_idx, cache_leftpad, page_table = (
+        metadata[name] for name in ("cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                                    "page_table"))
     terms = _score_terms(q, k_cache, page_table, bias, mask, alibi_slopes)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap, False,
                               implementation, return_lse)
@@ -298,9 +331,8 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
     per_row_positions = cfg.window.masked  # causal or windowed
     batch, seqlen_q, heads_q, _ = q.shape
     capacity = cache_capacity(k_cache, page_table)
-    if rotary_cos is not None:  # positions count from the first valid key
-        start = _first_key_rows(cache_leftpad, batch, capacity)
-        first_position = jnp.maximum(jnp.clip(seqlens, 0, capacity) - start, 0)[:, None]
+    if rotary_cos is not None:  # at cache rows, as FlashAttention (leftpad included)
+        first_position = jnp.clip(seqlens, 0, capacity)[:, None]
         rows_q = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :]
         q = apply_rotary(q, rotary_cos, rotary_sin,
                          first_position + (rows_q if per_row_positions else 0 * rows_q),
