@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _ffi, _ffi_calls, _partitioning, _route
+from . import _checks, _ffi, _ffi_calls, _fp8, _partitioning, _route
 from ._spec import KVCACHE, Config
 from .attention import flash_attention
 
@@ -140,6 +140,11 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_left
     (rotary_interleaved, return_lse, num_splits) and the integer metadata as int32
     arrays (or None; cache_seqlens may stay a Python int), in FlashAttention's terms:
     see _metadata."""
+    if _fp8.is_fp8(k_cache) or _fp8.is_fp8(v_cache):  # (fp8 caches: _fp8_cache)
+        if not (_fp8.is_fp8(k_cache) and v_cache.dtype == k_cache.dtype):
+            raise TypeError("an fp8 KV cache needs k_cache and v_cache of one float8 dtype, got "
+                            f"{k_cache.dtype}, {v_cache.dtype}")
+        k_cache, v_cache = (jax.ShapeDtypeStruct(c.shape, q.dtype) for c in (k_cache, v_cache))
     _checks.check_qkv(q, k_cache, v_cache, 4, (
         "(batch, seqlen_q, heads_q, head_dim)",
         "(batch_cache, seqlen_cache, heads_kv, head_dim) or (num_pages, page_size, heads_kv, "
@@ -235,7 +240,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                                  softmax_scale=None, causal=False, window_size=(-1, -1),
                                  softcap=0.0, sinks=None, num_splits=0, return_lse=False,
                                  bias=None, mask=None, alibi_slopes=None,
-                                 implementation=None):
+                                 k_descale=None, v_descale=None, implementation=None):
     """Attention of q over a KV cache, with new tokens k, v appended to it first.
 
     Args:
@@ -285,6 +290,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         With any of the three the call appends through the FFI call and attends with
         flash_attention's kernels over the cache (not the split-KV kernel). Not
         differentiated.
+      k_descale, v_descale: float32 descales of float8 caches (k_cache / v_cache in
+        float8_e4m3fn or float8_e5m2, q, k, v in bfloat16 / float16 / float32): cache
+        row x of sequence i, kv head h stands for x * descale[i, h]; shapes (), (1, 1),
+        (batch, 1), (1, heads_kv) or (batch, heads_kv) (None: 1.0, as FlashAttention
+        3). New tokens are quantised into the cache as x * (1 / descale) rounded to the
+        cache's dtype. For now the exact fallback: the new rows scattered and each
+        sequence's rows gathered and dequantised in JAX, then flash_attention's kernels
+        of q's dtype (not yet the split-KV kernel reading fp8).
       implementation: as in `flash_attention` ("xla": the new rows scattered into the
         caches and each sequence's rows gathered, in JAX).
 
@@ -308,6 +321,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         metadata[name] for name in ("cache_seqlens", "cache_batch_idx", "cache_leftpad",
                                     "page_table"))
     terms = _score_terms(q, k_cache, page_table, bias, mask, alibi_slopes)
+    descales = _fp8_descales(q, k_cache, k_descale, v_descale)
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap, False,
                               implementation, return_lse)
     static_seqlens = None
@@ -320,14 +334,28 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                                softcap=softcap, implementation=implementation),
                           num_splits, return_lse, static_seqlens),
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
-        rotary_cos, rotary_sin, sinks, terms)
+        rotary_cos, rotary_sin, sinks, terms, descales)
+
+
+def _fp8_descales(q, k_cache, k_descale, v_descale):
+    """(k_descale, v_descale) as (batch, heads_kv) float32 for float8 caches; None for
+    others (which take no descales)."""
+    if not _fp8.is_fp8(k_cache):
+        for name, value in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if value is not None:
+                raise ValueError(f"{name} is for float8 caches; got a {k_cache.dtype} k_cache")
+        return None
+    batch, heads_kv = q.shape[0], k_cache.shape[2]
+    return (_fp8.descale_of("k_descale", k_descale, batch, heads_kv),
+            _fp8.descale_of("v_descale", v_descale, batch, heads_kv))
 
 
 def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_seqlens, q,
              k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, page_table,
-             rotary_cos, rotary_sin, sinks, terms):
+             rotary_cos, rotary_sin, sinks, terms, descales):
     """options: flash_attention's keyword arguments (the prefill and "xla" routes);
-    terms: the present score terms (bias, mask over logical cache positions)."""
+    terms: the present score terms (bias, mask over logical cache positions);
+    descales: float8 caches' (k_descale, v_descale), else None."""
     per_row_positions = cfg.window.masked  # causal or windowed
     batch, seqlen_q, heads_q, _ = q.shape
     capacity = cache_capacity(k_cache, page_table)
@@ -354,6 +382,11 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
     in_jax = functools.partial(_kvcache_in_jax, call, static_seqlens, options)
     if terms:  # the KV-cache target takes none: flash_attention over the cache
         on_cpu = on_cuda = dense
+    if descales is not None:  # float8 caches: the exact fallback on every platform
+        on_cpu = on_cuda = functools.partial(_fp8_cache, call, static_seqlens, options,
+                                             descales)
+        in_jax = functools.partial(_fp8_cache, call, static_seqlens,
+                                   dict(options, implementation="xla"), descales)
     out, lse, k_cache, v_cache = _route.run(cfg, (q, k_cache, v_cache, k, v, seqlens),
                                             cuda=on_cuda, cpu=on_cpu, xla=in_jax,
                                             arrays=(q, k_cache))
@@ -461,29 +494,55 @@ def _prefill_dense(call, static_seqlens, options, q, k_cache, v_cache, k, v, seq
                          0 if k is None else k.shape[1], seqlens)
 
 
+def _append_in_jax(call, k_cache, v_cache, k, v, seqlens):
+    """The caches with the new rows k, v (already in the caches' dtype) scattered in
+    (rows outside the capacity, entries or pages outside the cache dropped)."""
+    capacity = cache_capacity(k_cache, call.page_table)
+    logical = (jnp.clip(seqlens, 0, capacity)[:, None]
+               + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :])
+    slot, row, valid = cache_rows(logical, k_cache, call.page_table, call.batch_idx)
+    slot = jnp.where(valid, slot, k_cache.shape[0])  # past the end: dropped
+    return (k_cache.at[slot, row].set(k, mode="drop"),
+            v_cache.at[slot, row].set(v, mode="drop"))
+
+
 def _kvcache_in_jax(call, static_seqlens, options, q, k_cache, v_cache, k, v, seqlens):
     """The whole call in JAX (implementation="xla"): the new rows scattered into the
-    caches (rows outside the capacity, entries or pages outside the cache dropped),
-    then the pure-JAX attention over each sequence's rows."""
+    caches, then the pure-JAX attention over each sequence's rows."""
     if k is not None:
-        capacity = cache_capacity(k_cache, call.page_table)
-        logical = (jnp.clip(seqlens, 0, capacity)[:, None]
-                   + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :])
-        slot, row, valid = cache_rows(logical, k_cache, call.page_table, call.batch_idx)
-        slot = jnp.where(valid, slot, k_cache.shape[0])  # past the end: dropped
-        k_cache = k_cache.at[slot, row].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[slot, row].set(v.astype(v_cache.dtype), mode="drop")
+        k_cache, v_cache = _append_in_jax(call, k_cache, v_cache, k.astype(k_cache.dtype),
+                                          v.astype(v_cache.dtype), seqlens)
     options = dict(options, implementation="xla")
     return _attend_dense(call, static_seqlens, options, q, k_cache, v_cache,
                          0 if k is None else k.shape[1], seqlens)
 
 
-def _attend_dense(call, static_seqlens, options, q, k_cache, v_cache, new_rows, seqlens):
+def _fp8_cache(call, static_seqlens, options, descales, q, k_cache, v_cache, k, v, seqlens):
+    """Float8 caches, the exact fallback: new rows quantised (x * (1 / descale) rounded
+    to the cache's dtype) and scattered in JAX, each sequence's rows dequantised
+    (x * descale in float32, rounded to q's dtype) and attended by flash_attention as
+    `options` say."""
+    k_descale, v_descale = descales
+    if k is not None:
+        quantize = lambda x, d: (x.astype(jnp.float32) * (1.0 / d)[:, None, :, None]).astype(
+            k_cache.dtype)
+        k_cache, v_cache = _append_in_jax(call, k_cache, v_cache, quantize(k, k_descale),
+                                          quantize(v, v_descale), seqlens)
+    dequantize = lambda keys, values: (_fp8.dequantize(keys, k_descale, q.dtype),
+                                       _fp8.dequantize(values, v_descale, q.dtype))
+    return _attend_dense(call, static_seqlens, options, q, k_cache, v_cache,
+                         0 if k is None else k.shape[1], seqlens, dequantize)
+
+
+def _attend_dense(call, static_seqlens, options, q, k_cache, v_cache, new_rows, seqlens,
+                  dequantize=None):
     """(out, lse, k_cache, v_cache) of flash_attention over the caches (the new rows
     already in): in place when the cache is contiguous with one entry per sequence and
     no leftpad (its first rows only, and no seqused_k, when cache_seqlens was a Python
     int: the dense kernels' uniform path), else each sequence's rows gathered. A bias
-    or mask in `options` (over logical cache positions) follows the keys."""
+    or mask in `options` (over logical cache positions) follows the keys; dequantize
+    (float8 caches) maps the sequences' keys and values (batch, rows, heads_kv, dim)
+    to q's dtype."""
     options = dict(options)
     terms = {name: options.pop(name) for name in ("bias", "mask") if name in options}
     batch = q.shape[0]
@@ -507,6 +566,8 @@ def _attend_dense(call, static_seqlens, options, q, k_cache, v_cache, new_rows, 
         if call.page_table is None and call.batch_idx is not None:  # outside: no keys
             used = jnp.where((call.batch_idx >= 0) & (call.batch_idx < k_cache.shape[0]), used, 0)
         terms = _terms_on_keys(terms, None if call.leftpad is None else start, capacity)
+    if dequantize is not None:
+        keys, values = dequantize(keys, values)
     out, lse = flash_attention(q, keys, values, return_lse=True,
                                seqused_k=None if used is None else used.astype(jnp.int32),
                                **options, **terms)

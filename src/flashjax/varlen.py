@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _core, _dropout, _ffi
+from . import _checks, _core, _dropout, _ffi, _fp8
 from ._spec import Extras, Layout
 from .kvcache import cache_capacity, gather_rows
 
@@ -34,6 +34,11 @@ def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sin
         if len(qs) != 3:
             raise ValueError(f"q must have rank 3 (total_q, heads_q, head_dim), got shape {qs}")
         q_rows = jax.ShapeDtypeStruct((qs[0], 1) + qs[1:], q.dtype)  # (checks only)
+        if _fp8.is_fp8(k) or _fp8.is_fp8(v):  # float8 caches: q's dtype once dequantised
+            if not (_fp8.is_fp8(k) and v.dtype == k.dtype):
+                raise TypeError("float8 paged caches need k and v of one float8 dtype, got "
+                                f"{k.dtype}, {v.dtype}")
+            k, v = (jax.ShapeDtypeStruct(c.shape, q.dtype) for c in (k, v))
         _checks.check_qkv(q_rows, k, v, 4, (
             "(total_q, heads_q, head_dim)", "(num_pages, page_size, heads_kv, head_dim)",
             "(num_pages, page_size, heads_kv, head_dim_v)"), "page_size")
@@ -64,7 +69,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
                            deterministic=False, page_table=None, q_offset=None, kv_offset=None,
                            alibi_slopes=None, dropout_rate=0.0, dropout_key=None,
-                           implementation=None):
+                           k_descale=None, v_descale=None, implementation=None):
     """Attention over a packed batch of sequences of different lengths.
 
     Args:
@@ -88,7 +93,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         keys of sequence i are its logical cache rows [0, seqused_k[i]) (row p is
         row p % page_size of page page_table[i, p // page_size]), at most
         max_seqlen_k of them. Pages are gathered for now (see
-        flash_attention_with_kvcache).
+        flash_attention_with_kvcache). The caches may be float8 (e4m3 / e5m2, q in
+        bfloat16 / float16 / float32) with k_descale / v_descale.
       q_offset, kv_offset: optional positions of each sequence's first query
         row and first key row (an int or an integer array of shape () or
         (num_seqs,)), as in `flash_attention`: given either, causal and windows
@@ -103,6 +109,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         (b, h, i, j) of the keep mask is sequence b, query head h, query row i and key
         j counted within the sequence (flashjax.dropout_mask(dropout_key, rate,
         num_seqs, heads_q, max_seqlen_q, max_seqlen_k)[b, h, i, j]).
+      k_descale, v_descale: float32 descales of float8 paged caches, as
+        flash_attention_with_kvcache takes them, per (sequence, kv head): shapes (),
+        (1, 1), (num_seqs, 1), (1, heads_kv), (num_seqs, heads_kv); None: 1.0. The
+        gathered rows are dequantised (x * descale in float32, rounded to q's dtype).
       implementation: as in `flash_attention`.
 
     Returns:
@@ -124,12 +134,27 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     rate = _dropout.check_dropout(dropout_rate, dropout_key)
     max_q = _checks.check_static_length("max_seqlen_q", max_seqlen_q)
     max_k = _checks.check_static_length("max_seqlen_k", max_seqlen_k)
+    sequences = cu_seqlens_q.shape[0] - 1
+    fp8_caches = page_table is not None and _fp8.is_fp8(k)
+    if not fp8_caches:
+        if _fp8.is_fp8(k):
+            raise TypeError("float8 k, v on flash_attention_varlen: paged caches (page_table=) "
+                            "only, for now")
+        for name, value in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if value is not None:
+                raise ValueError(f"{name} is for float8 paged caches; got {k.dtype} k, v")
     if page_table is not None:
+        descales = ((_fp8.descale_of("k_descale", k_descale, sequences, k.shape[2]),
+                     _fp8.descale_of("v_descale", v_descale, sequences, k.shape[2]))
+                    if fp8_caches else None)
         k, v, cu_seqlens_k, seqused_k = _unpage(k, v, page_table, seqused_k, max_k)
+        if fp8_caches:  # each gathered row at its sequence's descales
+            owner = jnp.repeat(jnp.arange(sequences), k.shape[0] // max(sequences, 1))
+            k, v = (_fp8.forward_only(_fp8.dequantize(x, d, q.dtype, row_batch=owner))
+                    for x, d in zip((k, v), descales))
     cfg = _checks.make_config(q.shape[-1], softmax_scale, causal, window_size, softcap,
                               deterministic, implementation, return_lse, packed=True,
                               max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_rate=rate)
-    sequences = cu_seqlens_q.shape[0] - 1
     layout = Layout(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                     seqused_k=seqused_k,
                     diagonal_offset=_checks.diagonal_offset(

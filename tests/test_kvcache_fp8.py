@@ -1,0 +1,148 @@
+"""float8 KV caches (issue 28 section 2) on flash_attention_with_kvcache: contiguous and
+paged e4m3 / e5m2 caches with k_descale / v_descale per (sequence, kv head), new tokens
+quantised into them (bit-exact to jnp.asarray(x * (1 / descale), cache dtype)), the
+attention against the float64 reference of the dequantised cache (kvcache_helpers.py),
+descale broadcasting and argument errors. Today every platform runs the exact fallback
+(gathered, dequantised rows on the kernels of q's dtype)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashjax
+from kvcache_helpers import KVCase, cache_location, expected, make_inputs
+
+CASES = [
+    (KVCase(seqlen_new=1, dtype="bfloat16"), "float8_e4m3fn"),
+    (KVCase(page_size=4, num_pages=40, capacity=24, batch_cache=5, seqlens=(9, 2, 20),
+            seqlen_new=2, seqlen_q=2, leftpad=(3, 0, 1), causal=True, sinks=True,
+            dtype="bfloat16"), "float8_e4m3fn"),
+    (KVCase(heads_q=8, heads_kv=2, seqlens=(23, 0, 12), seqlen_new=1, batch_cache=4,
+            dtype="float16"), "float8_e5m2"),
+]
+
+
+def fp8_inputs(case: KVCase, cache_dtype: str, seed: int = 1):
+    """The case's inputs with float8 caches and random descales: (q, k_cache, v_cache,
+    new, extra, descales, the float64 dequantised caches as sequence i reads them)."""
+    q, k_cache, v_cache, new, extra = make_inputs(case)
+    rng = np.random.default_rng(seed)
+    descales = {name: rng.uniform(0.25, 2.0, (case.batch, case.heads_kv)).astype(np.float32)
+                for name in ("k_descale", "v_descale")}
+    caches, dequantised = [], []
+    for cache, name in ((k_cache, "k_descale"), (v_cache, "v_descale")):
+        c8 = jnp.asarray(cache, jnp.float32).astype(cache_dtype)
+        deq = np.asarray(c8.astype(jnp.float32), np.float64)
+        for i in range(case.batch):  # each sequence's rows at its own descales
+            for r in range(case.capacity):
+                slot = cache_location(case, extra, i, r)
+                deq[slot] = np.asarray(c8[slot].astype(jnp.float32), np.float64) * \
+                    descales[name][i][:, None]
+        caches.append(c8)
+        dequantised.append(deq)
+    return (q, *caches, new, extra, {n: jnp.asarray(d) for n, d in descales.items()},
+            dequantised)
+
+
+def quantised(x, descale, dtype):
+    """New rows as the cache stores them: jnp.asarray(x * (1 / descale), dtype)."""
+    return jnp.asarray(x.astype(jnp.float32) * (1 / descale)[:, None, :, None], dtype)
+
+
+@pytest.mark.parametrize("case,cache_dtype", CASES, ids=[f"{c}-{d}" for c, d in CASES])
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_fp8_cache(case, cache_dtype, implementation):
+    q, k_cache, v_cache, new, extra, descales, (deq_k, deq_v) = fp8_inputs(case, cache_dtype)
+    call = jax.jit(lambda q, kc, vc, new, extra, descales: flashjax.flash_attention_with_kvcache(
+        q, kc, vc, **new, **extra, **descales, cache_seqlens=jnp.asarray(case.seqlens, jnp.int32),
+        causal=case.causal, return_lse=True, implementation=implementation))
+    out, lse, kc, vc = call(q, k_cache, v_cache, new, extra, descales)
+    assert out.dtype == q.dtype and kc.dtype == k_cache.dtype
+    # the new rows, quantised as the cache stores them, then read at the descales
+    stored = {n: quantised(new[n], descales[f"{n}_descale"], cache_dtype) for n in ("k", "v")}
+    back = {n: np.asarray(stored[n].astype(jnp.float32), np.float64)
+            * np.asarray(descales[f"{n}_descale"], np.float64)[:, None, :, None]
+            for n in ("k", "v")}
+    want_out, want_lse, _, _ = expected(case, q, deq_k, deq_v, back, extra)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=3e-2, atol=3e-2)
+    # the caches: appended rows bit-exact, every other row unchanged
+    want_k, want_v = (np.array(c).view(np.uint8) for c in (k_cache, v_cache))
+    for i in range(case.batch):
+        for j in range(case.seqlen_new):
+            r = case.seqlens[i] + j
+            if r < case.capacity:
+                slot = cache_location(case, extra, i, r)
+                want_k[slot] = np.asarray(stored["k"][i, j]).view(np.uint8)
+                want_v[slot] = np.asarray(stored["v"][i, j]).view(np.uint8)
+    np.testing.assert_array_equal(np.asarray(kc).view(np.uint8), want_k)
+    np.testing.assert_array_equal(np.asarray(vc).view(np.uint8), want_v)
+
+
+def test_fp8_descales_broadcast():
+    case = dataclasses.replace(CASES[0][0], seqlen_new=0)
+    q, k_cache, v_cache, _, extra, descales, _ = fp8_inputs(case, "float8_e4m3fn")
+    n = jnp.asarray(case.seqlens, jnp.int32)
+
+    @jax.jit
+    def attend(k_descale, v_descale):
+        return flashjax.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=n,
+                                                     k_descale=k_descale, v_descale=v_descale)
+    full = lambda x: jnp.broadcast_to(x, (case.batch, case.heads_kv)).astype(jnp.float32)
+    scale = jnp.asarray(0.75, jnp.float32)
+    rows, heads = descales["k_descale"][:, :1], descales["k_descale"][:1, :]
+    for k_descale in (scale, scale.reshape(1, 1), rows, heads):
+        np.testing.assert_array_equal(np.asarray(attend(k_descale, scale)),
+                                      np.asarray(attend(full(k_descale), full(scale))))
+    ones = jnp.ones((case.batch, case.heads_kv), jnp.float32)
+    np.testing.assert_array_equal(  # no descales: 1.0, as FlashAttention 3
+        np.asarray(flashjax.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=n)),
+        np.asarray(attend(ones, ones)))
+
+
+def test_fp8_cache_errors():
+    case = CASES[0][0]
+    q, k_cache, v_cache, new, _, descales, _ = fp8_inputs(case, "float8_e4m3fn")
+    call = flashjax.flash_attention_with_kvcache
+    n = jnp.asarray(case.seqlens, jnp.int32)
+    with pytest.raises(TypeError, match="k_cache and v_cache of one float8 dtype"):
+        call(q, k_cache, v_cache.astype(jnp.float8_e5m2), cache_seqlens=n)
+    with pytest.raises(ValueError, match="k_descale must have shape"):
+        call(q, k_cache, v_cache, cache_seqlens=n, k_descale=jnp.ones((2, 3), jnp.float32))
+    with pytest.raises(TypeError, match="v_descale must be float32"):
+        call(q, k_cache, v_cache, cache_seqlens=n, v_descale=jnp.ones((), jnp.bfloat16))
+    with pytest.raises(TypeError, match="k must have q's dtype"):
+        call(q, k_cache, v_cache, new["k"].astype(jnp.float16), new["v"], cache_seqlens=n)
+    bf16_cache = k_cache.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="k_descale is for float8 caches"):
+        call(q, bf16_cache, bf16_cache, cache_seqlens=n, k_descale=descales["k_descale"])
+
+
+def test_fp8_paged_caches_in_continuous_batching():
+    """flash_attention_varlen with page_table= and float8 caches: the call on bf16 caches
+    holding each sequence's pages dequantised at its descales, bit for bit."""
+    rng = np.random.default_rng(3)
+    sequences, page, pages, heads, heads_kv, dim = 3, 4, 12, 4, 2, 32
+    table = jnp.asarray(rng.permutation(pages).reshape(sequences, 4), jnp.int32)
+    k8, v8 = (jnp.asarray(rng.standard_normal((pages, page, heads_kv, dim)), jnp.float8_e4m3fn)
+              for _ in range(2))
+    descales = [jnp.asarray(rng.uniform(0.5, 2.0, (sequences, heads_kv)), jnp.float32)
+                for _ in range(2)]
+    owner = np.zeros(pages, np.int32)
+    owner[np.asarray(table).ravel()] = np.repeat(np.arange(sequences), 4)
+    k16, v16 = ((c.astype(jnp.float32) * d[owner][:, None, :, None]).astype(jnp.bfloat16)
+                for c, d in zip((k8, v8), descales))
+    cu_q = jnp.asarray([0, 1, 3, 7], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((7, heads, dim)), jnp.bfloat16)
+    used = jnp.asarray([5, 16, 9], jnp.int32)
+    call = lambda k, v, **kw: flashjax.flash_attention_varlen(
+        q, k, v, cu_q, None, 4, 16, seqused_k=used, page_table=table, causal=True, **kw)
+    got = call(k8, v8, k_descale=descales[0], v_descale=descales[1])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(call(k16, v16)))
+    with pytest.raises(ValueError, match="k_descale is for float8 paged caches"):
+        call(k16, v16, k_descale=descales[0])
