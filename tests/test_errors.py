@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import flashjax
+from helpers import rand
 
 
 def shapes(b=1, sq=8, sk=8, hq=4, hk=2, d=16, dv=16):
@@ -15,9 +16,9 @@ def shapes(b=1, sq=8, sk=8, hq=4, hk=2, d=16, dv=16):
 
 def arrays(*shape_triple, dtype=jnp.float32):
     shape_triple = shape_triple or shapes()
-    # Random, not zeros: nothing here may depend on the values anyway.
-    return [jax.random.normal(jax.random.key(i), s, jnp.float32).astype(dtype)
-            for i, s in enumerate(shape_triple)]
+    # Random, not zeros: nothing here may depend on the values anyway (numpy-drawn:
+    # jax.random would compile a program for every shape).
+    return [rand(i, s, dtype) for i, s in enumerate(shape_triple)]
 
 
 def raises_everywhere(error, match, q, k, v, **kwargs):
@@ -159,7 +160,7 @@ def test_valid_edge_values_accepted():
 
 def test_unsupported_autodiff_modes_raise_the_documented_errors():
     """docs/api.md "Differentiation": reverse mode first order only."""
-    q = jax.random.normal(jax.random.key(0), (1, 16, 2, 32), jnp.float32)
+    q = rand(0, (1, 16, 2, 32))
     f = lambda q: flashjax.flash_attention(q, q, q).sum()
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(f, (q,), (q,))

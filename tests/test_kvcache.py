@@ -183,8 +183,9 @@ def test_donated_caches_are_updated_in_place():
 def test_adversarial_metadata_stays_in_bounds(implementation):
     """Garbage lengths, pages and batch indices: no fault, finite results, the cache
     rows no valid append reaches unchanged."""
-    attend = functools.partial(flashjax.flash_attention_with_kvcache,
-                               implementation=implementation)
+    # jitted (every argument an array): eager, each set-up op compiles per shape
+    attend = jax.jit(functools.partial(flashjax.flash_attention_with_kvcache,
+                                       implementation=implementation))
     case = KVCase(page_size=4, num_pages=12, capacity=16, seqlen_new=2)
     q, k_cache, v_cache, new, extra = make_inputs(case)
     table = jnp.asarray([[0, 1, 99, -5], [2, 3, 4, 5], [6, 7, 8, 2 ** 31 - 1]], jnp.int32)

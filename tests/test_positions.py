@@ -97,10 +97,9 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
     from flashjax import reference
 
     mesh = Mesh(np.array(jax.devices()), ("rows",))
-    ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q = jax.random.normal(ks[0], (2, 64, 4, 16), jnp.float32)
-    k = jax.random.normal(ks[1], (2, 64, 2, 16), jnp.float32)
-    v = jax.random.normal(ks[2], (2, 64, 2, 16), jnp.float32)
+    rng = np.random.default_rng(0)  # numpy: jax.random compiles a program per shape
+    q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32))
+               for shape in ((2, 64, 4, 16), (2, 64, 2, 16), (2, 64, 2, 16)))
     rows = P(None, "rows", None, None)
 
     def local(q, k, v, positioned):
@@ -112,16 +111,22 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
         return jax.jit(jax.shard_map(lambda q, k, v: local(q, k, v, positioned), mesh=mesh,
                                      in_specs=(rows, P(), P()), out_specs=rows))
 
-    want = reference.attention(q, k, v, causal=True, window_size=(20, 0),
-                               compute_dtype=jnp.float64)
+    ref = lambda q, k, v: reference.attention(q, k, v, causal=True, window_size=(20, 0),
+                                              compute_dtype=jnp.float64)
+
+    def loss(f):  # (sum(sin(out)), out)
+        def value(q, k, v):
+            out = f(q, k, v)
+            return jnp.sum(jnp.sin(out)), out
+        return value
+
+    # the reference's gradients and out from one jitted program
+    want_grads, want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2), has_aux=True))(q, k, v)
     np.testing.assert_allclose(np.asarray(sharded(True)(q, k, v)), np.asarray(want),
                                rtol=1e-5, atol=1e-5)
     assert not np.allclose(np.asarray(sharded(False)(q, k, v)), np.asarray(want), atol=1e-3)
-    loss = lambda f: (lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))))
-    got = jax.jit(jax.grad(loss(sharded(True)), argnums=(0, 1, 2)))(q, k, v)
-    ref = lambda q, k, v: reference.attention(q, k, v, causal=True, window_size=(20, 0),
-                                              compute_dtype=jnp.float64)
-    for g, w in zip(got, jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)):
+    got, _ = jax.jit(jax.grad(loss(sharded(True)), argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    for g, w in zip(got, want_grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     print("ok")
 """)

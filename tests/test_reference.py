@@ -11,7 +11,7 @@ import pytest
 from jax.test_util import check_grads
 
 from flashjax import reference
-from helpers import Case, case_inputs, ids, rand, rel_err
+from helpers import Case, case_inputs, ids, jitted_reference, rand, rel_err
 
 
 def naive(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, sinks=None):
@@ -107,7 +107,7 @@ def test_rows_without_keys():
     case = Case(seqlen_q=12, seqlen_k=4, heads_q=2, heads_kv=1, head_dim=4, causal=True, sinks=True)
     q, k, v, sinks = case_inputs(case)
     for s in (None, sinks):
-        out, lse = reference.attention(q, k, v, sinks=s, causal=True, return_lse=True)
+        out, lse = jitted_reference(q, k, v, sinks=s, causal=True, return_lse=True)
         assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any()
         np.testing.assert_array_equal(np.asarray(out)[:, :8], 0.0)
         want = -np.inf if s is None else np.asarray(s)[None, :, None]
@@ -156,17 +156,19 @@ def test_reference_gradients_of_empty_rows_are_zero_not_nan():
 
 
 def test_compute_dtype():
+    # jitted (one program per dtype setting; eager, each op compiles per dtype)
+    attention = jitted_reference
     q, k, v = (rand(i, (1, 20, 2, 16), jnp.bfloat16) for i in range(3))
-    assert reference.attention(q, k, v).dtype == jnp.bfloat16
-    out, lse = reference.attention(q, k, v, return_lse=True, compute_dtype=jnp.float64)
+    assert attention(q, k, v).dtype == jnp.bfloat16
+    out, lse = attention(q, k, v, return_lse=True, compute_dtype=jnp.float64)
     assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
-    out, lse = reference.attention(q, k, v, return_lse=True, compute_dtype=jnp.bfloat16)
+    out, lse = attention(q, k, v, return_lse=True, compute_dtype=jnp.bfloat16)
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     # The same-precision reference is really less precise than the float32 one.
-    hi = reference.attention(q, k, v, compute_dtype=jnp.float64)
-    err32 = rel_err(reference.attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                                        v.astype(jnp.float32)), hi)
-    err16 = rel_err(reference.attention(q, k, v, compute_dtype=q.dtype), hi)
+    hi = attention(q, k, v, compute_dtype=jnp.float64)
+    err32 = rel_err(attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                              v.astype(jnp.float32)), hi)
+    err16 = rel_err(attention(q, k, v, compute_dtype=q.dtype), hi)
     assert err32 < 1e-6 < err16 < 0.05
 
 
@@ -174,12 +176,14 @@ def test_leading_dims_and_gqa_equal_repeated_heads():
     q = rand(0, (2, 3, 10, 4, 8), jnp.float32)
     k = rand(1, (2, 3, 12, 2, 8), jnp.float32)
     v = rand(2, (2, 3, 12, 2, 6), jnp.float32)
-    out = reference.attention(q, k, v, causal=True, compute_dtype=jnp.float64)
-    per = jax.vmap(lambda q, k, v: reference.attention(q, k, v, causal=True, compute_dtype=jnp.float64))(
-        q, k, v)
+    attention = lambda q, k, v: reference.attention(q, k, v, causal=True,
+                                                    compute_dtype=jnp.float64)
+    # jitted (eager, each op compiles for these new shapes)
+    out = jax.jit(attention)(q, k, v)
+    per = jax.jit(jax.vmap(attention))(q, k, v)
     np.testing.assert_allclose(np.asarray(out), np.asarray(per), rtol=1e-12, atol=1e-12)
-    rep = reference.attention(q, jnp.repeat(k, 2, axis=-2), jnp.repeat(v, 2, axis=-2), causal=True,
-                              compute_dtype=jnp.float64)
+    rep = jax.jit(lambda q, k, v: attention(q, jnp.repeat(k, 2, axis=-2),
+                                            jnp.repeat(v, 2, axis=-2)))(q, k, v)
     np.testing.assert_allclose(np.asarray(out), np.asarray(rep), rtol=1e-12, atol=1e-12)
 
 

@@ -18,10 +18,9 @@ SCRIPT = textwrap.dedent("""
     from flashjax import reference
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-    ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q = jax.random.normal(ks[0], (4, 64, 4, 16), jnp.float32)
-    k = jax.random.normal(ks[1], (4, 64, 2, 16), jnp.float32)
-    v = jax.random.normal(ks[2], (4, 64, 2, 16), jnp.float32)
+    rng = np.random.default_rng(0)  # numpy: jax.random compiles a program per shape
+    q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32))
+               for shape in ((4, 64, 4, 16), (4, 64, 2, 16), (4, 64, 2, 16)))
     spec = P("data", None, "model", None)  # batch over "data", heads over "model"
     qs, kss, vs = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v))
     attn = lambda q, k, v: flashjax.flash_attention(q, k, v, causal=True)
@@ -31,15 +30,18 @@ SCRIPT = textwrap.dedent("""
     def check(got, want):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
-    check(jax.jit(attn)(qs, kss, vs), ref(q, k, v))
+    # the reference's out and gradients, jitted, computed once for both calls
+    want = jax.jit(ref)(q, k, v)
+    want_grads = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
+    check(jax.jit(attn)(qs, kss, vs), want)
     grads = jax.jit(jax.grad(loss(attn), argnums=(0, 1, 2)))(qs, kss, vs)
-    for g, w in zip(grads, jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)):
+    for g, w in zip(grads, want_grads):
         check(g, w)
     sharded = jax.jit(jax.shard_map(attn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
-    check(sharded(qs, kss, vs), ref(q, k, v))
+    check(sharded(qs, kss, vs), want)
     sharded_grad = jax.jit(jax.shard_map(jax.grad(loss(attn), argnums=(0, 1, 2)), mesh=mesh,
                                          in_specs=(spec,) * 3, out_specs=(spec,) * 3))
-    for g, w in zip(sharded_grad(qs, kss, vs), jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)):
+    for g, w in zip(sharded_grad(qs, kss, vs), want_grads):
         check(g, w)
 
     # Query rows sharded, k, v and sinks replicated (non-causal): dk, dv and dsinks
@@ -51,7 +53,8 @@ SCRIPT = textwrap.dedent("""
     rows = P(None, ("data", "model"), None, None)
     grad_s = jax.jit(jax.shard_map(jax.grad(loss_s(attn_s), argnums=(0, 1, 2, 3)), mesh=mesh,
                                    in_specs=(rows, P(), P(), P()), out_specs=(rows, P(), P(), P())))
-    for g, w in zip(grad_s(q, k, v, s), jax.grad(loss_s(ref_s), argnums=(0, 1, 2, 3))(q, k, v, s)):
+    want_s = jax.jit(jax.grad(loss_s(ref_s), argnums=(0, 1, 2, 3)))(q, k, v, s)
+    for g, w in zip(grad_s(q, k, v, s), want_s):
         check(g, w)
     print("ok")
 """)
@@ -76,8 +79,8 @@ JIT_SCRIPT = textwrap.dedent("""
     COLLECTIVE = r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
     n = len(jax.devices())
     mesh = Mesh(np.array(jax.devices()).reshape(2, n // 2), ("data", "model"))
-    ks = iter(jax.random.split(jax.random.PRNGKey(0), 64))
-    normal = lambda *shape: jax.random.normal(next(ks), shape, jnp.float32)
+    rng = np.random.default_rng(0)  # numpy: jax.random compiles a program per shape
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
 
     def check(got, want, what):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5,
@@ -86,6 +89,17 @@ JIT_SCRIPT = textwrap.dedent("""
     def compiled(f, *args):  # one compilation: the program to run and its HLO text
         program = f.lower(*args).compile()
         return program, program.as_text()
+
+    def out_and_grads(f, argnums):  # f's out and the gradients of sum(sin(out)): one program
+        def loss(*args):
+            out = f(*args)
+            return jnp.sum(jnp.sin(out)), out
+
+        def run(*args):
+            (_, out), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True,
+                                                 allow_int=True)(*args)
+            return out, grads
+        return jax.jit(run)
 
     def collectives(hlo):
         return sorted(set(re.findall(COLLECTIVE, hlo)))
@@ -118,18 +132,18 @@ JIT_SCRIPT = textwrap.dedent("""
         args = (jax.device_put(q, NamedSharding(mesh, spec)),
                 jax.device_put(k, kv_sharding), jax.device_put(v, kv_sharding), arrays)
         what = f"{spec} {heads_q}/{heads_kv} {sorted(options)} {sorted(arrays)}"
+        argnums = (0, 1, 2, 3) if "sinks" in arrays else (0, 1, 2)
+        want_out, want_grads = out_and_grads(ref, argnums)(q, k, v, arrays)
         forward, forward_hlo = compiled(jax.jit(attn), *args)
         out = forward(*args)
-        check(out, jax.jit(ref)(q, k, v, arrays), what)
+        check(out, want_out, what)
         if want in ("local", "ring", "gather"):
             padded = lambda p: tuple(p) + (None,) * (4 - len(p))
             assert padded(out.sharding.spec) == padded(spec), (what, out.sharding.spec)
-        argnums = (0, 1, 2, 3) if "sinks" in arrays else (0, 1, 2)
         grad, grad_hlo = compiled(jax.jit(jax.grad(loss(attn), argnums=argnums, allow_int=True)),
                                   *args)
         got = grad(*args)
-        want = jax.jit(jax.grad(loss(ref), argnums=argnums, allow_int=True))(q, k, v, arrays)
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want_grads)):
             if g.dtype != jax.dtypes.float0:
                 check(g, w, what + " grad")
         sums_sinks = "sinks" in arrays and (spec[0] or want == "ring")
@@ -169,14 +183,14 @@ JIT_SCRIPT = textwrap.dedent("""
         ref = lambda q, k, v: reference.attention_varlen(q, k, v, np.asarray(cu), np.asarray(cu),
                                                          23, 23, causal=True,
                                                          compute_dtype=jnp.float64)
+        want_out, want_grads = out_and_grads(ref, (0, 1, 2))(q, k, v)
         varlen_program, varlen_hlo = compiled(jax.jit(varlen), *args)
         out = varlen_program(*args)
-        check(out, ref(q, k, v), "varlen")
+        check(out, want_out, "varlen")
         assert tuple(out.sharding.spec)[:2] == (None, "model"), out.sharding.spec
         grad, grad_hlo = compiled(
             jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(varlen(*a))), argnums=(0, 1, 2))), *args)
-        want = jax.grad(lambda *a: jnp.sum(jnp.sin(ref(*a))), argnums=(0, 1, 2))(q, k, v)
-        for g, w in zip(grad(*args), want):
+        for g, w in zip(grad(*args), want_grads):
             check(g, w, "varlen grad")
         assert collectives(varlen_hlo) == [], collectives(varlen_hlo)
         assert collectives(grad_hlo) == [], collectives(grad_hlo)
@@ -226,8 +240,8 @@ KVCACHE_SCRIPT = textwrap.dedent("""
 
     COLLECTIVE = r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-    ks = iter(jax.random.split(jax.random.PRNGKey(0), 16))
-    normal = lambda *shape: jax.random.normal(next(ks), shape, jnp.float32)
+    rng = np.random.default_rng(0)  # numpy: jax.random compiles a program per shape
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
     b, hq, hk, d, capacity, new = 4, 8, 4, 16, 24, 2
     q, k, v = normal(b, new, hq, d), normal(b, new, hk, d), normal(b, new, hk, d)
@@ -243,7 +257,7 @@ KVCACHE_SCRIPT = textwrap.dedent("""
 
     # contiguous: batch over "data", heads over "model"
     kc, vc = normal(b, capacity, hk, d), normal(b, capacity, hk, d)
-    want = step(q, kc, vc, k, v, seqlens)
+    want = jax.jit(step)(q, kc, vc, k, v, seqlens)  # (eager, each set-up op compiles)
     rows = ("data", None, "model", None)
     args = (put(q, *rows), put(kc, *rows), put(vc, *rows), put(k, *rows), put(v, *rows),
             put(seqlens, "data"))
@@ -261,7 +275,7 @@ KVCACHE_SCRIPT = textwrap.dedent("""
     # paged: 12 pages of 8 rows, heads over "model", batch over "data" (writes: kept whole)
     pages = np.arange(12, dtype=np.int32)[::-1].reshape(4, 3).copy()
     kp, vp = normal(12, 8, hk, d), normal(12, 8, hk, d)
-    want = step(q, kp, vp, k, v, seqlens, page_table=pages)
+    want = jax.jit(lambda *a: step(*a, page_table=pages))(q, kp, vp, k, v, seqlens)
     pool = (None, None, "model", None)
     args = (put(q, *rows), put(kp, *pool), put(vp, *pool), put(k, *rows), put(v, *rows),
             put(seqlens, "data"))
@@ -273,7 +287,8 @@ KVCACHE_SCRIPT = textwrap.dedent("""
     read = jax.jit(lambda q, kc, vc, n: flashjax.flash_attention_with_kvcache(
         q, kc, vc, cache_seqlens=n, page_table=put(pages, "data", None)))
     check(read(args[0], args[1], args[2], args[5]),
-          flashjax.flash_attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, page_table=pages),
+          jax.jit(lambda q, kc, vc, n: flashjax.flash_attention_with_kvcache(
+              q, kc, vc, cache_seqlens=n, page_table=pages))(q, kp, vp, seqlens),
           "paged read-only")
     hlo = read.lower(args[0], args[1], args[2], args[5]).compile().as_text()
     assert not re.findall(COLLECTIVE, hlo), "paged read-only: a collective"

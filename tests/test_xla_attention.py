@@ -216,7 +216,7 @@ def test_large_logits_and_dominating_sinks():
     q, k, v, _ = case_inputs(Case(seqlen_q=40, seqlen_k=40, heads_q=2, heads_kv=2, head_dim=16))
     with_sinks = jax.jit(lambda s: dense_xla(q, k, v, causal=True, sinks=s, return_lse=True))
     tiny, _ = with_sinks(jnp.full((2,), -1e4, jnp.float32))
-    plain = reference.attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)
+    plain = jitted_reference(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)
     check_close(tiny, plain, name="negligible sinks")
     huge, lse = with_sinks(jnp.full((2,), 1e3, jnp.float32))
     assert np.abs(np.asarray(huge)).max() < 1e-30
@@ -233,9 +233,9 @@ def test_very_negative_scores_are_not_lost():
     for options in (dict(window_size=(1, 1), q_offset=14), dict(causal=True)):
         out, lse = jax.jit(lambda q, k, v: dense_xla(q, k, v, softmax_scale=1.0, return_lse=True,
                                                      **options))(q, k, v)
-        want_out, want_lse = reference.attention(q.astype(jnp.float64), k.astype(jnp.float64),
-                                                 v.astype(jnp.float64), softmax_scale=1.0,
-                                                 return_lse=True, **options)
+        want_out, want_lse = jax.jit(lambda q, k, v: reference.attention(
+            q, k, v, softmax_scale=1.0, return_lse=True, **options))(
+                *(x.astype(jnp.float64) for x in (q, k, v)))
         check_close(out, want_out, name="out")
         check_close(lse, want_lse, name="lse")
 
@@ -462,11 +462,9 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
 
     xla_attention.BLOCK_Q = xla_attention.BLOCK_K = 16
     mesh = Mesh(np.array(jax.devices()), ("rows",))
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(ks[0], (2, 64, 4, 16), jnp.float32)
-    k = jax.random.normal(ks[1], (2, 64, 2, 16), jnp.float32)
-    v = jax.random.normal(ks[2], (2, 64, 2, 16), jnp.float32)
-    sinks = jax.random.normal(ks[3], (4,), jnp.float32)
+    rng = np.random.default_rng(0)  # numpy: jax.random compiles a program per shape
+    q, k, v, sinks = (jnp.asarray(rng.standard_normal(shape, np.float32))
+                      for shape in ((2, 64, 4, 16), (2, 64, 2, 16), (2, 64, 2, 16), (4,)))
     cfg = _checks.make_config(16, None, True, (20, -1), 0.0, False, "xla")
     rows = P(None, "rows", None, None)
 
@@ -478,11 +476,19 @@ SHARD_MAP_SCRIPT = textwrap.dedent("""
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(rows, P(), P(), P()), out_specs=rows))
     ref = lambda q, k, v, s: reference.attention(q, k, v, sinks=s, causal=True,
                                                  window_size=(20, -1), compute_dtype=jnp.float64)
-    np.testing.assert_allclose(np.asarray(f(q, k, v, sinks)), np.asarray(ref(q, k, v, sinks)),
+
+    def loss(f):  # (sum(sin(out)), out)
+        def value(*args):
+            out = f(*args)
+            return jnp.sum(jnp.sin(out)), out
+        return value
+
+    # the reference's gradients and out from one jitted program
+    want, want_out = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, sinks)
+    np.testing.assert_allclose(np.asarray(f(q, k, v, sinks)), np.asarray(want_out),
                                rtol=1e-5, atol=1e-5)
-    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
-    got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
-    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    got, _ = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     print("ok")
