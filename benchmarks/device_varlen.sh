@@ -111,23 +111,27 @@ PYEOF
       $PY -m flashjax.bench --varlen both --iters 5 --loop 5 --json "$OUT/varlen.jsonl" \
         > "$OUT/varlen.log" 2>&1; tail -20 "$OUT/varlen.log" ;;
     dense)
-      # Dense FA3 shapes, new vs baseline, jitted loops of 10 dependent calls, one process each.
-      for who in new base; do
-        pp=""; [ "$who" = base ] && pp=/tmp/base
-        PYTHONPATH=$pp $PY -m flashjax.bench --fa3-shapes --seqlen 2k 16k --impl flashjax \
-          --mode fwd fwdbwd --loop 10 --iters 10 --json "$OUT/dense_$who.jsonl" > "$OUT/dense_$who.log" 2>&1
+      # Dense FA3 shapes, this build vs the baseline (and the variant build with
+      # DENSE_WHO="new base variant"), jitted loops of 10 dependent calls, one process each.
+      for who in ${DENSE_WHO:-new base}; do
+        pp=""; [ "$who" = base ] && pp=/tmp/base; [ "$who" = variant ] && pp=/tmp/variant
+        # DENSE_ARGS narrows the shapes (e.g. "--seqlen 2k --head-dim 64 128 --mode fwd").
+        PYTHONPATH=$pp $PY -m flashjax.bench --fa3-shapes ${DENSE_ARGS:---seqlen 2k 16k --mode fwd fwdbwd} \
+          --impl flashjax --loop 10 --iters 10 --json "$OUT/dense_$who.jsonl" > "$OUT/dense_$who.log" 2>&1
       done
-      $PY - "$OUT" <<'PYEOF'
+      $PY - "$OUT" ${DENSE_WHO:-new base} <<'PYEOF'
 import json, sys
+out, builds = sys.argv[1], sys.argv[2:]
 rows = {}
-for who in ("new", "base"):
-    for line in open(f"{sys.argv[1]}/dense_{who}.jsonl"):
+for who in builds:
+    for line in open(f"{out}/dense_{who}.jsonl"):
         r = json.loads(line)
         rows.setdefault((r["mode"], r["head_dim"], r["seqlen_q"], r["causal"]), {})[who] = r["tflops"]
-print("mode    d    s causal   new  base  new/base")
+print("mode    d    s causal " + " ".join(f"{w:>8s}" for w in builds) + "  (ratios to " + builds[0] + ")")
 for (mode, d, s, c), v in sorted(rows.items()):
-    n, b = v.get("new"), v.get("base")
-    print(f"{mode:6s} {d:3d} {s:5d} {int(c)}  {n or 0:6.1f} {b or 0:6.1f}  {(n or 0) / (b or 1):.3f}")
+    first = v.get(builds[0]) or 1
+    print(f"{mode:6s} {d:3d} {s:5d} {int(c)}   " + " ".join(f"{v.get(w) or 0:8.1f}" for w in builds)
+          + "  " + " ".join(f"{(v.get(w) or 0) / first:.3f}" for w in builds[1:]))
 PYEOF
       ;;
     peers)

@@ -103,21 +103,28 @@ def make_inputs(case: KVCase, seed=0):
 
 
 def cache_location(case: KVCase, extra, i, r):
-    """(slot, row) of logical row r of sequence i: sequence i is cache entry / page-table
-    row cache_batch_idx[i] (default i), as FlashAttention addresses caches."""
+    """(slot, row) of logical row r (an int or an integer array) of sequence i: sequence
+    i is cache entry / page-table row cache_batch_idx[i] (default i), as FlashAttention
+    addresses caches. Vectorised: a 128k-row cache is one numpy gather, not a Python
+    loop of jax indexing."""
     entry = int(extra["cache_batch_idx"][i]) if "cache_batch_idx" in extra else i
     if case.page_size:
-        return int(extra["page_table"][entry, r // case.page_size]), r % case.page_size
+        table = np.asarray(extra["page_table"])
+        return table[entry, np.asarray(r) // case.page_size], np.asarray(r) % case.page_size
     return entry, r
+
+
+def read_rows(case: KVCase, i: int) -> np.ndarray:
+    """The logical cache rows sequence i attends to: [leftpad, seqlen + new) within capacity."""
+    left = case.leftpad[i] if case.leftpad else 0
+    return np.arange(left, min(case.seqlens[i] + case.seqlen_new, case.capacity))
 
 
 def poison_unread_rows(case: KVCase, k_cache, v_cache, extra):
     """NaN in every cache row outside each sequence's keys [leftpad, seqlen + new)."""
     read = np.zeros(k_cache.shape[:2], bool)
     for i in range(case.batch):
-        left = case.leftpad[i] if case.leftpad else 0
-        for r in range(left, min(case.seqlens[i] + case.seqlen_new, case.capacity)):
-            read[cache_location(case, extra, i, r)] = True
+        read[cache_location(case, extra, i, read_rows(case, i))] = True
     mask = jnp.asarray(read)[:, :, None, None]
     return (jnp.where(mask, k_cache, jnp.nan).astype(k_cache.dtype),
             jnp.where(mask, v_cache, jnp.nan).astype(v_cache.dtype))
@@ -187,8 +194,8 @@ def expected(case: KVCase, q, k_cache, v_cache, new, extra, terms=None):
                 kj = rotary_np(kj, cos, sin, np.array([position + j]), case.interleaved)
             kc[loc(r)], vc[loc(r)] = kj[0], vn[i, j]
         end = min(seqlen + case.seqlen_new, case.capacity)
-        keys = np.stack([kc[loc(r)] for r in range(left, end)]) if end > left else None
-        vals = np.stack([vc[loc(r)] for r in range(left, end)]) if end > left else None
+        rows = read_rows(case, i)
+        keys, vals = (kc[loc(rows)], vc[loc(rows)]) if end > left else (None, None)
         qi = q[i]
         if rot:
             per_row = case.causal or case.window_size != (-1, -1)

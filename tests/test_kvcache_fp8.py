@@ -37,12 +37,11 @@ def fp8_inputs(case: KVCase, cache_dtype: str, seed: int = 1):
     caches, dequantised = [], []
     for cache, name in ((k_cache, "k_descale"), (v_cache, "v_descale")):
         c8 = jnp.asarray(cache, jnp.float32).astype(cache_dtype)
-        deq = np.asarray(c8.astype(jnp.float32), np.float64)
+        stored = np.asarray(c8.astype(jnp.float32), np.float64)
+        deq = stored.copy()
         for i in range(case.batch):  # each sequence's rows at its own descales
-            for r in range(case.capacity):
-                slot = cache_location(case, extra, i, r)
-                deq[slot] = np.asarray(c8[slot].astype(jnp.float32), np.float64) * \
-                    descales[name][i][:, None]
+            slot = cache_location(case, extra, i, np.arange(case.capacity))
+            deq[slot] = stored[slot] * descales[name][i][:, None]
         caches.append(c8)
         dequantised.append(deq)
     return (q, *caches, new, extra, {n: jnp.asarray(d) for n, d in descales.items()},
