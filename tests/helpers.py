@@ -351,10 +351,19 @@ def check_gradients(case: Case, device=None, seed=0, *, return_lse=True, determi
     (check_gradient_values). new_shape: as in check_forward. Returns the gradients as
     numpy arrays."""
     args, ct = gradient_inputs(case, device, seed, return_lse)
-    ours = flash(case, return_lse=return_lse, deterministic=deterministic)
-    grads = jax.jit(functools.partial(vjp, ours))(args, ct)
+    grads = _flash_vjp(flashjax.flash_attention, case, return_lse, deterministic)(args, ct)
     references = _compiled_references(case, seed, return_lse)[1] if new_shape else None
     return check_gradient_values(case, grads, seed, return_lse=return_lse, references=references)
+
+
+@functools.lru_cache(maxsize=16)
+def _flash_vjp(entry, case: Case, return_lse, deterministic):
+    """jit(vjp) of flash(case), f(args, ct). Cached so that a case's runs on both CPU
+    backward paths share one compilation (the kernels read FLASHJAX_CPU_BACKWARD at
+    each run); `entry`, what flashjax.flash_attention is bound to (use_implementation),
+    keys the cache so that a program never outlives its binding."""
+    return jax.jit(functools.partial(
+        vjp, flash(case, return_lse=return_lse, deterministic=deterministic)))
 
 
 def check_gradient_values(case: Case, grads, seed=0, *, return_lse=True, references=None):

@@ -108,7 +108,10 @@ JIT_SCRIPT = textwrap.dedent("""
         shapes = re.findall(r"= \\w+\\[(\\d+),(\\d+),(\\d+),(\\d+)\\][^ ]* all-gather", hlo)
         return sorted({int(shape[2]) for shape in shapes})
 
-    def case(spec, heads_q, heads_kv, want, kv_spec=None, **options):
+    # implementation="cpu": the C++ kernels that None picks on the CPU, without tracing
+    # None's pure-JAX branch too (most of a case's compile time); each device count's
+    # first case keeps None.
+    def case(spec, heads_q, heads_kv, want, kv_spec=None, implementation="cpu", **options):
         b, s = 4, 48
         q, k, v = normal(b, s, heads_q, 16), normal(b, s, heads_kv, 16), normal(b, s, heads_kv, 8)
         arrays = {}  # traced keyword arguments (the rest of `options` are static)
@@ -124,14 +127,15 @@ JIT_SCRIPT = textwrap.dedent("""
             arrays.update(q_offset=jnp.array([0, 5, -3, 60], jnp.int32), kv_offset=2)
         if options.get("dropout_rate"):  # the unsharded call's mask (global b, h)
             arrays["dropout_key"] = jax.random.key(7)
-        attn = lambda q, k, v, kw: flashjax.flash_attention(q, k, v, **options, **kw)
+        attn = lambda q, k, v, kw: flashjax.flash_attention(
+            q, k, v, implementation=implementation, **options, **kw)
         ref = lambda q, k, v, kw: reference.attention(q, k, v, compute_dtype=jnp.float64,
                                                       **options, **kw)
         loss = lambda f: (lambda q, k, v, kw: jnp.sum(jnp.sin(f(q, k, v, kw))))
         kv_sharding = NamedSharding(mesh, spec if kv_spec is None else kv_spec)
         args = (jax.device_put(q, NamedSharding(mesh, spec)),
                 jax.device_put(k, kv_sharding), jax.device_put(v, kv_sharding), arrays)
-        what = f"{spec} {heads_q}/{heads_kv} {sorted(options)} {sorted(arrays)}"
+        what = f"{spec} {heads_q}/{heads_kv} {sorted(options)} {sorted(arrays)} {implementation}"
         argnums = (0, 1, 2, 3) if "sinks" in arrays else (0, 1, 2)
         want_out, want_grads = out_and_grads(ref, argnums)(q, k, v, arrays)
         forward, forward_hlo = compiled(jax.jit(attn), *args)
@@ -165,7 +169,8 @@ JIT_SCRIPT = textwrap.dedent("""
 
     def local_cases():  # batch and / or heads sharded, packed sequences
         heads = n // 2  # the "model" axis
-        case(P("data", None, "model", None), 2 * heads, heads, "local", causal=True)
+        case(P("data", None, "model", None), 2 * heads, heads, "local", causal=True,
+             implementation=None)
         case(P("data", None, None, None), 4, 2, "local", window_size=(5, 3), softcap=4.0)
         case(P(None, None, "model", None), 2 * heads, heads, "local", sinks=True, causal=True)
         case(P("data", None, "model", None), 4 * heads, heads, "local", sinks=True, segments=True)
@@ -179,7 +184,8 @@ JIT_SCRIPT = textwrap.dedent("""
         packed = NamedSharding(mesh, P(None, "model", None))
         args = [jax.device_put(x, packed) for x in (q, k, v)]
         varlen = lambda q, k, v: flashjax.flash_attention_varlen(q, k, v, cu, cu, 23, 23,
-                                                                 causal=True)
+                                                                 causal=True,
+                                                                 implementation="cpu")
         ref = lambda q, k, v: reference.attention_varlen(q, k, v, np.asarray(cu), np.asarray(cu),
                                                          23, 23, causal=True,
                                                          compute_dtype=jnp.float64)
@@ -199,7 +205,7 @@ JIT_SCRIPT = textwrap.dedent("""
         heads = n // 2
         # the sequence over "model" (and batch over "data"): a ring, causal or not, sinks,
         # sliding windows, segment ids + seqused, positions (q_offset / kv_offset)
-        case(P("data", "model", None, None), 4, 2, "ring", causal=True)
+        case(P("data", "model", None, None), 4, 2, "ring", causal=True, implementation=None)
         case(P(None, "model", None, None), 4, 4, "ring", sinks=True, softcap=2.0)
         case(P(None, "data", None, None), 4, 2, "ring", window_size=(7, 0))
         case(P(None, "model", None, None), 4, 2, "ring", window_size=(5, 9), sinks=True)
