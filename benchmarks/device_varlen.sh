@@ -40,8 +40,9 @@ for step in "$@"; do
         -C "cmake.define.CMAKE_CUDA_FLAGS=${VARIANT_FLAGS:-}" . > "$OUT/build_variant.log" 2>&1 || { tail -30 "$OUT/build_variant.log"; exit 1; }
       echo "variant built ($VARIANT_FLAGS)" ;;
     tests)
-      # GPU_TESTS=tests runs every GPU test (1363, ~5 min with GPU_WORKERS=12); GPU_K picks.
-      $PY -m pytest -q -n ${GPU_WORKERS:-8} -m gpu -x ${GPU_TESTS:-tests/test_gpu_varlen.py tests/test_gpu.py} \
+      # GPU_TESTS=tests runs every GPU test (1363, ~5 min with GPU_WORKERS=12); GPU_K picks;
+      # GPU_MARK="gpu or not gpu" also runs unmarked tests (on the GPU, jax's default device).
+      $PY -m pytest -q -n ${GPU_WORKERS:-8} -m "${GPU_MARK:-gpu}" -x ${GPU_TESTS:-tests/test_gpu_varlen.py tests/test_gpu.py} \
         ${GPU_K:+-k "$GPU_K"} > "$OUT/gpu_tests.log" 2>&1
       tail -25 "$OUT/gpu_tests.log" ;;
     kvtests)
