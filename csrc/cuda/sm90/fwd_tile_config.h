@@ -9,6 +9,10 @@
 
 #include "hopper_common.cuh"
 
+#ifndef FLASHJAX_FWD_D64_CONSUMERS
+#define FLASHJAX_FWD_D64_CONSUMERS 3
+#endif
+
 namespace flashjax::cuda::hopper_fwd {
 
 constexpr int kStages = 2;  // K/V tiles in flight: a ring of full/empty mbarriers
@@ -39,8 +43,10 @@ struct TileConfig {
   static constexpr int kHeadDim = kHeadDimBucket;
   static constexpr int kElementBytes = sizeof(T);
   // Consumer warpgroups, 64 query rows each: three at head dim 64, where the
-  // products are short and the softmax needs more warps to hide behind them.
-  static constexpr int kConsumers = kHeadDim == 64 ? 3 : 2;
+  // products are short and the softmax needs more warps to hide behind them
+  // (FLASHJAX_FWD_D64_CONSUMERS=2: an A/B knob; at 3 the consumers' 160
+  // registers are at the edge of spilling).
+  static constexpr int kConsumers = kHeadDim == 64 ? FLASHJAX_FWD_D64_CONSUMERS : 2;
   static constexpr int kBlockM = kConsumerRows * kConsumers;  // query rows per tile
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // Registers per thread: the producer gives its share to the consumers.
