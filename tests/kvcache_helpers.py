@@ -194,8 +194,8 @@ def expected(case: KVCase, q, k_cache, v_cache, new, extra, terms=None):
                 kj = rotary_np(kj, cos, sin, np.array([position + j]), case.interleaved)
             kc[loc(r)], vc[loc(r)] = kj[0], vn[i, j]
         end = min(seqlen + case.seqlen_new, case.capacity)
-        rows = read_rows(case, i)
-        keys, vals = (kc[loc(rows)], vc[loc(rows)]) if end > left else (None, None)
+        key_rows = read_rows(case, i)
+        keys, vals = (kc[loc(key_rows)], vc[loc(key_rows)]) if key_rows.size else (None, None)
         qi = q[i]
         if rot:
             per_row = case.causal or case.window_size != (-1, -1)
