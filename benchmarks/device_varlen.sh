@@ -114,11 +114,13 @@ PYEOF
     dense)
       # Dense FA3 shapes, this build vs the baseline (and the variant build with
       # DENSE_WHO="new base variant"), jitted loops of 10 dependent calls, one process each.
+      # A "_det" suffix (e.g. "new_det") runs that build with --deterministic.
       for who in ${DENSE_WHO:-new base}; do
-        pp=""; [ "$who" = base ] && pp=/tmp/base; [ "$who" = variant ] && pp=/tmp/variant
+        build=${who%_det}; det=""; [ "$build" != "$who" ] && det=--deterministic
+        pp=""; [ "$build" = base ] && pp=/tmp/base; [ "$build" = variant ] && pp=/tmp/variant
         # DENSE_ARGS narrows the shapes (e.g. "--seqlen 2k --head-dim 64 128 --mode fwd").
         PYTHONPATH=$pp $PY -m flashjax.bench --fa3-shapes ${DENSE_ARGS:---seqlen 2k 16k --mode fwd fwdbwd} \
-          --impl flashjax --loop 10 --iters 10 --json "$OUT/dense_$who.jsonl" > "$OUT/dense_$who.log" 2>&1
+          $det --impl flashjax --loop 10 --iters 10 --json "$OUT/dense_$who.jsonl" > "$OUT/dense_$who.log" 2>&1
       done
       $PY - "$OUT" ${DENSE_WHO:-new base} <<'PYEOF'
 import json, sys

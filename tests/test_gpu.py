@@ -116,6 +116,11 @@ DETERMINISTIC_CASES = [
          causal=True),
     Case(batch=1, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=1, head_dim=72, dtype="float16", softcap=5.0),
     Case(batch=1, seqlen_q=200, seqlen_k=250, heads_q=2, heads_kv=1, head_dim=32, dtype="float32", sinks=True),
+    # causal with many key blocks a dQ tile: the Hopper key kernel adds them in a fixed order
+    Case(batch=2, seqlen_q=2048, seqlen_k=2048, heads_q=8, heads_kv=2, head_dim=128, dtype="bfloat16",
+         causal=True),
+    Case(batch=1, seqlen_q=1500, seqlen_k=1100, heads_q=4, heads_kv=4, head_dim=96, dtype="float16", causal=True,
+         window_size=(300, 0)),
 ]
 
 

@@ -89,13 +89,19 @@ struct BackwardWorkspace {
   float* lse2_padded = nullptr;  // lse in log2 units, +inf past the used rows
   float* D_padded = nullptr;     // D, 0 past the used rows
   float* dq_accum = nullptr;     // float32 dQ, dq_cols a row
+  // Deterministic fused dQ: one counter per kDqOrderRows padded rows, the key blocks
+  // that have added to those rows of dq_accum so far (they add in a fixed order).
+  static constexpr int64_t kDqOrderRows = 64;
+  int* dq_order = nullptr;
   // Packed / seqused layouts: the key and query kernels' work lists.
   VarlenWorkList key_list, query_list;
   int64_t dq_cols = 0;
   size_t bytes = 0;
 
   // base may be null to size the workspace only.
-  BackwardWorkspace(const AttentionParams& p, void* base, bool padded_stats, int64_t dq_columns)
+  // dq_columns: the float32 dQ buffer's (0: none); ordered_dq: with dq_order.
+  BackwardWorkspace(const AttentionParams& p, void* base, bool padded_stats, int64_t dq_columns,
+                    bool ordered_dq = false)
       : padded(p), dq_cols(dq_columns) {
     const size_t padded_rows = static_cast<size_t>(padded.total());
     char* at = static_cast<char*>(base);
@@ -119,11 +125,26 @@ struct BackwardWorkspace {
       lse2_padded = take_floats(padded_rows);
       D_padded = take_floats(padded_rows);
     }
-    if (dq_cols > 0) dq_accum = take_floats(padded_rows * static_cast<size_t>(dq_cols));
+    if (dq_cols > 0) {  // (the counters right after the buffer: zeroed with it)
+      const size_t dq_floats = padded_rows * static_cast<size_t>(dq_cols);
+      dq_accum = take_floats(dq_floats + (ordered_dq ? dq_order_counters() : 0));
+      if (ordered_dq && dq_accum) dq_order = reinterpret_cast<int*>(dq_accum + dq_floats);
+    }
     if (padded_stats && layouts_of(p) != Layouts::kUniform) {
       key_list = VarlenWorkList(p, take(VarlenWorkList::workspace_bytes(p)));
       query_list = VarlenWorkList(p, take(VarlenWorkList::workspace_bytes(p)));
     }
+  }
+
+  size_t dq_order_counters() const {
+    return static_cast<size_t>(padded.total() / kDqOrderRows);
+  }
+  // The float4s backward_preprocess zeroes: the dQ buffer and its counters.
+  int64_t zeroed_float4s() const {
+    if (!dq_accum) return 0;
+    const size_t words = static_cast<size_t>(padded.total()) * static_cast<size_t>(dq_cols) +
+                         (dq_order ? dq_order_counters() : 0);
+    return static_cast<int64_t>((words + 3) / 4);  // (within the array's kArrayAlign bytes)
   }
 
   // Floats spanned by an array with lse's strides over every row of the

@@ -212,8 +212,7 @@ cudaError_t backward_preprocess(const AttentionParams& p, const BackwardWorkspac
     lanes_per_row *= 2;
   const int64_t rows_per_warp = 32 / lanes_per_row;
   const int64_t warps = (p.batch * p.heads_q * p.seqlen_q + rows_per_warp - 1) / rows_per_warp;
-  // (dq_cols: a multiple of 4; the buffer is kArrayAlign-aligned)
-  const int64_t dq_float4s = ws.dq_accum ? ws.padded.total() * ws.dq_cols / 4 : 0;
+  const int64_t dq_float4s = ws.zeroed_float4s();  // (the buffer is kArrayAlign-aligned)
   return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
     const int64_t vec = kVectorBytes / sizeof(tag);
     const auto aligned = [&](const TensorRef& t) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../common/backward_workspace.h"
 #include "bwd_params.h"
 #include "bwd_scheduler.cuh"
 #include "bwd_smem.cuh"
@@ -39,28 +40,103 @@ __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], in
     }
 }
 
+// Deterministic dQ (`order`, uniform layouts): the key blocks of a (sequence,
+// kv head) add to each query tile's rows of the dQ buffer one after another, in
+// a fixed order, each waiting for its turn on the tile's counter
+// (BackwardWorkspace::dq_order). The blocks run in pair order (KeyBlock), and a
+// block only waits for blocks of its own pair, which the host makes fit on the
+// SMs at once (so all have started). Non-causal: first to last; causal
+// (window_right 0): last to first, the order in which they reach a tile (a
+// block starts at its first visible tile: block n + 1 reaches each tile two
+// tiles before block n, so no block waits long).
+template <class Block>
+struct DqOrder {
+  int* counters;  // per kDqOrderRows padded rows
+  SeqlenInfo seq;
+  int self, blocks;
+  bool last_first;
+
+  __device__ DqOrder(int* counters_, const AttentionParams& p, const Block& kb)
+      : counters(counters_),
+        seq(kb.sequence(p)),
+        self(static_cast<int>(kb.k0 / Block::kRows)),
+        blocks(static_cast<int>((p.seqlen_k + Block::kRows - 1) / Block::kRows)),
+        last_first(p.window_right == 0) {}
+
+  // This block's place among the blocks whose tiles include the one at slot row
+  // `row` (a contiguous range of blocks: KeyBlock::first_row and end_row are
+  // non-decreasing).
+  __device__ int rank(int64_t row) const {
+    if (last_first) {  // the last block with first_row <= row
+      int lo = self, hi = blocks - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (Block::first_row(seq, int64_t(mid) * Block::kRows) <= row) lo = mid;
+        else hi = mid - 1;
+      }
+      return lo - self;
+    }
+    int lo = 0, hi = self;  // the first block with end_row > row
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (Block::end_row(seq, int64_t(mid) * Block::kRows) > row) hi = mid;
+      else lo = mid + 1;
+    }
+    return self - lo;
+  }
+  // Waits until the blocks before this one have added to the tile, then orders
+  // the bulk reductions that follow after them.
+  __device__ void wait_turn(int64_t padded_row, int64_t row) const {
+    const int* counter = counters + padded_row / BackwardWorkspace::kDqOrderRows;
+    const int turn = rank(row);
+    while (ld_acquire_gpu(counter) != turn) __nanosleep(kSpinNanoseconds);
+    fence_proxy_async_global();
+  }
+  // After this block's reductions to the tile are complete (all bulk groups but
+  // the kPending newest: the next tile's, issued meanwhile): the next block's turn.
+  template <int kPending>
+  __device__ void pass_turn(int64_t padded_row) const {
+    bulk_wait<kPending>();
+    fence_proxy_async_global();
+    red_release_gpu_add(counters + padded_row / BackwardWorkspace::kDqOrderRows, 1);
+  }
+  static constexpr int kSpinNanoseconds = 64;
+};
+
 // The fused key kernel's dQ writer, one thread of the producer warpgroup: it
 // sends each consumer's staged dQ block (tile it, stage it % kDqStages) as a
 // bulk reduction once all 128 of its threads have arrived on dq_full, and
 // frees a stage (dq_empty) once the reduction has read it, so that consumers
-// only wait when they are a whole ring ahead.
-template <int kHeadDim, class Block>
-__device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb,
-                         const AttentionParams& p, const RowStats& stats, float* dq_accum) {
+// only wait when they are a whole ring ahead. kOrdered: deterministic, in the
+// order of DqOrder (counters at dq_order).
+template <bool kOrdered, int kHeadDim, class Block>
+__device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionParams& p,
+                         const RowStats& stats, float* dq_accum, int* dq_order) {
   using C = TileConfig<kHeadDim>;
+  static_assert(C::kStreamRows == BackwardWorkspace::kDqOrderRows, "a counter per tile");
   constexpr int kLag = C::kDqStages - 1;  // tiles whose reductions may still read
   auto tile = kb.walk(p, stats.padded);
+  // (kDqOfOwnKeys: both consumers add to one block, which an order would serialise)
+  static_assert(!kOrdered || !C::kDqOfOwnKeys, "ordered dQ: consumers add to their own blocks");
+  const DqOrder<Block> order(dq_order, p, kb);
+  int64_t previous_row = 0;  // kOrdered: the tile whose turn this block holds
   for (int64_t it = 0; it < kb.tiles; ++it) {
     const int s = it % C::kDqStages;
 #pragma unroll
     for (int c = 0; c < C::kConsumers; ++c) {
       mbar_wait_idle(&sm.dq_full[c * C::kDqStages + s], (it / C::kDqStages) & 1);
+      if (kOrdered && c == 0)
+        order.wait_turn(tile.padded_row, kb.row_begin + tile.j * C::kStreamRows);
       // With kDqOfOwnKeys both consumers add to the same block.
       const int64_t block =
           dq_block_start<kHeadDim, C::kDqCols>(tile.padded_row, C::kDqOfOwnKeys ? 0 : c);
       bulk_reduce_add(dq_accum + block,
                       sm.dq_stage + (c * C::kDqStages + s) * kDqBlock<C::kDqCols>,
                       kDqBlockBytes<C::kDqCols>);
+    }
+    if constexpr (kOrdered) {  // the previous tile's turn, once its reductions are complete
+      if (it > 0) order.template pass_turn<C::kConsumers>(previous_row);
+      previous_row = tile.padded_row;
     }
     tile.next();
     bulk_wait_reads<C::kConsumers * kLag>();
@@ -70,6 +146,8 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb,
       for (int c = 0; c < C::kConsumers; ++c) mbar_arrive(&sm.dq_empty[c * C::kDqStages + freed]);
     }
   }
+  if constexpr (kOrdered)
+    if (kb.tiles > 0) order.template pass_turn<0>(previous_row);
   bulk_wait_all();
 }
 

@@ -52,13 +52,15 @@ __device__ __forceinline__ void for_each_block(const AttentionParams& p,
   });
 }
 
-// dK and dV of a block of 128 keys (and, with kFusedDq, its shares of dQ).
+// dK and dV of a block of 128 keys (and, with kFusedDq, its shares of dQ;
+// dq_order: added in a fixed order, bwd_dq_writer.cuh's DqOrder, else null).
 // kLayouts: any; `list`: the blocks of non-uniform ones; `segment_tiles`: kSegments'.
 // kTerms: score terms and dropout (non-uniform layouts only).
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
 __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
-                      const RowStats stats, float* dq_accum, const VarlenWorkList list,
+                      const RowStats stats, float* dq_accum, int* dq_order,
+                      const VarlenWorkList list,
                       const __grid_constant__ SegmentTiles segment_tiles,
                       const __grid_constant__ MaskTiles mask_tiles) {
   using Config = TileConfig<kHeadDim>;
@@ -75,8 +77,12 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
         produce(sm, maps, static_cast<int>(kb.sequence(p).k_row(kb.k0)),
                 static_cast<int>(kb.hk), static_cast<int>(kb.sequence(p).batch), kb.tiles,
                 kb.walk(p, stats.padded), stats);
-      else if (kFusedDq && threadIdx.x == 32)
-        write_dq(sm, kb, p, stats, dq_accum);
+      else if (kFusedDq && threadIdx.x == 32) {
+        // (dq_order: deterministic, uniform layouts, consumers on their own dQ blocks)
+        if constexpr (kOrderedDq && kLayouts == Layouts::kUniform && !Config::kDqOfOwnKeys)
+          if (dq_order) return write_dq<true>(sm, kb, p, stats, dq_accum, dq_order);
+        write_dq<false>(sm, kb, p, stats, dq_accum, nullptr);
+      }
       return;
     }
     consumer_registers<Config>();
@@ -143,7 +149,7 @@ __global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
 
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
 __global__ void hopper_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
-                                  const RowStats, float*, const VarlenWorkList,
+                                  const RowStats, float*, int*, const VarlenWorkList,
                                   const SegmentTiles, const MaskTiles) {}
 template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
 __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,

@@ -136,14 +136,14 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
   const RowStats stats{ws.lse2_padded, ws.D_padded, ws.padded, ws.nonfinite};
   const unsigned elementwise_blocks = 8 * multiprocessor_count();  // grid-stride kernels
   stage_rows_kernel<<<elementwise_blocks, 256, 0, stream>>>(p, ws, fused);
-  if (!fused) {  // deterministic: key kernel without dQ, then the query kernel
+  if (!fused) {  // deterministic, not ordered_dq: key kernel without dQ, then the query kernel
     if constexpr (kWide<kHeadDim>) {
       return cudaErrorNotSupported;  // hopper_backward_supports says no
     } else {
       if (key_blocks > 0)
         hopper_key_kernel<T, kHeadDim, false, kLayouts, kTerms>
             <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-                p, key_maps, stats, nullptr, ws.key_list, ws.segments, ws.masks);
+                p, key_maps, stats, nullptr, nullptr, ws.key_list, ws.segments, ws.masks);
       if (query_blocks > 0)
         hopper_query_kernel<T, kHeadDim, kLayouts, kTerms>
             <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(
@@ -160,7 +160,8 @@ cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaSt
     else
       hopper_key_kernel<T, kHeadDim, true, kLayouts, kTerms>
           <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-              p, key_maps, stats, ws.dq_accum, ws.key_list, ws.segments, ws.masks);
+              p, key_maps, stats, ws.dq_accum, ws.dq_order, ws.key_list, ws.segments,
+              ws.masks);
   }
   convert_dq_kernel<T, kHeadDim><<<elementwise_blocks, 256, 0, stream>>>(p, ws.dq_accum,
                                                                          ws.padded, ws.nonfinite);
@@ -188,10 +189,36 @@ bool hopper_backward_supports(const AttentionParams& p) {
 #endif
 }
 
+namespace {
+
+// Deterministic calls the fused key kernel takes with kOrderedDq (an A/B knob,
+// bwd_tile_config.h), adding dQ in a fixed order (DqOrder, bwd_dq_writer.cuh):
+// uniform layouts, head dims 65-128 (at 64 both consumers add to one dQ block,
+// which an order would serialise), causal (window_right 0; kOrderedDq 2: all),
+// where a head's key blocks fit on the SMs at once (a block waits for the
+// others of its head). The others compute dQ in the query kernel (7 products
+// a tile pair to the fused kernel's 5).
+bool ordered_dq(const AttentionParams& p) {
+  const int64_t bucket = head_dim_bucket(kTensorCoreBuckets, p);
+  if (!hopper_bwd::kOrderedDq || !p.deterministic || layouts_of(p) != Layouts::kUniform ||
+      bucket > 128 ||
+      (hopper_bwd::TileConfig<64>::kDqOfOwnKeys && bucket <= 64))
+    return false;
+  const int64_t rows = hopper_bwd::TileConfig<128>::kOwnRows;  // (every narrow bucket's)
+  const int64_t blocks_per_head = (p.seqlen_k + rows - 1) / rows;
+  return blocks_per_head <= multiprocessor_count() &&
+         (p.window_right == 0 || hopper_bwd::kOrderedDq == 2);
+}
+
+}  // namespace
+
 BackwardWorkspace hopper_backward_workspace(const AttentionParams& p, void* base) {
-  // Deterministic mode computes dQ in its own kernel, without the float32 buffer.
-  return BackwardWorkspace(p, base, true,
-                           p.deterministic ? 0 : head_dim_bucket(kTensorCoreBuckets, p));
+  // The float32 dQ buffer for the fused key kernel: every call but the
+  // deterministic ones ordered_dq leaves to the query kernel.
+  const bool ordered = ordered_dq(p);
+  const bool fused = !p.deterministic || ordered;
+  return BackwardWorkspace(p, base, true, fused ? head_dim_bucket(kTensorCoreBuckets, p) : 0,
+                           ordered);
 }
 
 cudaError_t hopper_backward(const AttentionParams& call, void* workspace, cudaStream_t stream) {

@@ -117,9 +117,11 @@ struct KeyBlock {
   KeyBlock() = default;
   __device__ KeyBlock(const AttentionParams& p, const VarlenWorkList& list,
                       const SegmentTiles& segment_tiles) {
+    // (Ordered deterministic dQ keeps pair order: a block whose dQ waits for later
+    // blocks of its pair, DqOrder, finds them started.)
     const BlockIndex i =
         block_index<kLayouts>((p.seqlen_k + kRows - 1) / kRows, p.heads_kv, list,
-                              p.window_right == 0);
+                              p.window_right == 0 && !(kOrderedDq && p.deterministic));
     valid = i.valid;
     b = i.b;
     hk = i.head;
@@ -127,10 +129,10 @@ struct KeyBlock {
     seq = sequence_info<kLayouts>(p, b);
     last_key = min(k0 + kRows, seq.seqlen_k) - 1;
     // (No used key, last_key < k0: no query tile; uniform calls have one.)
-    row_begin = seq.first_query(k0) / kStreamRows * kStreamRows;
+    row_begin = first_row(seq, k0);
     int64_t row_end = kLayouts != Layouts::kUniform && (last_key < k0 || !valid)
                           ? 0
-                          : seq.last_query(last_key) + 1;
+                          : end_row(seq, k0);
     if constexpr (kLayouts == Layouts::kSegments) {
       int64_t lo, hi;  // (lo: a multiple of kStreamRows, as row_begin)
       segment_tiles.query_span(b, k0, kRows, lo, hi);
@@ -139,6 +141,15 @@ struct KeyBlock {
     }
     q_tiles = row_end > row_begin ? (row_end - row_begin + kStreamRows - 1) / kStreamRows : 0;
     tiles = q_tiles * p.group_size();
+  }
+  // The first streamed row and the end of the query rows that see the block of
+  // keys from k0 (its tiles: [first_row, end_row) rounded out to whole tiles;
+  // both non-decreasing in k0, as the blocks' query spans in masks without gaps).
+  __device__ static int64_t first_row(const SeqlenInfo& seq, int64_t k0) {
+    return seq.first_query(k0) / kStreamRows * kStreamRows;
+  }
+  __device__ static int64_t end_row(const SeqlenInfo& seq, int64_t k0) {
+    return seq.last_query(min(k0 + kRows, seq.seqlen_k) - 1) + 1;
   }
   // The sequence: uniform calls rebuild it from the shapes wherever it is
   // used (constants the compiler need not keep in registers).

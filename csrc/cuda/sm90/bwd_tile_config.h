@@ -34,6 +34,17 @@ __host__ __device__ constexpr int barrier_id(NamedBarrier barrier, int consumer 
   return static_cast<int>(barrier) + consumer;
 }
 
+// Deterministic dQ in the fused key kernel, added in a fixed order (DqOrder,
+// bwd_dq_writer.cuh), an A/B knob: 0 (default) off, the query kernel computes
+// deterministic dQ; 1 causal calls; 2 all. Measured (benchmarks/NOTES.md,
+// fifteenth session), bwd TFLOP/s deterministic / default, d128 causal, H200:
+// 2k 0.880 (query kernel 0.849), 16k 0.580 (0.819): each block's turn waits
+// for the chain of blocks above it, so the wait grows with the blocks a head.
+#ifndef FLASHJAX_BWD_ORDERED_DQ
+#define FLASHJAX_BWD_ORDERED_DQ 0
+#endif
+inline constexpr int kOrderedDq = FLASHJAX_BWD_ORDERED_DQ;
+
 // dQ is accumulated in float32 blocks of 64 rows x kCols head dims (64; 32 in
 // the wide kernel, whose shared memory holds only 8 KB stages), contiguous so
 // that one bulk reduction adds a block: block (row tile of the padded rows,

@@ -175,10 +175,12 @@ template <int kPending = 0>
 __device__ __forceinline__ void bulk_wait_reads() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
-// Waits until the issued bulk groups are complete.
-__device__ __forceinline__ void bulk_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+// Waits until all but the kPending most recent bulk groups are complete.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
+__device__ __forceinline__ void bulk_wait_all() { bulk_wait<0>(); }
 
 // All column blocks of a [rows][kHeadDim] tile; block c lands at c * rows * 128 B
 // (a partial last block, e.g. at head dim 96, is zero-filled past the tensor).
@@ -261,6 +263,19 @@ __device__ __forceinline__ void wgmma_commit() {
 // Makes this thread's shared-memory stores visible to wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Orders this thread's global-memory accesses with its bulk (async proxy) ones.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// A counter other CTAs publish to: acquire load, release add (gpu scope).
+__device__ __forceinline__ int ld_acquire_gpu(const int* at) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(at) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* at, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(at), "r"(v) : "memory");
 }
 // Named barriers among consumer threads (id 0 is __syncthreads'). The forward
 // uses 1 and 2 to order its two consumer warpgroups' wgmma issues.
