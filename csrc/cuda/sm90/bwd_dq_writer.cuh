@@ -92,11 +92,11 @@ struct DqOrder {
     while (ld_acquire_gpu(counter) != turn) __nanosleep(kSpinNanoseconds);
     fence_proxy_async_global();
   }
-  // After this block's reductions to the tile are complete (all bulk groups but
-  // the kPending newest: the next tile's, issued meanwhile): the next block's turn.
-  template <int kPending>
+  // Once this block's reductions to the tile are complete: the next block's turn.
+  // (Passed right away: a block that kept its turn until it issued its next tile
+  // would chain each block to the next one's progress; fifteenth session, v2.)
   __device__ void pass_turn(int64_t padded_row) const {
-    bulk_wait<kPending>();
+    bulk_wait_all();
     fence_proxy_async_global();
     red_release_gpu_add(counters + padded_row / BackwardWorkspace::kDqOrderRows, 1);
   }
@@ -119,7 +119,6 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
   // (kDqOfOwnKeys: both consumers add to one block, which an order would serialise)
   static_assert(!kOrdered || !C::kDqOfOwnKeys, "ordered dQ: consumers add to their own blocks");
   const DqOrder<Block> order(dq_order, p, kb);
-  int64_t previous_row = 0;  // kOrdered: the tile whose turn this block holds
   for (int64_t it = 0; it < kb.tiles; ++it) {
     const int s = it % C::kDqStages;
 #pragma unroll
@@ -134,10 +133,7 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
                       sm.dq_stage + (c * C::kDqStages + s) * kDqBlock<C::kDqCols>,
                       kDqBlockBytes<C::kDqCols>);
     }
-    if constexpr (kOrdered) {  // the previous tile's turn, once its reductions are complete
-      if (it > 0) order.template pass_turn<C::kConsumers>(previous_row);
-      previous_row = tile.padded_row;
-    }
+    [[maybe_unused]] const int64_t padded_row = tile.padded_row;  // (kOrdered)
     tile.next();
     bulk_wait_reads<C::kConsumers * kLag>();
     if (it >= kLag) {
@@ -145,9 +141,10 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
 #pragma unroll
       for (int c = 0; c < C::kConsumers; ++c) mbar_arrive(&sm.dq_empty[c * C::kDqStages + freed]);
     }
+    // The tile's turn passes on once its reductions are complete (the stages are
+    // free already: the consumers need not wait for the completion).
+    if constexpr (kOrdered) order.pass_turn(padded_row);
   }
-  if constexpr (kOrdered)
-    if (kb.tiles > 0) order.template pass_turn<0>(previous_row);
   bulk_wait_all();
 }
 

@@ -37,9 +37,10 @@ __host__ __device__ constexpr int barrier_id(NamedBarrier barrier, int consumer 
 // Deterministic dQ in the fused key kernel, added in a fixed order (DqOrder,
 // bwd_dq_writer.cuh), an A/B knob: 0 (default) off, the query kernel computes
 // deterministic dQ; 1 causal calls; 2 all. Measured (benchmarks/NOTES.md,
-// fifteenth session), bwd TFLOP/s deterministic / default, d128 causal, H200:
-// 2k 0.880 (query kernel 0.849), 16k 0.580 (0.819): each block's turn waits
-// for the chain of blocks above it, so the wait grows with the blocks a head.
+// fifteenth session), bwd TFLOP/s deterministic / default, d128 causal, H200,
+// with each tile's turn kept until the next tile was issued (v2): 2k 0.880
+// (query kernel 0.849), 16k 0.580 (0.819), the blocks chained to each other;
+// this code passes the turn on at once (v3): compiled, not yet measured.
 #ifndef FLASHJAX_BWD_ORDERED_DQ
 #define FLASHJAX_BWD_ORDERED_DQ 0
 #endif

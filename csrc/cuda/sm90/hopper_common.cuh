@@ -175,12 +175,10 @@ template <int kPending = 0>
 __device__ __forceinline__ void bulk_wait_reads() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
-// Waits until all but the kPending most recent bulk groups are complete.
-template <int kPending>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+// Waits until the issued bulk groups are complete.
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
-__device__ __forceinline__ void bulk_wait_all() { bulk_wait<0>(); }
 
 // All column blocks of a [rows][kHeadDim] tile; block c lands at c * rows * 128 B
 // (a partial last block, e.g. at head dim 96, is zero-filled past the tensor).
