@@ -45,7 +45,8 @@ __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], in
 // a fixed order, each waiting for its turn on the tile's counter
 // (BackwardWorkspace::dq_order). The blocks run in pair order (KeyBlock), and a
 // block only waits for blocks of its own pair, which the host makes fit on the
-// SMs at once (so all have started). Non-causal: first to last; causal
+// SMs at once: the first unfinished pair's blocks can always all be running, so
+// it finishes (no deadlock). Non-causal: first to last; causal
 // (window_right 0): last to first, the order in which they reach a tile (a
 // block starts at its first visible tile: block n + 1 reaches each tile two
 // tiles before block n, so no block waits long).
