@@ -72,8 +72,8 @@ cudaError_t forward(const AttentionParams& p, void* workspace, cudaStream_t stre
 }
 
 size_t backward_workspace_bytes(const AttentionParams& p) {
-  if (backward_kernel(p) == Kernel::kHopper) return hopper_backward_workspace(p, nullptr).bytes;
-  return BackwardWorkspace(p, nullptr, false, 0).bytes;
+  if (backward_kernel(p) == Kernel::kHopper) return hopper_backward_workspace_bytes(p);
+  return BackwardWorkspace(p, nullptr).bytes;
 }
 
 cudaError_t backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {

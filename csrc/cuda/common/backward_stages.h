@@ -12,7 +12,7 @@
 namespace flashjax::cuda {
 
 // D of every used row (laid out like lse; also zeroes ws.nonfinite and
-// ws.dq_accum where there is one), and dsinks from the used rows' shares (laid
+// ws.zeroed where there is one), and dsinks from the used rows' shares (laid
 // out like lse).
 cudaError_t backward_preprocess(const AttentionParams& p, const BackwardWorkspace& ws,
                                 cudaStream_t stream);

@@ -212,7 +212,6 @@ cudaError_t backward_preprocess(const AttentionParams& p, const BackwardWorkspac
     lanes_per_row *= 2;
   const int64_t rows_per_warp = 32 / lanes_per_row;
   const int64_t warps = (p.batch * p.heads_q * p.seqlen_q + rows_per_warp - 1) / rows_per_warp;
-  const int64_t dq_float4s = ws.zeroed_float4s();  // (the buffer is kArrayAlign-aligned)
   return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
     const int64_t vec = kVectorBytes / sizeof(tag);
     const auto aligned = [&](const TensorRef& t) {
@@ -223,7 +222,7 @@ cudaError_t backward_preprocess(const AttentionParams& p, const BackwardWorkspac
     return with_layouts(p, [&](auto layouts) {
       return launch_warps(preprocess_kernel<decltype(tag), decltype(layouts)::value>, warps,
                           stream, p, ws.D, ws.nonfinite, lanes_per_row, vectorized,
-                          reinterpret_cast<float4*>(ws.dq_accum), dq_float4s);
+                          reinterpret_cast<float4*>(ws.zeroed), ws.zeroed_float4s);
     });
   });
 }
@@ -266,7 +265,7 @@ cudaError_t simt_bias_gradient(const AttentionParams& p, const TensorRef& D,
 }
 
 cudaError_t simt_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  const BackwardWorkspace ws(p, workspace, false, 0);
+  const BackwardWorkspace ws(p, workspace);
   if (cudaError_t e = backward_preprocess(p, ws, stream); e != cudaSuccess) return e;
   cudaError_t status = with_dtype(kAllTypes, p.dtype, [&](auto tag) {
     return with_pair_terms(p, [&](auto terms) {

@@ -350,7 +350,7 @@ bool tensor_core_backward_supports(const AttentionParams& p) {
 
 cudaError_t tensor_core_backward(const AttentionParams& call, void* workspace,
                                  cudaStream_t stream) {
-  const BackwardWorkspace ws(call, workspace, false, 0);
+  const BackwardWorkspace ws(call, workspace);
   return run_backward_stages(call, ws, stream, [&](const AttentionParams& p) {
     if (p.has_segments()) {
       if (!ws.segments) return cudaErrorInvalidValue;  // no workspace

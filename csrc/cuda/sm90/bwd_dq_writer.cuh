@@ -7,11 +7,11 @@
 
 #include <cstdint>
 
-#include "../common/backward_workspace.h"
 #include "bwd_params.h"
 #include "bwd_scheduler.cuh"
 #include "bwd_smem.cuh"
 #include "bwd_tile_config.h"
+#include "bwd_workspace.h"
 #include "flashjax/params.h"
 #include "hopper_common.cuh"
 
@@ -43,7 +43,7 @@ __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], in
 // Deterministic dQ (`order`, uniform layouts): the key blocks of a (sequence,
 // kv head) add to each query tile's rows of the dQ buffer one after another, in
 // a fixed order, each waiting for its turn on the tile's counter
-// (BackwardWorkspace::dq_order). The blocks run in pair order (KeyBlock), and a
+// (HopperBackwardWorkspace::dq_order). The blocks run in pair order (KeyBlock), and a
 // block only waits for blocks of its own pair, which the host makes fit on the
 // SMs at once: the first unfinished pair's blocks can always all be running, so
 // it finishes (no deadlock). Non-causal: first to last; causal
@@ -88,7 +88,7 @@ struct DqOrder {
   // Waits until the blocks before this one have added to the tile, then orders
   // the bulk reductions that follow after them.
   __device__ void wait_turn(int64_t padded_row, int64_t row) const {
-    const int* counter = counters + padded_row / BackwardWorkspace::kDqOrderRows;
+    const int* counter = counters + padded_row / HopperBackwardWorkspace::kDqOrderRows;
     const int turn = rank(row);
     while (ld_acquire_gpu(counter) != turn) __nanosleep(kSpinNanoseconds);
     fence_proxy_async_global();
@@ -99,7 +99,7 @@ struct DqOrder {
   __device__ void pass_turn(int64_t padded_row) const {
     bulk_wait_all();
     fence_proxy_async_global();
-    red_release_gpu_add(counters + padded_row / BackwardWorkspace::kDqOrderRows, 1);
+    red_release_gpu_add(counters + padded_row / HopperBackwardWorkspace::kDqOrderRows, 1);
   }
   static constexpr int kSpinNanoseconds = 64;
 };
@@ -114,7 +114,7 @@ template <bool kOrdered, int kHeadDim, class Block>
 __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionParams& p,
                          const RowStats& stats, float* dq_accum, int* dq_order) {
   using C = TileConfig<kHeadDim>;
-  static_assert(C::kStreamRows == BackwardWorkspace::kDqOrderRows, "a counter per tile");
+  static_assert(C::kStreamRows == HopperBackwardWorkspace::kDqOrderRows, "a counter per tile");
   constexpr int kLag = C::kDqStages - 1;  // tiles whose reductions may still read
   auto tile = kb.walk(p, stats.padded);
   // (kDqOfOwnKeys: both consumers add to one block, which an order would serialise)

@@ -11,13 +11,13 @@
 #include <algorithm>
 
 #include "../common/backward_stages.h"
-#include "../common/backward_workspace.h"
 #include "../common/dispatch.h"
 #include "bwd_kernel.cuh"
 #include "bwd_params.h"
 #include "bwd_postprocess.cuh"
 #include "bwd_preprocess.cuh"
 #include "bwd_tile_config.h"
+#include "bwd_workspace.h"
 #include "flashjax/params.h"
 #include "hopper_backward.h"
 #include "hopper_common.cuh"
@@ -77,7 +77,8 @@ cudaError_t build_blocks(const AttentionParams& p, const VarlenWorkList& list, b
 }
 
 template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
-cudaError_t launch(const AttentionParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
+cudaError_t launch(const AttentionParams& p, const HopperBackwardWorkspace& ws,
+                   cudaStream_t stream) {
   using KeyConfig = KeyKernelConfig<kHeadDim>;
   using QueryConfig = TileConfig<kHeadDim>;  // (used only up to head dim 128)
   constexpr int kSmem = KeyConfig::kSmemBytes, kThreads = KeyConfig::kThreads;
@@ -210,19 +211,23 @@ bool ordered_dq(const AttentionParams& p) {
          (p.window_right == 0 || hopper_bwd::kOrderedDq == 2);
 }
 
-}  // namespace
-
-BackwardWorkspace hopper_backward_workspace(const AttentionParams& p, void* base) {
-  // The float32 dQ buffer for the fused key kernel: every call but the
-  // deterministic ones ordered_dq leaves to the query kernel.
+// The float32 dQ buffer for the fused key kernel: every call but the
+// deterministic ones ordered_dq leaves to the query kernel.
+HopperBackwardWorkspace hopper_backward_workspace(const AttentionParams& p, void* base) {
   const bool ordered = ordered_dq(p);
   const bool fused = !p.deterministic || ordered;
-  return BackwardWorkspace(p, base, true, fused ? head_dim_bucket(kTensorCoreBuckets, p) : 0,
-                           ordered);
+  return HopperBackwardWorkspace(p, base, fused ? head_dim_bucket(kTensorCoreBuckets, p) : 0,
+                                 ordered);
+}
+
+}  // namespace
+
+size_t hopper_backward_workspace_bytes(const AttentionParams& p) {
+  return hopper_backward_workspace(p, nullptr).bytes;
 }
 
 cudaError_t hopper_backward(const AttentionParams& call, void* workspace, cudaStream_t stream) {
-  const BackwardWorkspace ws = hopper_backward_workspace(call, workspace);
+  const HopperBackwardWorkspace ws = hopper_backward_workspace(call, workspace);
   return run_backward_stages(call, ws, stream, [&](const AttentionParams& p) {
     return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
       return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {

@@ -6,7 +6,8 @@
 
 #include <cstdint>
 
-#include "../common/backward_workspace.h"
+#include "bwd_workspace.h"
+
 
 namespace flashjax::cuda::hopper_bwd {
 

@@ -7,10 +7,10 @@
 
 #include <cstdint>
 
-#include "../common/backward_workspace.h"
 #include "../common/device.cuh"
 #include "../common/epilogue.cuh"
 #include "../common/softmax.cuh"
+#include "bwd_workspace.h"
 #include "flashjax/params.h"
 
 namespace flashjax::cuda::hopper_bwd {
@@ -19,7 +19,7 @@ namespace flashjax::cuda::hopper_bwd {
 // producer (+inf and 0 past the used rows, so those rows get P = dS = 0), and,
 // when dQ is fused into the key kernel, each used row's share of dsinks (as
 // the query kernel writes it otherwise).
-static __global__ void stage_rows_kernel(const AttentionParams p, BackwardWorkspace ws,
+static __global__ void stage_rows_kernel(const AttentionParams p, HopperBackwardWorkspace ws,
                                          bool dsinks) {
   const int64_t n = ws.padded.total();
   for (int64_t at = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; at < n;

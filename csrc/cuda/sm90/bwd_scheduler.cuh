@@ -10,7 +10,6 @@
 
 #include <cstdint>
 
-#include "../common/backward_workspace.h"
 #include "../common/block.cuh"
 #include "../common/device.cuh"
 #include "../common/mask.cuh"
@@ -19,6 +18,7 @@
 #include "../common/sequence_layout.h"
 #include "../common/work_list.h"
 #include "bwd_tile_config.h"
+#include "bwd_workspace.h"
 #include "flashjax/seqlen.h"
 #include "tile_scheduler.cuh"
 

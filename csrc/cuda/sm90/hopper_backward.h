@@ -5,14 +5,15 @@
 
 #include <cuda_runtime.h>
 
-#include "../common/backward_workspace.h"
+#include <cstddef>
+
 #include "flashjax/params.h"
 
 namespace flashjax::cuda {
 
 bool hopper_backward_supports(const AttentionParams& p);
-// The workspace layout of hopper_backward (base null: sizing only).
-BackwardWorkspace hopper_backward_workspace(const AttentionParams& p, void* base);
+// The bytes of hopper_backward's workspace (HopperBackwardWorkspace).
+size_t hopper_backward_workspace_bytes(const AttentionParams& p);
 // `workspace`: backward_workspace_bytes(p) bytes (launch.h).
 cudaError_t hopper_backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 
