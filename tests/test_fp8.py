@@ -132,3 +132,62 @@ def test_fp8_options_need_fp8_inputs():
         flashjax.flash_attention(q, k, v, out_dtype=jnp.float32)
     with pytest.raises(TypeError, match="one float8 dtype"):
         flashjax.flash_attention(q.astype(jnp.float8_e4m3fn), k, v)
+
+
+# ----------------------------------------------------------------------------- varlen
+
+LENGTHS_Q, LENGTHS_K = (13, 0, 27), (20, 9, 18)  # (a sequence without queries)
+
+
+def packed(x, lengths):
+    """Sequence i's rows of x (batch, seqlen, heads, dim): its first lengths[i], packed."""
+    return jnp.concatenate([x[i % x.shape[0], :n] for i, n in enumerate(lengths)])
+
+
+def cu(lengths):
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_varlen_rows_take_their_sequences_descales(dtype):
+    """Packed float8 q, k, v with descales per (sequence, kv head): each sequence's out
+    and lse equal flash_attention's on that sequence alone with its descales."""
+    q, k, v = inputs(dtype)
+    descales = dict(q_descale=jnp.asarray(RNG.uniform(0.1, 0.5, (3, HK)), jnp.float32),
+                    k_descale=jnp.asarray(RNG.uniform(0.1, 0.5, (3, 1)), jnp.float32),
+                    v_descale=jnp.float32(0.7))
+    out, lse = flashjax.flash_attention_varlen(
+        packed(q, LENGTHS_Q), packed(k, LENGTHS_K), packed(v, LENGTHS_K), cu(LENGTHS_Q),
+        cu(LENGTHS_K), SQ, SK, causal=True, return_lse=True, **descales)
+    assert out.dtype == jnp.bfloat16 and out.shape == (sum(LENGTHS_Q), H, D)
+    start = 0
+    for i, (nq, nk) in enumerate(zip(LENGTHS_Q, LENGTHS_K)):
+        one = {name: jnp.broadcast_to(d, (3, HK))[i:i + 1] for name, d in descales.items()}
+        want, want_lse = flashjax.flash_attention(
+            q[i % B:i % B + 1, :nq], k[i % B:i % B + 1, :nk], v[i % B:i % B + 1, :nk],
+            causal=True, return_lse=True, **one)
+        np.testing.assert_allclose(np.asarray(out[start:start + nq], np.float32),
+                                   np.asarray(want[0], np.float32), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(np.asarray(lse[:, start:start + nq]), np.asarray(want_lse[0]),
+                                   rtol=1e-3, atol=1e-3)
+        start += nq
+
+
+def test_varlen_out_dtype_forward_only_and_errors():
+    q, k, v = (packed(x, lens) for x, lens in zip(inputs(jnp.float8_e4m3fn),
+                                                   (LENGTHS_Q, LENGTHS_K, LENGTHS_K)))
+    call = lambda q, k, v, **kw: flashjax.flash_attention_varlen(
+        q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), SQ, SK, **kw)
+    assert call(q, k, v, out_dtype=jnp.float32).dtype == jnp.float32
+    with pytest.raises(TypeError, match="forward only"):
+        jax.grad(lambda q: call(q, k, v).astype(jnp.float32).sum())(q)
+    with pytest.raises(TypeError, match="one float8 dtype"):
+        call(q, k.astype(jnp.bfloat16), v)
+    with pytest.raises(ValueError, match=r"q_descale must have shape"):
+        call(q, k, v, q_descale=jnp.ones((2, HK), jnp.float32))
+    bf16 = q.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="q_descale is for float8"):
+        call(bf16, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+             q_descale=jnp.ones((3, HK), jnp.float32))
+    with pytest.raises(TypeError, match="q, k, v must share one dtype"):
+        call(bf16, k, v)

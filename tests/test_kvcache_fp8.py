@@ -139,9 +139,17 @@ def test_fp8_paged_caches_in_continuous_batching():
     cu_q = jnp.asarray([0, 1, 3, 7], jnp.int32)
     q = jnp.asarray(rng.standard_normal((7, heads, dim)), jnp.bfloat16)
     used = jnp.asarray([5, 16, 9], jnp.int32)
-    call = lambda k, v, **kw: flashjax.flash_attention_varlen(
+    call = lambda k, v, q=q, **kw: flashjax.flash_attention_varlen(
         q, k, v, cu_q, None, 4, 16, seqused_k=used, page_table=table, causal=True, **kw)
     got = call(k8, v8, k_descale=descales[0], v_descale=descales[1])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(call(k16, v16)))
+    # float8 q too: each row at its sequence's q_descale (rows 0 | 1-2 | 3-6)
+    q8 = q.astype(jnp.float8_e4m3fn)
+    q_descale = jnp.asarray(rng.uniform(0.5, 2.0, (sequences, heads_kv)), jnp.float32)
+    rows = np.repeat(np.arange(sequences), np.diff(np.asarray(cu_q)))
+    q16 = (q8.astype(jnp.float32) * jnp.repeat(q_descale, heads // heads_kv, axis=1)[rows][:, :, None]
+           ).astype(jnp.bfloat16)
+    got = call(k8, v8, q=q8, q_descale=q_descale, k_descale=descales[0], v_descale=descales[1])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(call(k16, v16, q=q16)))
     with pytest.raises(ValueError, match="k_descale is for float8 paged caches"):
         call(k16, v16, k_descale=descales[0])

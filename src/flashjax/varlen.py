@@ -69,7 +69,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
                            deterministic=False, page_table=None, q_offset=None, kv_offset=None,
                            alibi_slopes=None, dropout_rate=0.0, dropout_key=None,
-                           k_descale=None, v_descale=None, implementation=None):
+                           q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
+                           implementation=None):
     """Attention over a packed batch of sequences of different lengths.
 
     Args:
@@ -113,6 +114,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         flash_attention_with_kvcache takes them, per (sequence, kv head): shapes (),
         (1, 1), (num_seqs, 1), (1, heads_kv), (num_seqs, heads_kv); None: 1.0. The
         gathered rows are dequantised (x * descale in float32, rounded to q's dtype).
+      q_descale, out_dtype: float8 q, k, v (one float8 dtype; k and v packed, or
+        float8 paged caches), as flash_attention takes them: descales per (sequence,
+        kv head) of the shapes above (q's heads use their kv head's), each row at its
+        sequence's; out in out_dtype (bfloat16 by default); forward only. Today the
+        exact fallback: the rows dequantised, then the kernels of out_dtype.
       implementation: as in `flash_attention`.
 
     Returns:
@@ -130,16 +136,26 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens is non-decreasing (unspecified otherwise); nothing is read or
     written out of bounds.
     """
+    if _fp8.is_fp8(q):
+        return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
+                           v_descale, out_dtype, page_table, dict(
+                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                               seqused_q=seqused_q, seqused_k=seqused_k,
+                               softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, softcap=softcap, sinks=sinks,
+                               return_lse=return_lse, deterministic=deterministic,
+                               page_table=page_table, q_offset=q_offset,
+                               kv_offset=kv_offset, alibi_slopes=alibi_slopes,
+                               dropout_rate=dropout_rate, dropout_key=dropout_key,
+                               implementation=implementation))
+    _fp8.check_no_fp8_options(q, out_dtype, {"q_descale": q_descale})
     _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, page_table)
     rate = _dropout.check_dropout(dropout_rate, dropout_key)
     max_q = _checks.check_static_length("max_seqlen_q", max_seqlen_q)
     max_k = _checks.check_static_length("max_seqlen_k", max_seqlen_k)
     sequences = cu_seqlens_q.shape[0] - 1
     fp8_caches = page_table is not None and _fp8.is_fp8(k)
-    if not fp8_caches:
-        if _fp8.is_fp8(k):
-            raise TypeError("float8 k, v on flash_attention_varlen: paged caches (page_table=) "
-                            "only, for now")
+    if not fp8_caches:  # (float8 packed k, v with another q: _check_arrays said no)
         for name, value in (("k_descale", k_descale), ("v_descale", v_descale)):
             if value is not None:
                 raise ValueError(f"{name} is for float8 paged caches; got {k.dtype} k, v")
@@ -166,3 +182,44 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _ffi.load()
     out, lse = _core.attention(q, k, v, Extras(sinks=sinks), layout, cfg)
     return (out, lse) if return_lse else out
+
+
+def _token_sequences(cu_seqlens, tokens: int):
+    """The sequence of each of `tokens` packed rows (rows outside every sequence: a
+    neighbour's; cu_seqlens clamped, never trusted)."""
+    sequences = cu_seqlens.shape[0] - 1
+    ends = jnp.clip(cu_seqlens[1:].astype(jnp.int32), 0, tokens)
+    owner = jnp.searchsorted(ends, jnp.arange(tokens, dtype=jnp.int32), side="right")
+    return jnp.clip(owner, 0, max(sequences - 1, 0))
+
+
+def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale,
+                out_dtype, page_table, options: dict):
+    """flash_attention_varlen of float8 q, k, v: the exact fallback (_fp8): each row
+    dequantised at its sequence's descales (packed k, v here; float8 pages by the
+    paged path, q's dtype then the compute dtype), the kernels of out_dtype."""
+    _fp8.check_inputs(q, k, v)
+    if q.ndim != 3:
+        raise ValueError(f"q must have rank 3 (total_q, heads_q, head_dim), got shape {q.shape}")
+    if page_table is None and (k.ndim != 3 or v.ndim != 3):
+        raise ValueError("k and v must have rank 3 (total_k, heads_kv, head_dim[_v]), got "
+                         f"shapes {k.shape}, {v.shape}")
+    sequences, heads_kv = cu_seqlens_q.shape[0] - 1, k.shape[-2]
+    if q.shape[1] % heads_kv != 0:
+        raise ValueError(f"heads_q ({q.shape[1]}) must be a multiple of heads_kv ({heads_kv}) "
+                         "for MQA/GQA")
+    compute = _fp8.out_dtype_of(out_dtype)  # (the kernels of out's dtype)
+    scales = {name: _fp8.descale_of(name, value, sequences, heads_kv) for name, value in
+              (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}
+    q, k, v = map(_fp8.forward_only, (q, k, v))
+    q = _fp8.dequantize(q, scales["q_descale"], compute, q.shape[1] // heads_kv,
+                        row_batch=_token_sequences(cu_seqlens_q, q.shape[0]))
+    more = {}
+    if page_table is None:
+        owner = _token_sequences(cu_seqlens_k, k.shape[0])
+        k, v = (_fp8.dequantize(x, scales[name], compute, row_batch=owner)
+                for x, name in ((k, "k_descale"), (v, "v_descale")))
+    else:  # float8 pages: the paged path dequantises the gathered rows
+        more = dict(k_descale=scales["k_descale"], v_descale=scales["v_descale"])
+    # (out comes in q's dtype, the compute dtype: out_dtype)
+    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, **more)
