@@ -153,3 +153,51 @@ def test_fp8_paged_caches_in_continuous_batching():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(call(k16, v16, q=q16)))
     with pytest.raises(ValueError, match="k_descale is for float8 paged caches"):
         call(k16, v16, k_descale=descales[0])
+
+
+def test_fp8_query_with_fp8_new_tokens():
+    """FlashAttention 3's fp8 call: float8 q (q_descale per (batch, kv head)) over float8
+    caches, new tokens in the caches' dtype appended as they are (bit for bit), out in
+    out_dtype, against the float64 reference of the dequantised inputs."""
+    case = CASES[1][0]  # paged, leftpad, causal, sinks, two new tokens
+    q, k_cache, v_cache, new, extra, descales, (deq_k, deq_v) = fp8_inputs(case, "float8_e4m3fn")
+    rng = np.random.default_rng(5)
+    q8 = q.astype(jnp.float8_e4m3fn)
+    q_descale = jnp.asarray(rng.uniform(0.25, 2.0, (case.batch, case.heads_kv)), jnp.float32)
+    new8 = {n: x.astype(jnp.float8_e4m3fn) for n, x in new.items()}
+    out, lse, kc, vc = flashjax.flash_attention_with_kvcache(
+        q8, k_cache, v_cache, **new8, **extra, **descales, q_descale=q_descale,
+        cache_seqlens=jnp.asarray(case.seqlens, jnp.int32), causal=case.causal, return_lse=True,
+        out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    group = case.heads_q // case.heads_kv
+    q_deq = (np.asarray(q8.astype(jnp.float32), np.float64)
+             * np.repeat(np.asarray(q_descale, np.float64), group, axis=1)[:, None, :, None])
+    back = {n: np.asarray(new8[n].astype(jnp.float32), np.float64)
+            * np.asarray(descales[f"{n}_descale"], np.float64)[:, None, :, None] for n in ("k", "v")}
+    want_out, want_lse, _, _ = expected(case, jnp.asarray(q_deq, jnp.float32), deq_k, deq_v, back,
+                                        extra)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=1e-4, atol=1e-4)
+    for got, cache, name in ((kc, k_cache, "k"), (vc, v_cache, "v")):
+        want = np.array(cache).view(np.uint8)
+        for i in range(case.batch):
+            for j in range(case.seqlen_new):
+                r = case.seqlens[i] + j
+                if r < case.capacity:
+                    want[cache_location(case, extra, i, r)] = np.asarray(new8[name][i, j]).view(np.uint8)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want)
+
+
+def test_fp8_query_errors():
+    case = CASES[0][0]
+    q, k_cache, v_cache, new, extra, descales, _ = fp8_inputs(case, "float8_e4m3fn")
+    n = jnp.asarray(case.seqlens, jnp.int32)
+    call = lambda q, k_cache, **kw: flashjax.flash_attention_with_kvcache(
+        q, k_cache, v_cache if k_cache.dtype == v_cache.dtype else k_cache, cache_seqlens=n, **kw)
+    with pytest.raises(TypeError, match="a float8 q needs float8 caches of its dtype"):
+        call(q.astype(jnp.float8_e4m3fn), k_cache.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="q_descale is for float8"):
+        call(q, k_cache, q_descale=jnp.ones((), jnp.float32), **descales)
+    with pytest.raises(TypeError, match="must have q's dtype"):
+        call(q, k_cache, k=new["k"].astype(jnp.float8_e5m2), v=new["v"].astype(jnp.float8_e5m2))

@@ -140,6 +140,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_left
     (rotary_interleaved, return_lse, num_splits) and the integer metadata as int32
     arrays (or None; cache_seqlens may stay a Python int), in FlashAttention's terms:
     see _metadata."""
+    cache_dtype = k_cache.dtype
     if _fp8.is_fp8(k_cache) or _fp8.is_fp8(v_cache):  # (fp8 caches: _fp8_cache)
         if not (_fp8.is_fp8(k_cache) and v_cache.dtype == k_cache.dtype):
             raise TypeError("an fp8 KV cache needs k_cache and v_cache of one float8 dtype, got "
@@ -165,8 +166,10 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_left
                     f"{name} must have shape (batch, seqlen_new, heads_kv, "
                     f"{'head_dim' if name == 'k' else 'head_dim_v'}) = "
                     f"({batch}, seqlen_new, {heads_kv}, {last}), got {s}")
-            if x.dtype != q.dtype:
-                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+            if x.dtype != q.dtype and not (_fp8.is_fp8(x) and x.dtype == cache_dtype
+                                           and k.dtype == v.dtype):
+                raise TypeError(f"{name} must have q's dtype {q.dtype} (or, k and v both, a "
+                                f"float8 cache's), got {x.dtype}")
         if v.shape[1] != k.shape[1]:
             raise ValueError(f"k and v must have the same seqlen_new, got {k.shape}, {v.shape}")
     if _checks.is_int(cache_seqlens):
@@ -193,6 +196,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_left
             f"must be >= q's batch ({batch}), got k_cache shape {k_cache.shape}")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None and k is not None and _fp8.is_fp8(k):
+        raise ValueError("rotary embedding of float8 new tokens is not supported: pass k, v "
+                         f"in {q.dtype} (they are then rotated and quantised)")
     if rotary_cos is not None:
         s = _checks.shape_of("rotary_cos", rotary_cos)
         if len(s) != 2 or _checks.shape_of("rotary_sin", rotary_sin) != s or s[0] < 1:
@@ -239,8 +245,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                                  rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                                  softmax_scale=None, causal=False, window_size=(-1, -1),
                                  softcap=0.0, sinks=None, num_splits=0, return_lse=False,
-                                 bias=None, mask=None, alibi_slopes=None,
-                                 k_descale=None, v_descale=None, implementation=None):
+                                 bias=None, mask=None, alibi_slopes=None, q_descale=None,
+                                 k_descale=None, v_descale=None, out_dtype=None,
+                                 implementation=None):
     """Attention of q over a KV cache, with new tokens k, v appended to it first.
 
     Args:
@@ -298,6 +305,11 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         cache's dtype. For now the exact fallback: the new rows scattered and each
         sequence's rows gathered and dequantised in JAX, then flash_attention's kernels
         of q's dtype (not yet the split-KV kernel reading fp8).
+      q_descale, out_dtype: float8 q (the caches' float8 dtype, FlashAttention 3's
+        fp8 call): q_descale per (batch, kv head) of the shapes above (q's heads use
+        their kv head's), out in out_dtype (bfloat16 by default, the compute dtype);
+        new tokens k, v then come in the caches' float8 dtype too and are appended as
+        they are (without rotary), or in out_dtype and are quantised.
       implementation: as in `flash_attention` ("xla": the new rows scattered into the
         caches and each sequence's rows gathered, in JAX).
 
@@ -314,6 +326,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     sequence's keys are at most the capacity's. Not differentiable: gradients
     raise a TypeError.
     """
+    if _fp8.is_fp8(q):  # the exact fallback: q dequantised, out in the compute dtype
+        q = _fp8_query(q, k_cache, q_descale, out_dtype)
+    else:
+        _fp8.check_no_fp8_options(q, out_dtype, {"q_descale": q_descale})
     (rotary_interleaved, return_lse, num_splits), metadata = _check(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
         rotary_cos, rotary_sin, rotary_interleaved, num_splits, return_lse)
@@ -335,6 +351,24 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                           num_splits, return_lse, static_seqlens),
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
         rotary_cos, rotary_sin, sinks, terms, descales)
+
+
+def _fp8_query(q, k_cache, q_descale, out_dtype):
+    """A float8 q over float8 caches, dequantised (x * q_descale in float32, rounded to
+    out_dtype) with a derivative that raises."""
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"a float8 q needs float8 caches of its dtype {q.dtype}, got k_cache "
+                        f"{k_cache.dtype}")
+    if q.ndim != 4:
+        raise ValueError(f"q must have rank 4 (batch, seqlen_q, heads_q, head_dim), got shape "
+                         f"{q.shape}")
+    heads_kv = k_cache.shape[2]
+    if q.shape[2] % heads_kv != 0:
+        raise ValueError(f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({heads_kv}) "
+                         "for MQA/GQA")
+    scale = _fp8.descale_of("q_descale", q_descale, q.shape[0], heads_kv)
+    return _fp8.dequantize(_fp8.forward_only(q), scale, _fp8.out_dtype_of(out_dtype),
+                           q.shape[2] // heads_kv)
 
 
 def _fp8_descales(q, k_cache, k_descale, v_descale):
@@ -523,9 +557,9 @@ def _fp8_cache(call, static_seqlens, options, descales, q, k_cache, v_cache, k, 
     (x * descale in float32, rounded to q's dtype) and attended by flash_attention as
     `options` say."""
     k_descale, v_descale = descales
-    if k is not None:
-        quantize = lambda x, d: (x.astype(jnp.float32) * (1.0 / d)[:, None, :, None]).astype(
-            k_cache.dtype)
+    if k is not None:  # (new rows already in the cache's float8 dtype: as they are)
+        quantize = lambda x, d: x if x.dtype == k_cache.dtype else (
+            x.astype(jnp.float32) * (1.0 / d)[:, None, :, None]).astype(k_cache.dtype)
         k_cache, v_cache = _append_in_jax(call, k_cache, v_cache, quantize(k, k_descale),
                                           quantize(v, v_descale), seqlens)
     dequantize = lambda keys, values: (_fp8.dequantize(keys, k_descale, q.dtype),
