@@ -35,7 +35,7 @@ def test_quantize_maps_each_groups_largest_value_to_the_types_largest():
                                    atol=float(np.max(np.asarray(descale))) * 2 ** -6)
 
 
-@pytest.mark.parametrize("head_dim", [64, 72, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [72, 96, 256])  # blocks of 8, 32, 128 (2 x 128)
 def test_rotation_keeps_dot_products(head_dim):
     rng = np.random.default_rng(head_dim)
     q = jnp.asarray(rng.standard_normal((1, 5, 2, head_dim)), jnp.float32)
