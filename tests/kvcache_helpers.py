@@ -282,8 +282,6 @@ def check(case: KVCase, **options):
         assert len(result) == 2
 
 
-
-
 def check_cache(got: np.ndarray, want: np.ndarray, tol: float, what: str):
     """A returned cache against expected()'s, both in the cache's dtype: bit-equal rows
     (untouched ones, NaN poison included) pass as they are; the elements that differ

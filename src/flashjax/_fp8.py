@@ -63,14 +63,31 @@ def descale_of(name: str, value, batch: int, heads_kv: int):
     return jnp.broadcast_to(value, (batch, heads_kv))
 
 
-def dequantize(x, descale, compute_dtype, rows_per_head: int = 1, row_batch=None):
-    """x * descale in float32, rounded to compute_dtype. x: (batch, seqlen, heads, dim)
-    (row_batch None) or packed (tokens, heads, dim) with row_batch[t] the sequence of
-    token t; descale: (batch, heads_kv); rows_per_head: x's heads per kv head (q: the
-    GQA group, k and v: 1)."""
+def per_row(descale, rows_per_head: int = 1, row_batch=None):
+    """descale (batch, heads_kv) broadcast against x: (batch, 1, heads, 1) for x (batch,
+    seqlen, heads, dim) (row_batch None), or (tokens, heads, 1) for packed x (tokens,
+    heads, dim) with row_batch[t] the sequence of token t; rows_per_head: x's heads per
+    kv head (q: the GQA group, k and v: 1)."""
     scale = jnp.repeat(descale, rows_per_head, axis=1)  # (batch, heads of x)
-    scale = scale[:, None, :, None] if row_batch is None else scale[row_batch][:, :, None]
-    return (x.astype(jnp.float32) * scale).astype(compute_dtype)
+    return scale[:, None, :, None] if row_batch is None else scale[row_batch][:, :, None]
+
+
+def dequantize(x, descale, compute_dtype, rows_per_head: int = 1, row_batch=None):
+    """x * descale in float32, rounded to compute_dtype (x, descale, rows_per_head,
+    row_batch: as per_row takes them)."""
+    return (x.astype(jnp.float32) * per_row(descale, rows_per_head, row_batch)).astype(
+        compute_dtype)
+
+
+def dequantize_query(q, q_descale, batch: int, heads_kv: int, compute_dtype, row_batch=None):
+    """A float8 q (heads on axis -2) dequantised at q_descale (checked and broadcast to
+    (batch, heads_kv); its heads use their kv head's), with a derivative that raises."""
+    heads_q = q.shape[-2]
+    if heads_kv < 1 or heads_q % heads_kv != 0:
+        raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) "
+                         "for MQA/GQA")
+    scale = descale_of("q_descale", q_descale, batch, heads_kv)
+    return dequantize(forward_only(q), scale, compute_dtype, heads_q // heads_kv, row_batch)
 
 
 @jax.custom_jvp

@@ -156,17 +156,12 @@ def _fp8_attention(q, k, v, descales: dict, out_dtype, options: dict):
             raise ValueError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim), got "
                              f"shape {x.shape}")
     batch, heads_kv = k.shape[0], k.shape[2]
-    if q.shape[2] % heads_kv != 0:
-        raise ValueError(f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({heads_kv}) "
-                         "for MQA/GQA")
     compute = out_dtype = _fp8.out_dtype_of(out_dtype)  # (the kernels of out's dtype)
-    scales = {name: _fp8.descale_of(name, value, batch, heads_kv)
-              for name, value in descales.items()}
-    group = q.shape[2] // heads_kv
-    q, k, v = map(_fp8.forward_only, (q, k, v))
-    result = flash_attention(_fp8.dequantize(q, scales["q_descale"], compute, group),
-                             _fp8.dequantize(k, scales["k_descale"], compute),
-                             _fp8.dequantize(v, scales["v_descale"], compute), **options)
+    q = _fp8.dequantize_query(q, descales["q_descale"], batch, heads_kv, compute)
+    k, v = (_fp8.dequantize(_fp8.forward_only(x), _fp8.descale_of(name, descales[name], batch,
+                                                                   heads_kv), compute)
+            for x, name in ((k, "k_descale"), (v, "v_descale")))
+    result = flash_attention(q, k, v, **options)
     if isinstance(result, tuple):
         return (result[0].astype(out_dtype),) + result[1:]
     return result.astype(out_dtype)

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._fp8 import FP8_DTYPES
+from ._fp8 import FP8_DTYPES, per_row
 
 __all__ = ["hadamard_block", "quantize", "quantize_qkv", "rotate"]
 
@@ -56,8 +56,7 @@ def quantize(x, dtype=jnp.float8_e4m3fn, heads_kv: int | None = None):
     grouped = x32.reshape(batch, x.shape[1], heads_kv, heads // heads_kv, x.shape[3])
     amax = jnp.max(jnp.abs(grouped), axis=(1, 3, 4))  # (batch, heads_kv)
     descale = jnp.where(amax > 0, amax / top, 1.0).astype(jnp.float32)
-    inverse = jnp.repeat(1 / descale, heads // heads_kv, axis=1)[:, None, :, None]
-    x8 = jnp.asarray(jnp.clip(x32 * inverse, -top, top), dtype)
+    x8 = jnp.asarray(jnp.clip(x32 * per_row(1 / descale, heads // heads_kv), -top, top), dtype)
     return x8, descale
 
 

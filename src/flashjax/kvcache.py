@@ -362,13 +362,8 @@ def _fp8_query(q, k_cache, q_descale, out_dtype):
     if q.ndim != 4:
         raise ValueError(f"q must have rank 4 (batch, seqlen_q, heads_q, head_dim), got shape "
                          f"{q.shape}")
-    heads_kv = k_cache.shape[2]
-    if q.shape[2] % heads_kv != 0:
-        raise ValueError(f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({heads_kv}) "
-                         "for MQA/GQA")
-    scale = _fp8.descale_of("q_descale", q_descale, q.shape[0], heads_kv)
-    return _fp8.dequantize(_fp8.forward_only(q), scale, _fp8.out_dtype_of(out_dtype),
-                           q.shape[2] // heads_kv)
+    return _fp8.dequantize_query(q, q_descale, q.shape[0], k_cache.shape[2],
+                                 _fp8.out_dtype_of(out_dtype))
 
 
 def _fp8_descales(q, k_cache, k_descale, v_descale):
@@ -559,7 +554,7 @@ def _fp8_cache(call, static_seqlens, options, descales, q, k_cache, v_cache, k, 
     k_descale, v_descale = descales
     if k is not None:  # (new rows already in the cache's float8 dtype: as they are)
         quantize = lambda x, d: x if x.dtype == k_cache.dtype else (
-            x.astype(jnp.float32) * (1.0 / d)[:, None, :, None]).astype(k_cache.dtype)
+            x.astype(jnp.float32) * _fp8.per_row(1.0 / d)).astype(k_cache.dtype)
         k_cache, v_cache = _append_in_jax(call, k_cache, v_cache, quantize(k, k_descale),
                                           quantize(v, v_descale), seqlens)
     dequantize = lambda keys, values: (_fp8.dequantize(keys, k_descale, q.dtype),

@@ -205,21 +205,17 @@ def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_des
         raise ValueError("k and v must have rank 3 (total_k, heads_kv, head_dim[_v]), got "
                          f"shapes {k.shape}, {v.shape}")
     sequences, heads_kv = cu_seqlens_q.shape[0] - 1, k.shape[-2]
-    if q.shape[1] % heads_kv != 0:
-        raise ValueError(f"heads_q ({q.shape[1]}) must be a multiple of heads_kv ({heads_kv}) "
-                         "for MQA/GQA")
     compute = _fp8.out_dtype_of(out_dtype)  # (the kernels of out's dtype)
-    scales = {name: _fp8.descale_of(name, value, sequences, heads_kv) for name, value in
-              (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}
-    q, k, v = map(_fp8.forward_only, (q, k, v))
-    q = _fp8.dequantize(q, scales["q_descale"], compute, q.shape[1] // heads_kv,
-                        row_batch=_token_sequences(cu_seqlens_q, q.shape[0]))
+    q = _fp8.dequantize_query(q, q_descale, sequences, heads_kv, compute,
+                              row_batch=_token_sequences(cu_seqlens_q, q.shape[0]))
+    scales = {name: _fp8.descale_of(name, value, sequences, heads_kv)
+              for name, value in (("k_descale", k_descale), ("v_descale", v_descale))}
     more = {}
     if page_table is None:
         owner = _token_sequences(cu_seqlens_k, k.shape[0])
-        k, v = (_fp8.dequantize(x, scales[name], compute, row_batch=owner)
+        k, v = (_fp8.dequantize(_fp8.forward_only(x), scales[name], compute, row_batch=owner)
                 for x, name in ((k, "k_descale"), (v, "v_descale")))
-    else:  # float8 pages: the paged path dequantises the gathered rows
-        more = dict(k_descale=scales["k_descale"], v_descale=scales["v_descale"])
+    else:  # float8 pages: the paged path dequantises (and guards) the gathered rows
+        more = scales
     # (out comes in q's dtype, the compute dtype: out_dtype)
     return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, **more)
