@@ -121,6 +121,37 @@ def test_mask_rows_seeing_nothing_with_sinks(impl):
     check(impl, mask=block_mask((B, 1, SQ, SK)), sinks=rand(9, (H,)))
 
 
+def test_neg_inf_bias_rows():
+    """docs/api.md, "Non-finite values": a row whose visible scores are all -inf through
+    the bias is NaN (out and lse) on both paths, as with jax.nn; its gradients are 0 (the
+    -inf pairs add nothing, as masked ones), the same on the C++ kernels and pure JAX;
+    other rows are the reference's. (tests/test_gpu_terms.py: the CUDA paths.)"""
+    q, k, v = qkv()
+    bias = np.array(bias_of((B, H, SQ, SK)))
+    bias[0, 1, 5, :] = -np.inf
+    bias[1, 3, 40, :169] = -np.inf  # the keys row 40 sees (causal: 0..168)
+    bias = jax.device_put(bias, cpu())
+    ct = (rand(7, (B, SQ, H, D)), rand(8, (B, H, SQ)))
+
+    def run(impl):
+        def f(q, k, v, bias):
+            return flashjax.flash_attention(q, k, v, bias=bias, causal=True, return_lse=True,
+                                            implementation=impl)
+        (out, lse), pullback = jax.vjp(jax.jit(f), q, k, v, bias)
+        return (out, lse) + pullback(ct)
+    results = [[np.asarray(x) for x in run(impl)] for impl in IMPLS]
+    for got in results:
+        out, lse = got[0], got[1]
+        assert np.isnan(out[0, 5, 1]).all() and np.isnan(lse[0, 1, 5])
+        assert np.isnan(out[1, 40, 3]).all() and np.isnan(lse[1, 3, 40])
+        assert np.isfinite(np.delete(out[0], 5, axis=0)).all()
+        for g in got[2:]:
+            assert np.isfinite(g).all()
+        assert (got[2][0, 5, 1] == 0).all() and (got[5][0, 1, 5] == 0).all()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), *results):
+        np.testing.assert_allclose(a, b, atol=TOL, rtol=TOL, err_msg=name)
+
+
 @pytest.mark.parametrize("impl, per_batch", cases([False, True], [True]))
 def test_alibi(impl, per_batch):
     slopes = jnp.stack([SLOPES, SLOPES[::-1]]) if per_batch else SLOPES

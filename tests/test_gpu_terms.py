@@ -170,3 +170,42 @@ def test_varlen_alibi_dropout(path, monkeypatch, gpu_device):
         np.asarray(cu_k), max(lens_q), max(lens_k), causal=True, alibi_slopes=slopes,
         dropout_rate=RATE, dropout_key=key, compute_dtype=jnp.float64)
     assert_close(out, ref, TOL["bfloat16"], "out")
+
+
+def _neg_inf_bias_call(q, k, v, bias, mask, ct, implementation):
+    def f(q, k, v, bias):
+        return flashjax.flash_attention(q, k, v, bias=bias, mask=mask, causal=True,
+                                        return_lse=True, implementation=implementation)
+    (out, lse), pullback = jax.vjp(f, q, k, v, bias)
+    return (out, lse) + pullback(ct)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_neg_inf_bias_rows(path, gpu_device):
+    """docs/api.md, "Non-finite values": a row whose visible scores are all -inf through
+    the bias is NaN (out and lse; the tensor-core paths gave 0 and -inf, a masked row's
+    answer), one the mask hides gives 0 and -inf, and the gradients are the CPU path's
+    (the -inf pairs add nothing; dbias rows included), on every kernel path."""
+    q, k, v, ct = inputs("bfloat16", 64)
+    bias = np.array(rand(3, (B, H, SQ, SK)))
+    bias[0, 1, 37, :] = -np.inf    # every key row 37 sees
+    bias[1, 2, 120, :254] = -np.inf  # the keys it sees (causal, bottom-right: 0..253)
+    mask = np.ones((B, 1, SQ, SK), bool)
+    mask[1, :, 150, :] = False      # sees nothing: 0 and -inf
+    bias, mask = jnp.asarray(bias), jnp.asarray(mask)
+    args = (q, k, v, bias, mask, ct)
+    call = jax.jit(_neg_inf_bias_call, static_argnums=6)
+    ours = call(*args, path)
+    cpu = jax.devices("cpu")[0]
+    want = call(*jax.device_put(args, cpu), None)
+    out, lse = np.asarray(ours[0], np.float32), np.asarray(ours[1])
+    assert np.isnan(out[0, 37, 1]).all() and np.isnan(out[1, 120, 2]).all()
+    assert np.isnan(lse[0, 1, 37]) and np.isnan(lse[1, 2, 120])
+    assert (out[1, 150] == 0).all() and (lse[1, :, 150] == -np.inf).all()
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv", "dbias"), ours, want):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        np.testing.assert_array_equal(np.isnan(x), np.isnan(y), err_msg=name)
+        np.testing.assert_array_equal(np.isinf(x), np.isinf(y), err_msg=name)
+        fin = np.isfinite(y)
+        err = np.linalg.norm(x[fin] - y[fin]) / max(np.linalg.norm(y[fin]), 1e-30)
+        assert err < GRAD_TOL_FACTOR * TOL["bfloat16"], f"{name}: rel err {err:.3g}"

@@ -12,8 +12,7 @@ and along batch when each sequence owns its cache entry (_partitioning).
 
 Score terms (bias, mask, alibi_slopes) are not operands of the KV-cache target: a call
 with them appends through the FFI call and attends with flash_attention over the cache
-(the dense CPU kernels; on a CUDA GPU the whole call runs in JAX, as flash_attention's
-own calls with them do, until the CUDA kernels read them). Bias and mask are given over
+(the platform's dense kernels, which read the terms). Bias and mask are given over
 the logical cache positions (capacity columns) and sliced or gathered to the keys that
 flash_attention sees (`_terms_on_keys`).
 """

@@ -623,6 +623,12 @@ def _backward_blocks(qb_, kb_, vb_, dob_, lseb_, deltab_, plan: _Plan, cfg: Conf
                 z = dropout.factors(b, qb, kb)
                 dp = dp * z
             ds = p * (dp - deltab_[b, qb][..., None])
+            if terms.active:
+                # A -inf score (a -inf bias; the key stays visible) adds nothing, as on
+                # the kernels: a row whose scores all are -inf is NaN, its gradients 0.
+                live = s != -jnp.inf
+                p = jnp.where(live, p, jnp.float32(0))
+                ds = jnp.where(live, ds, jnp.float32(0))
             if dropout.active:
                 p = p * z
             if masked:

@@ -23,7 +23,12 @@ namespace flashjax::cuda {
 // h0: the head of the tile (the group's first head when packed).
 // kOutInPlace: out is not written; o is normalised in place for the caller to
 // store (rows that write nothing are left as they are).
-template <class T, int kDimTiles, bool kOutInPlace = false>
+// kTerms: the kernel's calls may carry a bias. A used row whose every visible score
+// is -inf through it keeps m = -inf and, from the fragments' base-0 exponents, l = 0:
+// the 0 of a row that sees no key. IEEE (docs/api.md, "Non-finite values") makes it
+// NaN; the two look alike here, so the row is written NaN and flagged, and the exact
+// row (which tells them apart) redoes it.
+template <class T, int kDimTiles, bool kOutInPlace = false, bool kTerms = false>
 __device__ bool write_out_rows(const RowSoftmax& rows, const AttentionParams& p,
                                const SeqlenInfo& seq, float (&o)[kDimTiles * 4], int64_t b,
                                int64_t h0) {
@@ -47,7 +52,10 @@ __device__ bool write_out_rows(const RowSoftmax& rows, const AttentionParams& p,
     const RowNormaliser normaliser(used ? rows.m[r] : kNegInf, total, sink, used,
                                    [](float x) { return fast_exp2(x); },
                                    [](float x) { return __log2f(x); });
-    const float factor = normaliser.factor, lse = normaliser.lse / kLog2e;
+    const bool exact = kTerms && p.bias && used && rows.m[r] == kNegInf;
+    if (exact) probe[r] = kNaN;
+    const float factor = exact ? kNaN : normaliser.factor;
+    const float lse = exact ? kNaN : normaliser.lse / kLog2e;
     if constexpr (kOutInPlace) {
 #pragma unroll
       for (int n = 0; n < kDimTiles; ++n) {

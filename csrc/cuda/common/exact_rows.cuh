@@ -324,14 +324,22 @@ __device__ __forceinline__ void recompute_key_if_nonfinite(const AttentionParams
     exact_key_gradients<T, kTerms>(p, D_rows, b, hk, j, lane);
 }
 
-// Query row i of sequence b (seq), head h: dQ again if the stored row holds NaN or inf.
+// Query row i of sequence b (seq), head h: dQ again if the stored row holds NaN or
+// inf, and then row i of the dbias entry it adds to: the kernels wrote both from the
+// same dS row (dQ_i = dS_i K: a non-finite dS_ij makes dQ_i non-finite), so a dbias
+// row a tile product got wrong always comes with a flagged dQ row. (Several heads
+// sharing the entry may each write the row: the same values.)
 template <class T, bool kTerms>
 __device__ __forceinline__ void recompute_query_if_nonfinite(const AttentionParams& p,
                                                              const TensorRef& D_rows,
                                                              const SeqlenInfo& seq, int64_t b,
                                                              int64_t h, int64_t i, int lane) {
-  if (row_nonfinite(seq.q_at<const T>(p.dq, i, h), p.head_dim, lane))
-    exact_query_gradient<T, kTerms>(p, D_rows, b, h, i, lane);
+  if (!row_nonfinite(seq.q_at<const T>(p.dq, i, h), p.head_dim, lane)) return;
+  exact_query_gradient<T, kTerms>(p, D_rows, b, h, i, lane);
+  if constexpr (kTerms)
+    if (p.dbias)
+      exact_bias_gradient_row<T>(p, D_rows, b / p.dbias.batch_div, h / p.dbias.head_div, i,
+                                 lane);
 }
 
 // A tensor-core fragment (common/fragment.cuh's layout: a thread holds rows

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads)
     k0 = k_next;
   }
   cp_async_wait_all();
-  const bool nonfinite = write_out_rows<T, kDimTiles>(softmax, p, seq, o, b, h);
+  const bool nonfinite = write_out_rows<T, kDimTiles, false, kTerms>(softmax, p, seq, o, b, h);
   if (__any_sync(0xffffffffu, nonfinite)) recompute_nonfinite_rows<T, T, kTerms ? RowTerms::kRead : RowTerms::kNone>(
         softmax, p, seq, b, h);
 }

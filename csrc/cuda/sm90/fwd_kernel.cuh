@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
     FragmentTerms<kTerms, FragmentRows::kQueries> terms(p, w.seq, softmax.row);
     terms.head(p, w.seq, w.b, w.h);
     mainloop.compute(p, w, Keys(w, mask_tiles, kBlockN), segments, terms, mask_tiles, softmax, o);
-    store_work_item<Cfg, TOut, kLayouts>(sm, maps, p, w, packed, softmax, o, consumer,
+    store_work_item<Cfg, TOut, kLayouts, kTerms>(sm, maps, p, w, packed, softmax, o, consumer,
                                          consumer * kWarpsPerGroup + warp_in_group, mainloop.lane);
   });
   finish_out_stores<Cfg>();
