@@ -3,7 +3,7 @@
 # .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
 # the dense A/B, the peers side by side, profiles.
 # Usage: benchmarks/device_varlen.sh STEP...   (steps: build base variant ptx tests kvtests sanitize terms
-#   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu)
+#   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu termsncu)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
 # and passed to the device call with carry: [".baseline"]. REV: the commit to compare with
@@ -176,6 +176,21 @@ PYEOF
         done
       done
       tar -czf "$OUT/ncu_text.tgz" -C /tmp $(cd /tmp && ls details_*.txt sass_*.csv) ;;
+    termsncu)
+      # Nsight Compute on one kernel of issue 27's score-terms calls next to the plain
+      # call (tools/profile_terms.py; FA3 shapes, d128 bf16): TERMS_NCU_VARIANTS (default
+      # "none alibi"), TERMS_NCU_KERNEL (default hopper_forward_kernel; hopper_key_kernel
+      # with TERMS_NCU_MODE=fwdbwd), TERMS_NCU_SEQLEN (8192). Details and SASS csv tarred.
+      for v in ${TERMS_NCU_VARIANTS:-none alibi}; do
+        ncu --clock-control none --set full --import-source no \
+          -k regex:"${TERMS_NCU_KERNEL:-hopper_forward_kernel}" --launch-skip 1 -c 1 -f \
+          -o "/tmp/tncu_$v" $PY tools/profile_terms.py "$v" ${TERMS_NCU_SEQLEN:-8192} \
+          ${TERMS_NCU_MODE:-fwd} > "/tmp/tncu_$v.log" 2>&1 || tail -5 "/tmp/tncu_$v.log"
+        ncu -i "/tmp/tncu_$v.ncu-rep" --page details --print-units base > "/tmp/tdetails_$v.txt" 2>&1
+        ncu -i "/tmp/tncu_$v.ncu-rep" --page source --csv --print-source sass > "/tmp/tsass_$v.csv" 2>&1
+        echo "== $v: $(grep -m1 -E 'Duration' "/tmp/tdetails_$v.txt")"
+      done
+      tar -czf "$OUT/terms_ncu.tgz" -C /tmp $(cd /tmp && ls tdetails_*.txt tsass_*.csv) ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -42,19 +42,35 @@ struct MaskTiles {
   }
   explicit FJ_HOST_DEVICE operator bool() const { return bits != nullptr; }
 
-  // The summary bits (kAnyAllowed | kAnyHidden, OR-ed) of query rows [r0, r0 + rows)
-  // x keys [c0, c0 + cols) of sequence b, query head h (slot rows; blocks past the
-  // mask's end are left out).
+  // The summaries of one mask entry: that of sequence b, query head h (entry()).
+  struct Entry {
+    const uint8_t* bits = nullptr;  // null: no mask
+    int64_t row_tiles = 0, col_tiles = 0;
+    explicit FJ_HOST_DEVICE operator bool() const { return bits != nullptr; }
+    // The summary bits (kAnyAllowed | kAnyHidden, OR-ed) of query rows [r0, r0 + rows)
+    // x keys [c0, c0 + cols) (slot rows, r0 and c0 >= 0; blocks past the mask's end
+    // are left out).
+    FJ_HOST_DEVICE uint8_t of(int64_t r0, int64_t rows, int64_t c0, int64_t cols) const {
+      uint8_t out = 0;
+      const uint64_t r_end = static_cast<uint64_t>(r0 + rows + kRows - 1) / kRows,
+                     c_end = static_cast<uint64_t>(c0 + cols + kRows - 1) / kRows;
+      for (uint64_t r = static_cast<uint64_t>(r0) / kRows; r < r_end && r < static_cast<uint64_t>(row_tiles); ++r)
+        for (uint64_t c = static_cast<uint64_t>(c0) / kRows; c < c_end && c < static_cast<uint64_t>(col_tiles); ++c)
+          out |= bits[r * col_tiles + c];
+      return out;
+    }
+  };
+  // Sequence b, query head h's entry: made once per (sequence, head) by a kernel that
+  // asks for many tiles of it (the entry's index divides; 32-bit: b and h are small).
+  FJ_HOST_DEVICE Entry entry(int64_t b, int64_t h) const {
+    if (!bits) return {};
+    const auto eb = static_cast<uint32_t>(b) / static_cast<uint32_t>(batch_div),
+               eh = static_cast<uint32_t>(h) / static_cast<uint32_t>(head_div);
+    return {bits + (eb * head_entries + eh) * row_tiles * col_tiles, row_tiles, col_tiles};
+  }
   FJ_HOST_DEVICE uint8_t of(int64_t b, int64_t h, int64_t r0, int64_t rows, int64_t c0,
                             int64_t cols) const {
-    const uint8_t* entry =
-        bits + ((b / batch_div) * head_entries + h / head_div) * row_tiles * col_tiles;
-    uint8_t out = 0;
-    const int64_t r_end = (r0 + rows + kRows - 1) / kRows, c_end = (c0 + cols + kRows - 1) / kRows;
-    for (int64_t r = r0 / kRows; r < r_end && r < row_tiles; ++r)
-      for (int64_t c = c0 / kRows; c < c_end && c < col_tiles; ++c)
-        out |= entry[r * col_tiles + c];
-    return out;
+    return entry(b, h).of(r0, rows, c0, cols);
   }
 };
 

@@ -54,6 +54,7 @@ struct FragmentTerms<true, kRows> {
   int64_t rows_used, cols_used;  // used queries / keys as rows and columns
   ScoreTerms terms;
   float slope_log2 = 0.0f;    // the ALiBi slope in log2 units
+  bool slope_finite = true;   // (its terms are finite: they need not spare hidden scores)
   Dropout::Head dropout;
   bool drops = false;
   float keep_scale = 1.0f;
@@ -72,6 +73,7 @@ struct FragmentTerms<true, kRows> {
   __device__ void head(const AttentionParams& p, const SeqlenInfo& seq, int64_t b, int64_t h) {
     terms = ScoreTerms(p, seq, b, h);
     slope_log2 = terms.slope * kLog2e;
+    slope_finite = isfinite(slope_log2);
     if (drops) dropout = p.dropout.head(b, h, p.heads_q);
     if (p.dbias) {
       dbias = p.dbias.at<float>(b, h);
@@ -220,12 +222,25 @@ struct FragmentTerms<true, kRows> {
     if (terms.alibi) {
       // |i + diagonal - j| = |distance0 -/+ (8n + e)| (query / key rows)
       const float sign = kQueryRows ? -1.0f : 1.0f;
+      if (slope_finite) {
+        // A finite term leaves hidden (-inf) and NaN scores as they are: no test, two
+        // instructions an element (an FADD, and an FFMA taking |.| as an operand).
+        const float minus_slope = -slope_log2;
 #pragma unroll
-      for (int n = 0; n < kTiles; ++n)
+        for (int n = 0; n < kTiles; ++n)
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-          add_to(s[4 * n + 2 * r + e],
-                 -slope_log2 * fabsf(fmaf(sign, static_cast<float>(8 * n + e), distance0)));
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * n + 2 * r + e];
+            x = fmaf(minus_slope, fabsf(distance0 + sign * static_cast<float>(8 * n + e)), x);
+          }
+      } else {
+#pragma unroll
+        for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            add_to(s[4 * n + 2 * r + e],
+                   -slope_log2 * fabsf(fmaf(sign, static_cast<float>(8 * n + e), distance0)));
+      }
     }
     if (mask_at) {
       unsigned short m2[kTiles];

@@ -59,6 +59,7 @@ struct ForwardMainloop {
                                           const Terms& terms, const MaskTiles& mask_tiles,
                                           RowSoftmax& softmax, float (&o)[kDimTiles * 4]) {
     const int64_t n_tiles = keys.count;
+    const MaskTiles::Entry mask = mask_tiles.entry(w.b, w.h);  // (kTerms kernels read it)
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
       const int64_t g = kv + it;
@@ -117,9 +118,9 @@ struct ForwardMainloop {
       segments.template mask<kKeyTiles>(s, k0);
       if constexpr (Terms::kActive)  // (the mask per element only where it hides pairs)
         terms.template add<kKeyTiles>(
-            s, k0, !mask_tiles || (mask_tiles.of(w.b, w.h, w.q0 + consumer * kConsumerRows,
-                                                 kConsumerRows, k0, kBlockN) &
-                                   MaskTiles::kAnyHidden));
+            s, k0, !mask || (mask.of(w.q0 + consumer * kConsumerRows, kConsumerRows, k0,
+                                     kBlockN) &
+                             MaskTiles::kAnyHidden));
       softmax.exponentiate<kKeyTiles>(s, alpha);
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };

@@ -149,15 +149,13 @@ struct ItemKeys {
 
 template <>
 struct ItemKeys<true> {
-  const MaskTiles& tiles;
-  int64_t b, h, q0, rows, end, count = 0;
+  MaskTiles::Entry mask;  // the item's (sequence, head)'s summaries
+  int64_t q0, rows, end, count = 0;
   int n;
   mutable int64_t at_it = 0, at_k0 = 0;
   template <class Item>
   __device__ ItemKeys(const Item& w, const MaskTiles& mask_tiles, int tile_keys)
-      : tiles(mask_tiles),
-        b(w.b),
-        h(w.h),
+      : mask(mask_tiles.entry(w.b, w.h)),
         q0(w.q0),
         rows(w.last_row - w.q0 + 1),
         end(w.keys.tile_begin + w.n_tiles * tile_keys),
@@ -167,8 +165,8 @@ struct ItemKeys<true> {
   }
   // The first tile from k0 (tile-aligned) that the mask lets any row see.
   __device__ int64_t next(int64_t k0) const {
-    if (!tiles || rows <= 0) return k0;
-    while (k0 < end && !(tiles.of(b, h, q0, rows, k0, n) & MaskTiles::kAnyAllowed)) k0 += n;
+    if (!mask || rows <= 0) return k0;
+    while (k0 < end && !(mask.of(q0, rows, k0, n) & MaskTiles::kAnyAllowed)) k0 += n;
     return k0;
   }
   __device__ int64_t k0(int64_t it) const {
