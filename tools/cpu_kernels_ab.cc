@@ -1,0 +1,75 @@
+// Same-process A/B of the CPU tile kernels the KV-cache decode path runs (row_dots,
+// gemm_b_rows; bf16 rows read in place), for hosts too noisy to compare two builds
+// end to end: tools/cpu_kernels_ab.sh REV builds this with REV's tile_kernels.inc
+// ("before", namespace before) and the working tree's ("after"), AVX-512 copies, the
+// flags of csrc/CMakeLists.txt, and prints the best of many runs of each, alternated.
+// Args: kv heads (the cache's row stride), head dim, packed query rows (the group).
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "tile_math.h"
+
+namespace flashjax::cpu {
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+#define FJ_VEC_WIDTH 16
+#define FJ_GEMM_ROWS 8
+#define FJ_ISA before
+#include "before.inc"
+#undef FJ_ISA
+#define FJ_ISA after
+#include "after.inc"
+#undef FJ_ISA
+#pragma GCC pop_options
+}  // namespace flashjax::cpu
+
+namespace {
+constexpr int64_t kKeys = 4096, kTile = 128, kRuns = 200;
+}
+
+int main(int argc, char** argv) {
+  using namespace flashjax::cpu;
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s KV_HEADS HEAD_DIM ROWS\n", argv[0]);
+    return 2;
+  }
+  const int64_t heads = std::atoi(argv[1]), d = std::atoi(argv[2]), rows = std::atoi(argv[3]);
+  const int64_t pad_rows = (rows + 3) / 4 * 4;
+  std::vector<uint16_t> cache(kKeys * heads * d);
+  for (auto& x : cache) x = static_cast<uint16_t>(0x3f80 + (std::rand() & 0x7f));  // bf16 1..2
+  std::vector<float> q(pad_rows * d, 0.01f), s(pad_rows * kTile), o(pad_rows * d);
+  std::vector<const void*> key_rows(kKeys);
+  for (int64_t j = 0; j < kKeys; ++j) key_rows[j] = cache.data() + j * heads * d;  // kv head 0
+  const TileKernels* kernels[2] = {&before::kKernels, &after::kKernels};
+  double dots[2] = {1e30, 1e30}, pv[2] = {1e30, 1e30};
+  using clock = std::chrono::steady_clock;
+  const auto us = [](clock::time_point a, clock::time_point b) {
+    return std::chrono::duration<double, std::micro>(b - a).count();
+  };
+  for (int run = 0; run < kRuns; ++run)
+    for (int w = 0; w < 2; ++w) {
+      const auto t0 = clock::now();
+      for (int64_t j = 0; j < kKeys; j += kTile)
+        kernels[w]->row_dots(s.data(), kTile, q.data(), d, rows, key_rows.data() + j,
+                             flashjax::DType::kBFloat16, kTile, d);
+      const auto t1 = clock::now();
+      for (int64_t j = 0; j < kKeys; j += kTile)
+        kernels[w]->gemm_b_rows(o.data(), d, s.data(), kTile, key_rows.data() + j,
+                                flashjax::DType::kBFloat16, pad_rows, d, kTile);
+      const auto t2 = clock::now();
+      dots[w] = std::min(dots[w], us(t0, t1));
+      pv[w] = std::min(pv[w], us(t1, t2));
+    }
+  std::printf("kv heads %ld, d %ld, %ld rows, %ld keys (best of %ld): row_dots %.1f -> %.1f us, "
+              "gemm_b_rows %.1f -> %.1f us\n",
+              static_cast<long>(heads), static_cast<long>(d), static_cast<long>(rows),
+              static_cast<long>(kKeys), static_cast<long>(kRuns), dots[0], dots[1], pv[0], pv[1]);
+}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Same-process A/B of the CPU decode kernels (tools/cpu_kernels_ab.cc): REV's
+# csrc/cpu/tile_kernels.inc against the working tree's, at issue 28's CPU shapes.
+#   tools/cpu_kernels_ab.sh [REV]   (default HEAD)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+git -C "$root" show "${1:-HEAD}:csrc/cpu/tile_kernels.inc" > "$work/before.inc"
+cp "$root/csrc/cpu/tile_kernels.inc" "$work/after.inc"
+g++ -O3 -ffp-contract=fast -fno-math-errno -std=c++17 -I"$work" -I"$root/csrc/cpu" \
+  -I"$root/csrc/include" "$root/tools/cpu_kernels_ab.cc" -o "$work/ab"
+"$work/ab" 2 64 2    # heads 4/2, d64
+"$work/ab" 8 128 4   # heads 32/8, d128
