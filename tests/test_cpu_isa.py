@@ -35,15 +35,17 @@ for causal in (False, True):
 kc = rng.standard_normal((2, 300, 2, 64)).astype(np.float32)
 vc = rng.standard_normal((2, 300, 2, 64)).astype(np.float32)
 vc[0, 289, 1, 9] = np.nan
-qd = rng.standard_normal((2, 2, 8, 64)).astype(np.float32)
-for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):  # caches read in place, widened
-    out, lse = flashjax.flash_attention_with_kvcache(
-        *(jnp.asarray(x, dtype) for x in (qd, kc, vc)),
-        cache_seqlens=jnp.asarray([290, 100], jnp.int32), causal=True, return_lse=True,
-        implementation="cpu")
-    name = jnp.dtype(dtype).name
-    results[f"kvcache_out_{name}"] = np.asarray(out, np.float32)
-    results[f"kvcache_lse_{name}"] = np.asarray(lse)
+# (8 packed rows a kv head; 6: gemm_b_rows' last block of 2 rows)
+for heads in (8, 6):
+    qd = rng.standard_normal((2, 2, heads, 64)).astype(np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):  # caches read in place, widened
+        out, lse = flashjax.flash_attention_with_kvcache(
+            *(jnp.asarray(x, dtype) for x in (qd, kc, vc)),
+            cache_seqlens=jnp.asarray([290, 100], jnp.int32), causal=True, return_lse=True,
+            implementation="cpu")
+        name = f"{jnp.dtype(dtype).name}_{heads}"
+        results[f"kvcache_out_{name}"] = np.asarray(out, np.float32)
+        results[f"kvcache_lse_{name}"] = np.asarray(lse)
 np.savez(sys.argv[1], **results)
 """
 

@@ -59,6 +59,7 @@ int64_t split_count(const AttentionParams& p) {
 // and seen (1 when the row saw a key) per row.
 struct Decode {
   int64_t group, rows, pad_rows;  // packed rows: row r is query r / group, head r % group
+  int64_t value_rows;             // rows of P V: even (gemm_b_rows' smallest block is 2)
   int64_t dp, dvp;                // head dims padded to whole vector lines
   int64_t splits;
   bool in_place;   // rows of whole vector lines: the kernels read the cache itself
@@ -74,6 +75,7 @@ struct Decode {
       : group(p.group_size()),
         rows(group * p.seqlen_q),
         pad_rows(round_up(rows, 4)),
+        value_rows(round_up(rows, 2)),
         dp(round_up(p.head_dim, kRowAlign)),
         dvp(round_up(p.head_dim_v, kRowAlign)),
         splits(split_count(p)),
@@ -246,7 +248,7 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
     // and visible pairs only if one is not finite.
     if (same_columns) {
       kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile, tile.v_rows + lo_all, d.row_type,
-                          d.pad_rows, d.dvp, hi_all - lo_all);
+                          d.value_rows, d.dvp, hi_all - lo_all);
       continue;
     }
     const float* const* v_rows = tile.values_as_float(lo_all, hi_all);
@@ -256,7 +258,7 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
     if (finite) {
       kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile,
                           reinterpret_cast<const void* const*>(v_rows + lo_all), DType::kFloat32,
-                          d.pad_rows, d.dvp, hi_all - lo_all);
+                          d.value_rows, d.dvp, hi_all - lo_all);
       continue;
     }
     for (int64_t r = 0; r < d.rows; ++r)
