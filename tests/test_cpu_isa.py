@@ -61,7 +61,7 @@ def run(tmp_path, isa):
     return dict(np.load(path))
 
 
-@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_isa_copies_agree(tmp_path, isa):
     want = run(tmp_path, None)
     got = run(tmp_path, isa)

@@ -27,8 +27,13 @@ namespace flashjax::cpu {
 #define FJ_ISA before
 #include "before.inc"
 #undef FJ_ISA
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4,avx512bf16")  // (after: with row_dots_bf16 where it exists)
 #define FJ_ISA after
+#define FJ_BF16_PAIRS 1
 #include "after.inc"
+#undef FJ_BF16_PAIRS
 #undef FJ_ISA
 #pragma GCC pop_options
 }  // namespace flashjax::cpu
@@ -51,7 +56,8 @@ int main(int argc, char** argv) {
   std::vector<const void*> key_rows(kKeys);
   for (int64_t j = 0; j < kKeys; ++j) key_rows[j] = cache.data() + j * heads * d;  // kv head 0
   const TileKernels* kernels[2] = {&before::kKernels, &after::kKernels};
-  double dots[2] = {1e30, 1e30}, pv[2] = {1e30, 1e30};
+  double dots[2] = {1e30, 1e30}, pv[2] = {1e30, 1e30}, pairs = 1e30;
+  std::vector<uint16_t> q_bf16(pad_rows * d, 0x3c23);  // bf16 0.01
   using clock = std::chrono::steady_clock;
   const auto us = [](clock::time_point a, clock::time_point b) {
     return std::chrono::duration<double, std::micro>(b - a).count();
@@ -69,9 +75,17 @@ int main(int argc, char** argv) {
       const auto t2 = clock::now();
       dots[w] = std::min(dots[w], us(t0, t1));
       pv[w] = std::min(pv[w], us(t1, t2));
+      if (w == 1 && after::kKernels.row_dots_bf16 && d % 32 == 0) {
+        const auto t3 = clock::now();
+        for (int64_t j = 0; j < kKeys; j += kTile)
+          after::kKernels.row_dots_bf16(s.data(), kTile, q_bf16.data(), d, rows,
+                                        key_rows.data() + j, kTile, d);
+        pairs = std::min(pairs, us(t3, clock::now()));
+      }
     }
   std::printf("kv heads %ld, d %ld, %ld rows, %ld keys (best of %ld): row_dots %.1f -> %.1f us, "
-              "gemm_b_rows %.1f -> %.1f us\n",
+              "gemm_b_rows %.1f -> %.1f us; row_dots_bf16 (after) %.1f us\n",
               static_cast<long>(heads), static_cast<long>(d), static_cast<long>(rows),
-              static_cast<long>(kKeys), static_cast<long>(kRuns), dots[0], dots[1], pv[0], pv[1]);
+              static_cast<long>(kKeys), static_cast<long>(kRuns), dots[0], dots[1], pv[0], pv[1],
+              pairs);
 }

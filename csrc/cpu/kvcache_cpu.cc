@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -41,6 +42,7 @@ constexpr int64_t kCacheLine = 64;    // bytes
 // A cache's rows count as close together up to this row stride, in head dims
 // (Decode::prefetches).
 constexpr int64_t kDenseRowStride = 2;
+constexpr int64_t kBf16PairsDim = 32;  // row_dots_bf16's head dims: whole 32-element vectors
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -214,6 +216,17 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
   }
 
   const TileKernels& kernels = tile_kernels();
+  // bf16 caches on CPUs with bf16 pair products: the scores from q's own bf16 rows
+  // (unscaled: exact), the scale after (row_dots_bf16; ~half row_dots' instructions).
+  const bool bf16_pairs = std::is_same_v<T, BFloat16> && kernels.row_dots_bf16 && d.in_place &&
+                          d.dp % kBf16PairsDim == 0;
+  thread_local std::vector<uint16_t> q_bf16;
+  if (bf16_pairs) {
+    q_bf16.assign(d.rows * d.dp, 0);
+    for (int64_t r = 0; r < d.rows; ++r)
+      std::memcpy(q_bf16.data() + r * d.dp, seq.q_at<const T>(p.q, d.query(r), d.head(hk, r)),
+                  p.head_dim * sizeof(T));
+  }
   std::vector<int64_t> lo(d.rows), hi(d.rows);  // each row's visible columns of the tile
   for (int64_t t = first; t < last; ++t) {
     const int64_t k0 = t * kKeyTile, cols = std::min(kKeyTile, seq.seqlen_k - k0);
@@ -233,9 +246,16 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
     const int64_t k_next = k0 + kKeyTile;
     tile.prefetch_in_place(lo_all, hi_all, k_next,
                            t + 1 < last ? std::min(kKeyTile, seq.seqlen_k - k_next) : 0);
-    kernels.row_dots(S + c0, kKeyTile, Q, d.dp, d.rows, tile.k_rows + c0, d.row_type, n - c0, d.dp);
+    if (bf16_pairs)
+      kernels.row_dots_bf16(S + c0, kKeyTile, q_bf16.data(), d.dp, d.rows, tile.k_rows + c0,
+                            n - c0, d.dp);
+    else
+      kernels.row_dots(S + c0, kKeyTile, Q, d.dp, d.rows, tile.k_rows + c0, d.row_type, n - c0,
+                       d.dp);
     for (int64_t r = 0; r < d.rows; ++r) {
       float* s = S + r * kKeyTile;
+      if (bf16_pairs)
+        for (int64_t j = c0; j < n; ++j) s[j] *= p.softmax_scale;
       if (p.softcap > 0.0f)
         for (int64_t j = lo[r]; j < hi[r]; ++j) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
       std::fill(s, s + lo[r], kNegInf);

@@ -17,6 +17,19 @@ namespace flashjax::cpu {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FJ_HAVE_ISA_CLONES 1
 #pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4,avx512bf16")
+#define FJ_ISA avx512bf16  // (the AVX-512 copy plus row_dots_bf16)
+#define FJ_VEC_WIDTH 16
+#define FJ_GEMM_ROWS 8
+#define FJ_BF16_PAIRS 1  // (the target pragma does not define __AVX512BF16__ in GCC 12)
+#include "tile_kernels.inc"
+#undef FJ_ISA
+#undef FJ_VEC_WIDTH
+#undef FJ_GEMM_ROWS
+#undef FJ_BF16_PAIRS
+#pragma GCC pop_options
+
+#pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 #define FJ_ISA avx512
 #define FJ_VEC_WIDTH 16
@@ -53,6 +66,9 @@ const TileKernels& select_kernels() {
   auto allowed = [&](const char* name) { return !forced || std::strcmp(forced, name) == 0; };
 #ifdef FJ_HAVE_ISA_CLONES
   __builtin_cpu_init();
+  if (allowed("avx512bf16") && __builtin_cpu_supports("x86-64-v4") &&
+      __builtin_cpu_supports("avx512bf16"))
+    return avx512bf16::kKernels;
   if (allowed("avx512") && __builtin_cpu_supports("x86-64-v4")) return avx512::kKernels;
   if (allowed("avx2") && __builtin_cpu_supports("x86-64-v3")) return avx2::kKernels;
 #endif

@@ -56,10 +56,15 @@ struct TileKernels {
   void (*f16_to_float)(float* dst, const uint16_t* src, int64_t n);
   // No inf or NaN among x[0, n), n % kRowAlign == 0.
   bool (*all_finite)(const float* x, int64_t n);
+  // row_dots for bfloat16 query rows (Q: bf16 bits, unscaled) against bfloat16 rows,
+  // by pairs of elements in one instruction (AVX512-BF16 `vdpbf16ps`: products exact,
+  // float sums; bf16 denormal inputs count as 0). d % 32 == 0. Null on CPUs without it.
+  void (*row_dots_bf16)(float* S, int64_t lds, const uint16_t* Q, int64_t ldq, int64_t M,
+                        const void* const* rows, int64_t n, int64_t d);
 };
 
-// The kernels for this CPU (FLASHJAX_CPU_ISA=avx512|avx2|baseline forces a set,
-// for tests and A/B timing).
+// The kernels for this CPU (FLASHJAX_CPU_ISA=avx512bf16|avx512|avx2|baseline forces a
+// set, for tests and A/B timing).
 const TileKernels& tile_kernels();
 
 // dst[c][r] = src[r][c] for r < rows, c < cols.
