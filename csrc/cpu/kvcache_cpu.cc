@@ -5,12 +5,13 @@
 // every query row packed into one tile (GQA packing), streamed over a range of key
 // tiles read where they lie in the cache (contiguous, leftpad, cache_batch_idx or
 // paged: SeqlenInfo::k_at), an online softmax per row into a partial (O, m, l);
-// a second pass combines each (sequence, kv head)'s splits into out and lse.
+// the last split of each (sequence, kv head) to finish combines them into out and lse.
 // Caches whose head dims fill whole vector lines are read in place (the tile kernels
 // widen 16-bit elements in registers); others convert the rows of the tile in use.
 // Larger query blocks (prefill) take the dense forward (attention_forward), which
 // reads the cache through k_at too.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -347,8 +348,16 @@ void kvcache_forward(const AttentionParams& p) {
     const int64_t pairs = p.batch * p.heads_kv;
     thread_local Scratch partial_storage;  // (per calling thread: calls may overlap)
     float* partials = partial_storage.get(pairs * d.splits * d.partial_floats);
-    parallel_for(pairs * d.splits, [&](int64_t task) { split_task<T>(p, d, partials, task); });
-    parallel_for(pairs, [&](int64_t pair) { combine<T>(p, d, partials, pair); });
+    // The last split of a (sequence, kv head) to finish combines them: one hand-off to
+    // the thread pool a call, not two (bf16 4/2 d64: 5-9% of a decode step, in one
+    // process). Its acquire sees the other splits' partials, which their releases publish.
+    std::vector<std::atomic<int64_t>> finished(pairs);
+    parallel_for(pairs * d.splits, [&](int64_t task) {
+      split_task<T>(p, d, partials, task);
+      const int64_t pair = task / d.splits;
+      if (finished[pair].fetch_add(1, std::memory_order_acq_rel) == d.splits - 1)
+        combine<T>(p, d, partials, pair);
+    });
   });
 }
 
