@@ -207,24 +207,25 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
   const void** k_rows = row_storage.data();
   const KeyTile<T> tile{d, p, seq, hk, k_rows, k_rows + kKeyTile, k_copy, v_copy, zeros};
 
-  // Q, pre-scaled; padding rows zero.
-  std::fill(Q, Q + d.pad_rows * d.dp, 0.0f);
-  for (int64_t r = 0; r < d.rows; ++r) {
-    const T* q = seq.q_at<const T>(p.q, d.query(r), d.head(hk, r));
-    for (int64_t c = 0; c < p.head_dim; ++c) Q[r * d.dp + c] = to_float(q[c]) * p.softmax_scale;
-  }
-
   const TileKernels& kernels = tile_kernels();
   // bf16 caches on CPUs with bf16 pair products: the scores from q's own bf16 rows
   // (unscaled: exact), the scale after (row_dots_bf16; ~half row_dots' instructions).
+  // Else Q in float, pre-scaled; padding rows zero.
   const bool bf16_pairs = std::is_same_v<T, BFloat16> && kernels.row_dots_bf16 && d.in_place &&
                           d.dp % kBf16PairsDim == 0;
   thread_local std::vector<uint16_t> q_bf16;
   if (bf16_pairs) {
-    q_bf16.assign(d.rows * d.dp, 0);
+    q_bf16.resize(d.rows * d.dp);  // (in place: dp == head_dim, every element written)
     for (int64_t r = 0; r < d.rows; ++r)
       std::memcpy(q_bf16.data() + r * d.dp, seq.q_at<const T>(p.q, d.query(r), d.head(hk, r)),
                   p.head_dim * sizeof(T));
+  } else {
+    std::fill(Q, Q + d.pad_rows * d.dp, 0.0f);
+    for (int64_t r = 0; r < d.rows; ++r) {
+      const T* q = seq.q_at<const T>(p.q, d.query(r), d.head(hk, r));
+      for (int64_t c = 0; c < p.head_dim; ++c)
+        Q[r * d.dp + c] = to_float(q[c]) * p.softmax_scale;
+    }
   }
   std::vector<int64_t> lo(d.rows), hi(d.rows);  // each row's visible columns of the tile
   for (int64_t t = first; t < last; ++t) {

@@ -54,8 +54,9 @@ struct MaskTiles {
       uint8_t out = 0;
       const uint64_t r_end = static_cast<uint64_t>(r0 + rows + kRows - 1) / kRows,
                      c_end = static_cast<uint64_t>(c0 + cols + kRows - 1) / kRows;
-      for (uint64_t r = static_cast<uint64_t>(r0) / kRows; r < r_end && r < static_cast<uint64_t>(row_tiles); ++r)
-        for (uint64_t c = static_cast<uint64_t>(c0) / kRows; c < c_end && c < static_cast<uint64_t>(col_tiles); ++c)
+      const auto row_n = static_cast<uint64_t>(row_tiles), col_n = static_cast<uint64_t>(col_tiles);
+      for (uint64_t r = static_cast<uint64_t>(r0) / kRows; r < r_end && r < row_n; ++r)
+        for (uint64_t c = static_cast<uint64_t>(c0) / kRows; c < c_end && c < col_n; ++c)
           out |= bits[r * col_tiles + c];
       return out;
     }

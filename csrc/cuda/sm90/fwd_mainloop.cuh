@@ -51,15 +51,14 @@ struct ForwardMainloop {
   // O (unnormalised, in o: zeros on entry) and the softmax statistics of the
   // consumer's rows of work item w.
   // keys: the item's ItemKeys; terms: a FragmentTerms (score_terms.cuh) of the
-  // item's rows, mask_tiles their mask's summaries (kTerms kernels).
+  // item's rows (kTerms kernels: the mask's summaries are keys.mask).
   template <class Item, class Keys, class Terms>
   __device__ __forceinline__ void compute(const AttentionParams& p, const Item& w,
                                           const Keys& keys,
                                           const FragmentSegments<kLayouts>& segments,
-                                          const Terms& terms, const MaskTiles& mask_tiles,
+                                          const Terms& terms,
                                           RowSoftmax& softmax, float (&o)[kDimTiles * 4]) {
     const int64_t n_tiles = keys.count;
-    const MaskTiles::Entry mask = mask_tiles.entry(w.b, w.h);  // (kTerms kernels read it)
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
       const int64_t g = kv + it;
@@ -118,9 +117,9 @@ struct ForwardMainloop {
       segments.template mask<kKeyTiles>(s, k0);
       if constexpr (Terms::kActive)  // (the mask per element only where it hides pairs)
         terms.template add<kKeyTiles>(
-            s, k0, !mask || (mask.of(w.q0 + consumer * kConsumerRows, kConsumerRows, k0,
-                                     kBlockN) &
-                             MaskTiles::kAnyHidden));
+            s, k0, !keys.mask || (keys.mask.of(w.q0 + consumer * kConsumerRows, kConsumerRows,
+                                               k0, kBlockN) &
+                                  MaskTiles::kAnyHidden));
       softmax.exponentiate<kKeyTiles>(s, alpha);
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };
