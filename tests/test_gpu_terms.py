@@ -57,6 +57,10 @@ def options_of(name):
         "dropout": dict(dropout_rate=RATE, dropout_key=jax.random.key(11), causal=True),
         "dropout_terms": dict(dropout_rate=RATE, dropout_key=jax.random.key(12),
                               bias=rand(7, (1, H, SQ, SK)), mask=_mask((B, H, SQ, SK), 8)),
+        # ALiBi alone on uniform layouts: the kernels' ALiBi variant (TermSet::kAlibi).
+        "alibi_full_sinks": dict(alibi_slopes=_slopes((B, H)), sinks=rand(9, (H,))),
+        "alibi_softcap_window": dict(alibi_slopes=_slopes((H,)), softcap=3.0,
+                                     window_size=(60, 20)),
         "seqused_alibi": dict(alibi_slopes=_slopes((H,)),
                               seqused_q=jnp.array([150, 200], jnp.int32),
                               seqused_k=jnp.array([333, 101], jnp.int32)),
@@ -65,7 +69,8 @@ def options_of(name):
 
 CASES = [("bias", 128), ("bias_shared", 64), ("bias_heads_kv", 128), ("mask", 64),
          ("mask_sinks", 128), ("alibi", 64), ("alibi_softcap_bias", 128), ("dropout", 128),
-         ("dropout_terms", 64), ("seqused_alibi", 128)]
+         ("dropout_terms", 64), ("seqused_alibi", 128), ("alibi_full_sinks", 128),
+         ("alibi_softcap_window", 96)]
 
 
 def rel(x, ref):
@@ -135,7 +140,7 @@ def test_terms(name, d, path, monkeypatch, gpu_device):
     check(name, d, "bfloat16", path, monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["bias", "bias_shared", "dropout_terms"])
+@pytest.mark.parametrize("name", ["bias", "bias_shared", "dropout_terms", "alibi"])
 def test_terms_deterministic(name, monkeypatch, gpu_device):
     """Bitwise-repeatable with terms (a shared dbias entry: the exact pass, no atomics)."""
     first = check(name, 64, "float16", "cuda", monkeypatch, deterministic=True)
@@ -170,6 +175,28 @@ def test_varlen_alibi_dropout(path, monkeypatch, gpu_device):
         np.asarray(cu_k), max(lens_q), max(lens_k), causal=True, alibi_slopes=slopes,
         dropout_rate=RATE, dropout_key=key, compute_dtype=jnp.float64)
     assert_close(out, ref, TOL["bfloat16"], "out")
+
+
+def test_alibi_short_gqa_queries(gpu_device):
+    """A GQA group's short query rows (the forward packs such groups into one tile
+    without terms; with ALiBi each row keeps its own head's slope), forward and
+    gradients against the float64 reference."""
+    h, hk, sq, sk, d = 8, 2, 9, 300, 128
+    q = rand(0, (B, sq, h, d)).astype(jnp.bfloat16)
+    k = rand(1, (B, sk, hk, d)).astype(jnp.bfloat16)
+    v = rand(2, (B, sk, hk, d)).astype(jnp.bfloat16)
+    slopes = _slopes((h,))
+    ct = rand(10, (B, sq, h, d))
+
+    def grads(fn, q, k, v):
+        out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, causal=True, alibi_slopes=slopes),
+                                q, k, v)
+        return (out,) + pullback(ct.astype(out.dtype))
+    up = lambda x: x.astype(jnp.float64)
+    ref = jax.jit(functools.partial(grads, _reference_fn))(up(q), up(k), up(v))
+    ours = jax.jit(functools.partial(grads, flashjax.flash_attention))(q, k, v)
+    for x, r, n in zip(ours, ref, ("out", "dq", "dk", "dv")):
+        assert_close(x, r, GRAD_TOL_FACTOR * TOL["bfloat16"], n)
 
 
 def _neg_inf_bias_call(q, k, v, bias, mask, ct, implementation):

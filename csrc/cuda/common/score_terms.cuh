@@ -17,13 +17,17 @@
 #include "flashjax/score_terms.h"
 #include "flashjax/seqlen.h"
 #include "segments.cuh"
+#include "sequence_layout.h"
 
 namespace flashjax::cuda {
 
+template <TermSet kSet, FragmentRows kRows>
+struct FragmentTerms;
+
 // Scores must be in log2 units before terms are added (kTerms kernels scale first:
 // score_mod.cuh's scores_prescaled).
-template <bool kTerms, FragmentRows kRows>
-struct FragmentTerms {
+template <FragmentRows kRows>
+struct FragmentTerms<TermSet::kNone, kRows> {
   static constexpr bool kActive = false;
   __device__ FragmentTerms(const AttentionParams&, const SeqlenInfo&, int64_t) {}
   __device__ void head(const AttentionParams&, const SeqlenInfo&, int64_t, int64_t) {}
@@ -46,9 +50,12 @@ struct FragmentTerms {
   __device__ void add_bias_gradient(const float (&)[kTiles * 4], int64_t) const {}
 };
 
-template <FragmentRows kRows>
-struct FragmentTerms<true, kRows> {
+// kSet kAlibi: only the ALiBi term (no bias, mask, dropout or dbias: their code
+// and state are compiled out).
+template <TermSet kSet, FragmentRows kRows>
+struct FragmentTerms {
   static constexpr bool kActive = true;
+  static constexpr bool kAlibiOnly = kSet == TermSet::kAlibi;
   static constexpr bool kQueryRows = kRows == FragmentRows::kQueries;
   int64_t row;                // the thread's first fragment row (the other is row + 8)
   int64_t rows_used, cols_used;  // used queries / keys as rows and columns
@@ -66,21 +73,32 @@ struct FragmentTerms<true, kRows> {
       : row(fragment_row),
         rows_used(kQueryRows ? seq.seqlen_q : seq.seqlen_k),
         cols_used(kQueryRows ? seq.seqlen_k : seq.seqlen_q),
-        drops(static_cast<bool>(p.dropout)),
+        drops(!kAlibiOnly && static_cast<bool>(p.dropout)),
         keep_scale(p.dropout.scale) {}
 
   // The (sequence b, query head h) the next tiles belong to.
   __device__ void head(const AttentionParams& p, const SeqlenInfo& seq, int64_t b, int64_t h) {
-    terms = ScoreTerms(p, seq, b, h);
+    if constexpr (kAlibiOnly) {
+      terms.alibi = true;
+      terms.slope = p.alibi_slopes[b * p.heads_q + h];
+      terms.diagonal = seq.diagonal_offset();
+    } else {
+      terms = ScoreTerms(p, seq, b, h);
+    }
     slope_log2 = terms.slope * kLog2e;
     slope_finite = isfinite(slope_log2);
     if (drops) dropout = p.dropout.head(b, h, p.heads_q);
-    if (p.dbias) {
+    if (!kAlibiOnly && p.dbias) {
       dbias = p.dbias.at<float>(b, h);
       dbias_ld = p.dbias.row_stride;
       dbias_shared = p.dbias.broadcast();
     }
   }
+
+  // The terms present (kAlibiOnly: ALiBi alone, as compile-time constants).
+  __device__ const float* bias_ptr() const { return kAlibiOnly ? nullptr : terms.bias; }
+  __device__ const bool* mask_ptr() const { return kAlibiOnly ? nullptr : terms.mask; }
+  __device__ bool alibi_on() const { return kAlibiOnly || terms.alibi; }
 
   // (query, key) of fragment element (row half r, column c).
   __device__ void pair(int r, int64_t c, int64_t& i, int64_t& j) const {
@@ -103,8 +121,8 @@ struct FragmentTerms<true, kRows> {
   __device__ float term_log2_at(int index, int64_t c0) const {
     int64_t i, j;
     if (!pair_at(index, c0, i, j)) return 0.0f;
-    float x = terms.bias ? kLog2e * __ldg(terms.bias + i * terms.bias_ld + j) : 0.0f;
-    if (terms.alibi) {
+    float x = bias_ptr() ? kLog2e * __ldg(bias_ptr() + i * terms.bias_ld + j) : 0.0f;
+    if (alibi_on()) {
       const int64_t d = i + terms.diagonal - j;
       x -= slope_log2 * static_cast<float>(d < 0 ? -d : d);
     }
@@ -124,7 +142,7 @@ struct FragmentTerms<true, kRows> {
     const int t = threadIdx.x % 4;
     // Tile-relative columns [0, col_end) are used; this thread's are 8 n + 2 t + e.
     const int col_end = static_cast<int>(clamp_to(cols_used - c0, 0, kCols)) - 2 * t;
-    const bool read_mask = terms.mask && mask_mixed;
+    const bool read_mask = mask_ptr() && mask_mixed;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t fr = row + 8 * r;
@@ -133,18 +151,18 @@ struct FragmentTerms<true, kRows> {
       // (c0 + 2t + 8n + e, fr) (key rows): its offset from the row's first is
       // (8n + e) * step in the arrays.
       const int64_t i0 = kQueryRows ? fr : c0 + 2 * t, j0 = kQueryRows ? c0 + 2 * t : fr;
-      const float* bias_at = terms.bias ? terms.bias + i0 * terms.bias_ld + j0 : nullptr;
+      const float* bias_at = bias_ptr() ? bias_ptr() + i0 * terms.bias_ld + j0 : nullptr;
       const unsigned char* mask_at =
-          read_mask ? reinterpret_cast<const unsigned char*>(terms.mask) + i0 * terms.mask_ld + j0
+          read_mask ? reinterpret_cast<const unsigned char*>(mask_ptr()) + i0 * terms.mask_ld + j0
                     : nullptr;
       const int64_t bias_step = kQueryRows ? 1 : terms.bias_ld;
       const int64_t mask_step = kQueryRows ? 1 : terms.mask_ld;
       // |i + diagonal - j| = |distance0 -/+ (8n + e)|
       const float distance0 = static_cast<float>(i0 + terms.diagonal - j0);
       // (pairs: 8-byte aligned bias pairs, 2-byte aligned mask pairs)
-      const bool pairs = kQueryRows && ((reinterpret_cast<uintptr_t>(terms.bias) |
+      const bool pairs = kQueryRows && ((reinterpret_cast<uintptr_t>(bias_ptr()) |
                                          static_cast<uintptr_t>(terms.bias_ld * 4)) % 8 == 0) &&
-                         ((reinterpret_cast<uintptr_t>(terms.mask) |
+                         ((reinterpret_cast<uintptr_t>(mask_ptr()) |
                            static_cast<uintptr_t>(terms.mask_ld)) % 2 == 0);
       if ((pairs || !kQueryRows) && cols_used - c0 >= kCols) {
         add_full_row<kTiles>(s, r, bias_at, mask_at, distance0);
@@ -168,7 +186,7 @@ struct FragmentTerms<true, kRows> {
 #pragma unroll
           for (int e = 0; e < 2; ++e) add[e] *= kLog2e;
         }
-        if (terms.alibi) {
+        if (alibi_on()) {
 #pragma unroll
           for (int e = 0; e < 2; ++e)
             add[e] -= slope_log2 * fabsf(kQueryRows ? distance0 - static_cast<float>(o + e)
@@ -219,7 +237,7 @@ struct FragmentTerms<true, kRows> {
         add_to(s[4 * n + 2 * r + 1], kLog2e * b2[n].y);
       }
     }
-    if (terms.alibi) {
+    if (alibi_on()) {
       // |i + diagonal - j| = |distance0 -/+ (8n + e)| (query / key rows)
       const float sign = kQueryRows ? -1.0f : 1.0f;
       if (slope_finite) {
@@ -280,14 +298,14 @@ struct FragmentTerms<true, kRows> {
       if (s[k] != kNegInf) s[k] += term[k];
   }
 
-  __device__ bool dropping() const { return drops; }
+  __device__ bool dropping() const { return !kAlibiOnly && drops; }
 
   // x *= 1 / (1 - rate) where dropout keeps the pair, 0 where it drops it
   // (dropout.h: one Philox call per 8 elements of a 16 x 16 block), by chunks of up to
   // 8 column tiles (keep_bits).
   template <int kTiles>
   __device__ void drop(float (&x)[kTiles * 4], int64_t c0) const {
-    if (!drops) return;
+    if (!dropping()) return;
     constexpr int kChunk = kTiles < 8 ? kTiles : 8;
     static_assert(kTiles % kChunk == 0, "whole chunks of 8 column tiles");
 #pragma unroll
@@ -356,7 +374,7 @@ struct FragmentTerms<true, kRows> {
   // dbias first), an atomic add where the entry is shared.
   __device__ void add_bias_gradient_at(int index, int64_t c0, float g) const {
     int64_t i, j;
-    if (!dbias || !pair_at(index, c0, i, j)) return;
+    if (kAlibiOnly || !dbias || !pair_at(index, c0, i, j)) return;
     float* at = dbias + i * dbias_ld + j;
     if (dbias_shared) atomicAdd(at, g);
     else *at = g;

@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
   narrow_to_segments<kLayouts>(queries, segment_tiles, b, k0, kBlock, kBlock);
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kKeys, k0,
                                             my_key);
-  FragmentTerms<kTerms, FragmentRows::kKeys> terms(p, seq, my_key);
+  FragmentTerms<kTerms ? TermSet::kAny : TermSet::kNone, FragmentRows::kKeys> terms(p, seq, my_key);
   for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
     terms.head(p, seq, b, h);
     const T* q_head = seq.q_at<const T>(p.q, 0, h);
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kThreads)
   narrow_to_segments<kLayouts>(keys, segment_tiles, b, q0, kBlock, kBlock);
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
                                             rows.row);
-  FragmentTerms<kTerms, FragmentRows::kQueries> terms(p, seq, rows.row);
+  FragmentTerms<kTerms ? TermSet::kAny : TermSet::kNone, FragmentRows::kQueries> terms(p, seq, rows.row);
   terms.head(p, seq, b, h);
   const T* k_head = seq.k_at<const T>(p.k, 0, hk);
   const T* v_head = seq.k_at<const T>(p.v, 0, hk);
@@ -361,7 +361,7 @@ cudaError_t tensor_core_backward(const AttentionParams& call, void* workspace,
       return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
         return with_variant(p, [&](auto terms, auto layouts) {
           return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value,
-                        decltype(terms)::value>(p, ws, stream);
+                        has_terms(decltype(terms)::value)>(p, ws, stream);
         });
       });
     });

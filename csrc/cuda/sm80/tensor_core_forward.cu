@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
   RowSoftmax softmax{q0 + warp * 16 + lane / 4};
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
                                             softmax.row);
-  FragmentTerms<kTerms, FragmentRows::kQueries> terms(p, seq, softmax.row);
+  FragmentTerms<kTerms ? TermSet::kAny : TermSet::kNone, FragmentRows::kQueries> terms(p, seq, softmax.row);
   terms.head(p, seq, b, h);
 
   // Only used rows and keys are read (the rest of a tile is zero): padding
@@ -159,7 +159,7 @@ cudaError_t tensor_core_forward(const AttentionParams& p, void* workspace, cudaS
     return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
       return with_variant(p, [&](auto terms, auto layouts) {
         return launch<decltype(tag), decltype(dim)::value, decltype(layouts)::value,
-                      decltype(terms)::value>(p, segment_tiles, stream);
+                      has_terms(decltype(terms)::value)>(p, segment_tiles, stream);
       });
     });
   });

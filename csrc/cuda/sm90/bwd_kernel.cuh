@@ -34,15 +34,15 @@ __device__ __forceinline__ void consumer_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Config::kConsumerRegs));
 }
 
-// body(block) for this CTA's block (BlockSchedule); kTerms kernels narrow it to the
-// span of a mask (the streamed tiles the mask hides from every owned row: skipped).
-template <bool kTerms, class Block, class Body>
+// body(block) for this CTA's block (BlockSchedule); kMasked (the general terms
+// variant) narrows it to the span of a mask (the streamed tiles the mask hides from every owned row: skipped).
+template <bool kMasked, class Block, class Body>
 __device__ __forceinline__ void for_each_block(const AttentionParams& p,
                                                const VarlenWorkList& list,
                                                const SegmentTiles& segment_tiles,
                                                const MaskTiles& mask_tiles, Body&& body) {
   for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& listed) {
-    if constexpr (kTerms) {
+    if constexpr (kMasked) {
       Block narrowed = listed;
       narrowed.narrow_to_mask(p, mask_tiles);
       body(narrowed);
@@ -56,7 +56,7 @@ __device__ __forceinline__ void for_each_block(const AttentionParams& p,
 // dq_order: added in a fixed order, bwd_dq_writer.cuh's DqOrder, else null).
 // kLayouts: any; `list`: the blocks of non-uniform ones; `segment_tiles`: kSegments'.
 // kTerms: score terms and dropout (non-uniform layouts only).
-template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
+template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, TermSet kTerms>
 __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     hopper_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                       const RowStats stats, float* dq_accum, int* dq_order,
@@ -90,11 +90,11 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
         sm, kb, p, maps, segment_tiles, mask_tiles, warpgroup - 1, stats.nonfinite);
   };
   // (No block, a grid slot past the list's: the whole CTA returns.)
-  for_each_block<kTerms, Block>(p, list, segment_tiles, mask_tiles, block);
+  for_each_block<kTerms == TermSet::kAny, Block>(p, list, segment_tiles, mask_tiles, block);
 }
 
 // dQ of a block of 128 query rows, and those rows' shares of dsinks.
-template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
+template <class T, int kHeadDim, Layouts kLayouts, TermSet kTerms>
 __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     hopper_query_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                         const __grid_constant__ TensorRef D_all,
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     query_consumer<T, kHeadDim, kLayouts, kTerms>(sm, qb, p, segment_tiles, mask_tiles,
                                                   warpgroup - 1, D_all, dsink_rows, nonfinite);
   };
-  for_each_block<kTerms, Block>(p, list, segment_tiles, mask_tiles, block);
+  for_each_block<kTerms == TermSet::kAny, Block>(p, list, segment_tiles, mask_tiles, block);
 }
 
 // dK, dV and the shares of dQ of a block of 64 keys, head dims 129-256.
@@ -147,11 +147,11 @@ __global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
 
 #else  // not compiled for sm_90a: never launched (hopper_backward_supports says no)
 
-template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
+template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, TermSet kTerms>
 __global__ void hopper_key_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                   const RowStats, float*, int*, const VarlenWorkList,
                                   const SegmentTiles, const MaskTiles) {}
-template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
+template <class T, int kHeadDim, Layouts kLayouts, TermSet kTerms>
 __global__ void hopper_query_kernel(const AttentionParams, const __grid_constant__ BackwardMaps,
                                     const __grid_constant__ TensorRef,
                                     const __grid_constant__ TensorRef, const VarlenWorkList,

@@ -33,7 +33,7 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
+template <class T, int kHeadDim, Layouts kLayouts, TermSet kTerms>
 cudaError_t configure_kernels() {
   constexpr int kSmem = KeyKernelConfig<kHeadDim>::kSmemBytes;
   static DeviceOnce configured;
@@ -76,7 +76,7 @@ cudaError_t build_blocks(const AttentionParams& p, const VarlenWorkList& list, b
   return build_work_list(p, shape, list, stream);
 }
 
-template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
+template <class T, int kHeadDim, Layouts kLayouts, TermSet kTerms>
 cudaError_t launch(const AttentionParams& p, const HopperBackwardWorkspace& ws,
                    cudaStream_t stream) {
   using KeyConfig = KeyKernelConfig<kHeadDim>;
@@ -121,7 +121,7 @@ cudaError_t launch(const AttentionParams& p, const HopperBackwardWorkspace& ws,
     if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
     if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
   }
-  if constexpr (kTerms)
+  if constexpr (kTerms == TermSet::kAny)
     if (cudaError_t e = compute_mask_tiles(p, ws.masks, stream); e != cudaSuccess) return e;
   if constexpr (kVarlen) {
     if (cudaError_t e = build_blocks(p, ws.key_list, true, kKeysPerBlock, p.heads_kv, key_blocks,
@@ -233,12 +233,13 @@ cudaError_t hopper_backward(const AttentionParams& call, void* workspace, cudaSt
       return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
         constexpr int kHeadDim = decltype(dim)::value;
         using T = decltype(tag);
-        return with_variant(p, [&](auto terms, auto layouts) {
+        return with_variant<true>(p, [&](auto terms, auto layouts) {
           constexpr Layouts kLayouts = decltype(layouts)::value;
-          constexpr bool kTerms = decltype(terms)::value;
+          constexpr TermSet kTerms = decltype(terms)::value;
           // (hopper_backward_supports says no)
-          if constexpr ((hopper_bwd::kWide<kHeadDim> && kLayouts != Layouts::kUniform) ||
-                        (kTerms && kLayouts == Layouts::kSegments))
+          if constexpr ((hopper_bwd::kWide<kHeadDim> &&
+                         (kLayouts != Layouts::kUniform || has_terms(kTerms))) ||
+                        (has_terms(kTerms) && kLayouts == Layouts::kSegments))
             return cudaErrorNotSupported;
           else
             return hopper_bwd::launch<T, kHeadDim, kLayouts, kTerms>(p, ws, stream);

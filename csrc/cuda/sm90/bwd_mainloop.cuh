@@ -163,8 +163,8 @@ __device__ __forceinline__ void zero_rows_of_pair(unsigned char* a, unsigned cha
 // tiles (with kFusedDq also each tile's share of dQ, staged for the writer),
 // then its rows of dk and dv. `consumer` must be warp-uniform as the compiler
 // sees it (bwd_kernel.cuh), so that descriptors live in uniform registers.
-// kTerms: bias, mask, ALiBi, dropout and dbias (score_terms.cuh).
-template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, bool kTerms>
+// kTerms: bias, mask, ALiBi, dropout and dbias, or ALiBi alone (score_terms.cuh).
+template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, TermSet kTerms>
 __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                              const KeyBlock<TileConfig<kHeadDim>, kLayouts>& kb,
                                              const AttentionParams& p, const BackwardMaps& maps,
@@ -204,6 +204,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   const FragmentSegments<kLayouts> segments(p, segment_tiles, kb.seq, kb.b, FragmentRows::kKeys,
                                             kb.k0 + consumer * 64, my_key);
   FragmentTerms<kTerms, FragmentRows::kKeys> terms(p, kb.sequence(p), my_key);
+  int64_t tile_head = kb.hk * p.group_size();  // (kTerms: the current tile's query head)
   // Hands this consumer's share of a tile's dQ (in dq) to the dQ writer.
   // (real = false: staged only, into a stage not yet handed over.)
   const auto send_dq = [&](bool real = true) {
@@ -243,15 +244,20 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         wgmma_commit();
       },
       [&](int64_t it) {  // P^T, dS^T
-        // The tile's lse2 and D (loaded before the waits: their latency hides there).
-        float lse2[16], D[16] = {};  // (D: loaded in the wait below)
+        // The tile's lse2 and D (loaded before the waits: their latency hides there;
+        // the general terms variant reads them where they are used: 32 registers
+        // fewer while the terms are added, which spilled inside the loop).
+        constexpr bool kStatsOnDemand = kTerms == TermSet::kAny;
+        float lse2[16] = {}, D[16] = {};  // (D: loaded in the wait below)
         const uint32_t stats = my_stats + tile.stage * C::kStatBytes;
+        if constexpr (!kStatsOnDemand) {
 #pragma unroll
-        for (int n = 0; n < 8; ++n) ld_shared(stats + 4 * 8 * n, lse2[2 * n], lse2[2 * n + 1]);
+          for (int n = 0; n < 8; ++n) ld_shared(stats + 4 * 8 * n, lse2[2 * n], lse2[2 * n + 1]);
+        }
         wgmma_wait<1>();
         fence_operands(st);
         // (else the scale rides in the exponent; terms are added to log2 scores)
-        if (kTerms || scores_prescaled(p)) scores_log2(st, p);
+        if (has_terms(kTerms) || scores_prescaled(p)) scores_log2(st, p);
         kb.template mask<8>(st, p, my_key, q0);
         segments.template mask<8>(st, q0);
         // Rows past seqlen_q have lse2 = +inf and D = 0 (padded), so P = dS = 0.
@@ -263,17 +269,33 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
           wgmma_wait<0>();
           fence_operands(dpt);
         };
-        const auto lse2_of = [&](int i) { return lse2[column(i)]; };
-        const auto d_of = [&](int i) { return D[column(i)]; };
-        if constexpr (kTerms) {
-          const int64_t h = kb.head(p, it);
-          terms.head(p, kb.sequence(p), kb.b, h);
-          // (the mask per element only where it hides some of these pairs)
-          terms.template add<8>(st, q0, !mask_tiles || (mask_tiles.of(kb.b, h, q0, kStreamRows,
-                                                                      kb.k0 + consumer * 64, 64) &
-                                                        MaskTiles::kAnyHidden));
-          wait_dp();
-          terms_probabilities_and_grad<true, 8>(st, dpt, p, terms, q0, lse2_of, d_of);
+        // element i's column: 8 (i / 4) + 2 t + (i & 1)
+        const auto stat_at = [&](int i, int offset) {
+          return ld_shared(stats + 4 * (offset + 8 * (i / 4) + (i & 1)));
+        };
+        const auto lse2_of = [&](int i) {
+          return kStatsOnDemand ? stat_at(i, 0) : lse2[column(i)];
+        };
+        const auto d_of = [&](int i) {
+          return kStatsOnDemand ? stat_at(i, kStreamRows) : D[column(i)];
+        };
+        if constexpr (has_terms(kTerms)) {
+          terms.head(p, kb.sequence(p), kb.b, tile_head);
+          bool mask_mixed = false;  // (the mask per element only where it hides some pairs)
+          if constexpr (kTerms == TermSet::kAny)
+            mask_mixed = !mask_tiles || (mask_tiles.of(kb.b, tile_head, q0, kStreamRows,
+                                                       kb.k0 + consumer * 64, 64) &
+                                         MaskTiles::kAnyHidden);
+          terms.template add<8>(st, q0, mask_mixed);
+          if (kTerms == TermSet::kAlibi && !(p.softcap > 0.0f)) {
+            // ALiBi alone, no softcap: P's exponentials overlap dP's product, as
+            // without terms (the scores are in log2 units already).
+            probabilities_then_grad(st, dpt, p, 1.0f, lse2_of, d_of, wait_dp);
+          } else {
+            wgmma_wait<0>();
+            fence_operands(dpt);
+            terms_probabilities_and_grad<true, 8>(st, dpt, p, terms, q0, lse2_of, d_of);
+          }
         } else {
           probabilities_then_grad(st, dpt, p, exponent_scale(p), lse2_of, d_of, wait_dp);
         }
@@ -330,6 +352,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         tile.next();
         ds_buffer ^= 1;
         q0 = kb.next_row(q0);
+        if (has_terms(kTerms) && q0 == kb.row_begin) ++tile_head;  // (the next head's tiles)
       });
   if constexpr (kDqLags) {  // the last tile's dQ
     if (kb.tiles > 0) {
@@ -346,7 +369,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
 // A query-kernel consumer: dQ of its 64 rows over the block's key tiles, then
 // its rows of dq and their shares of dsinks. kTerms: as the key consumer's
 // (dbias is the key kernel's).
-template <class T, int kHeadDim, Layouts kLayouts, bool kTerms>
+template <class T, int kHeadDim, Layouts kLayouts, TermSet kTerms>
 __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm,
                                                const QueryBlock<TileConfig<kHeadDim>, kLayouts>& qb,
                                                const AttentionParams& p,
@@ -406,11 +429,13 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm,
         segments.template mask<8>(s, k0);
         const auto lse2_of = [&](int i) { return lse2[(i % 4) / 2]; };
         const auto d_of = [&](int i) { return D[(i % 4) / 2]; };
-        if constexpr (kTerms) {
-          terms.template add<8>(s, k0, !mask_tiles || (mask_tiles.of(qb.b, qb.h,
-                                                                     qb.q0 + consumer * 64, 64, k0,
-                                                                     kStreamRows) &
-                                                       MaskTiles::kAnyHidden));
+        if constexpr (has_terms(kTerms)) {
+          bool mask_mixed = false;  // (the mask per element only where it hides some pairs)
+          if constexpr (kTerms == TermSet::kAny)
+            mask_mixed = !mask_tiles || (mask_tiles.of(qb.b, qb.h, qb.q0 + consumer * 64, 64, k0,
+                                                       kStreamRows) &
+                                         MaskTiles::kAnyHidden);
+          terms.template add<8>(s, k0, mask_mixed);
           terms_probabilities_and_grad<false, 8>(s, dp, p, terms, k0, lse2_of, d_of);
         } else {
           probabilities_and_grad(s, dp, p, 1.0f, lse2_of, d_of);

@@ -31,7 +31,7 @@ namespace flashjax::cuda::hopper_fwd {
 // wrote 8 rows x 16 bytes a warp instruction, 16 of them a row pair, with
 // their 64-bit addresses: ~500 instructions an item and warp more than FA3's
 // forward, ~6% of the 2k causal kernel's stall samples (ncu, H200, 2026-11-27).
-template <class Cfg, class TOut, Layouts kLayouts, bool kTerms, int kN, class Item>
+template <class Cfg, class TOut, Layouts kLayouts, TermSet kTerms, int kN, class Item>
 __device__ __forceinline__ void store_work_item(const ForwardSmem<Cfg>& sm, const TensorMaps& maps,
                                                 const AttentionParams& p, const Item& w,
                                                 bool packed, const RowSoftmax& softmax,
@@ -43,7 +43,7 @@ __device__ __forceinline__ void store_work_item(const ForwardSmem<Cfg>& sm, cons
   if constexpr (kLayouts == Layouts::kUniform && Cfg::kStagesOut) {
     if (maps.store_out && !packed) {
       static_assert(sizeof(TOut) == 2, "out is staged as 16-bit rows");
-      flag(write_out_rows<TOut, kDimTiles, true, kTerms>(softmax, p, w.seq, o, w.b, w.h));
+      flag(write_out_rows<TOut, kDimTiles, true, kTerms == TermSet::kAny>(softmax, p, w.seq, o, w.b, w.h));
       unsigned char* rows = sm.out + consumer * Cfg::kOutBytes;
       const int barrier = kOutStagedBarrier + consumer;
       const bool sender = threadIdx.x % 128 == 0;
@@ -66,7 +66,7 @@ __device__ __forceinline__ void store_work_item(const ForwardSmem<Cfg>& sm, cons
     }
   }
   if constexpr (kLayouts != Layouts::kUniform) clear_unused_rows<kDimTiles>(softmax, o, w.seq);
-  flag(write_out_rows<TOut, kDimTiles, false, kTerms>(softmax, p, w.seq, o, w.b, w.h));
+  flag(write_out_rows<TOut, kDimTiles, false, kTerms == TermSet::kAny>(softmax, p, w.seq, o, w.b, w.h));
 }
 
 // After a consumer's last item: its out stores are complete (before the rows
@@ -84,7 +84,7 @@ __device__ __forceinline__ void finish_out_stores() {
 // warp]). Done here, not in the consumers, whose main loop would otherwise
 // keep registers for it (the kernel spills).
 // kTerms: the kernel's score-terms variant (the recompute reads them too).
-template <class Cfg, class TOut, bool kPacks, Layouts kLayouts, bool kTerms>
+template <class Cfg, class TOut, bool kPacks, Layouts kLayouts, TermSet kTerms>
 __device__ __forceinline__ void recompute_flagged_rows(const AttentionParams& p,
                                                        const ScheduleOf<kLayouts>& schedule,
                                                        const SegmentTiles& segment_tiles,
@@ -100,7 +100,7 @@ __device__ __forceinline__ void recompute_flagged_rows(const AttentionParams& p,
     const WorkItem<kLayouts, Cfg::kBlockM, Cfg::kBlockN> w(p, tile, packed, segment_tiles);
     for (int f = 0; f < kConsumerWarps; ++f)
       if (flags[f])
-        recompute_nonfinite_rows<T, TOut, kTerms ? RowTerms::kRead : RowTerms::kNone>(
+        recompute_nonfinite_rows<T, TOut, has_terms(kTerms) ? RowTerms::kRead : RowTerms::kNone>(
             item_rows<kPacks>(w, schedule, f / kWarpsPerGroup, f % kWarpsPerGroup), p, w.seq,
             w.b, w.h);
   });

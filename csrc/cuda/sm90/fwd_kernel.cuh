@@ -29,7 +29,7 @@ namespace flashjax::cuda::hopper_fwd {
 // kSegments narrows each tile's keys to its segment-id span and masks ids per
 // element where a tile's are not all equal. kTerms: bias, mask, ALiBi and
 // dropout (score_terms.cuh).
-template <class T, class TOut, int kHeadDim, Layouts kLayouts, bool kTerms>
+template <class T, class TOut, int kHeadDim, Layouts kLayouts, TermSet kTerms>
 __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
     hopper_forward_kernel(const __grid_constant__ AttentionParams p,
                           const __grid_constant__ TensorMaps maps,
@@ -38,9 +38,9 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
                           const __grid_constant__ MaskTiles mask_tiles) {
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kConsumers = Cfg::kConsumers;
-  constexpr bool kPacks = kPacksGroups<kHeadDim> && kLayouts == Layouts::kUniform;
+  constexpr bool kPacks = packs_groups<kHeadDim, kLayouts, kTerms>();
   using Item = WorkItem<kLayouts, kBlockM, kBlockN>;
-  using Keys = ItemKeys<kTerms>;  // (kTerms: the mask's empty tiles are skipped)
+  using Keys = ItemKeys<kTerms == TermSet::kAny>;  // (a mask's empty tiles are skipped)
   extern __shared__ unsigned char smem_raw[];
   const ForwardSmem<Cfg> sm(smem_raw);
   if (threadIdx.x == 0) sm.init();
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
 
 #else  // not compiled for sm_90a: never launched (hopper_forward_supports says no)
 
-template <class T, class TOut, int kHeadDim, Layouts kLayouts, bool kTerms>
+template <class T, class TOut, int kHeadDim, Layouts kLayouts, TermSet kTerms>
 __global__ void hopper_forward_kernel(const __grid_constant__ AttentionParams,
                                       const __grid_constant__ TensorMaps,
                                       const __grid_constant__ ScheduleOf<kLayouts>,

@@ -63,8 +63,8 @@ struct ForwardWorkspace {
 
 // `workspace`: hopper_forward_workspace_bytes(p) bytes (ForwardWorkspace).
 // T: the inputs' element type, TOut: out's.
-// kTerms: score terms or dropout (p.has_pair_terms()), with non-uniform layouts only.
-template <class T, class TOut, int kHeadDim, Layouts kLayouts, bool kTerms>
+// kTerms: the score terms compiled in (with_variant).
+template <class T, class TOut, int kHeadDim, Layouts kLayouts, TermSet kTerms>
 cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kBlockM = Cfg::kBlockM;
@@ -77,7 +77,7 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
     return e;
   ScheduleOf<kLayouts> schedule;
   int64_t items;  // (an upper bound for kVarlen: the device knows the count)
-  const bool gqa_packed = kLayouts == Layouts::kUniform && kPacksGroups<kHeadDim> &&
+  const bool gqa_packed = packs_groups<kHeadDim, kLayouts, kTerms>() &&
                           p.group_size() > 1 && p.seqlen_q * p.group_size() <= kBlockM;
   if constexpr (kLayouts == Layouts::kUniform) {
     schedule.packed_rows = gqa_packed ? p.seqlen_q : 0;
@@ -95,7 +95,7 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
     if constexpr (kLayouts == Layouts::kSegments)
       if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess)
         return e;
-    if constexpr (kTerms)
+    if constexpr (kTerms == TermSet::kAny)
       if (cudaError_t e = compute_mask_tiles(p, ws.masks, stream); e != cudaSuccess) return e;
     schedule.list = ws.list;
     schedule.heads = p.heads_q;
@@ -124,10 +124,10 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
 // out is written in the inputs' type (an fp8 input type would pick its own).
 template <class T, int kHeadDim>
 cudaError_t launch(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  return with_variant(p, [&](auto terms, auto layouts) {
+  return with_variant<true>(p, [&](auto terms, auto layouts) {
     constexpr Layouts kLayouts = decltype(layouts)::value;
     // (terms with segment ids: hopper_forward_supports says no)
-    if constexpr (decltype(terms)::value && kLayouts == Layouts::kSegments)
+    if constexpr (has_terms(decltype(terms)::value) && kLayouts == Layouts::kSegments)
       return cudaErrorNotSupported;
     else
       return launch_layouts<T, T, kHeadDim, kLayouts, decltype(terms)::value>(p, workspace,

@@ -115,11 +115,14 @@ struct ForwardMainloop {
                                 RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
                                                             w.keys.key_begin, w.keys.key_end));
       segments.template mask<kKeyTiles>(s, k0);
-      if constexpr (Terms::kActive)  // (the mask per element only where it hides pairs)
-        terms.template add<kKeyTiles>(
-            s, k0, !keys.mask || (keys.mask.of(w.q0 + consumer * kConsumerRows, kConsumerRows,
-                                               k0, kBlockN) &
-                                  MaskTiles::kAnyHidden));
+      if constexpr (Terms::kActive) {  // (the mask per element only where it hides pairs)
+        bool mask_mixed = false;
+        if constexpr (!Terms::kAlibiOnly)
+          mask_mixed = !keys.mask || (keys.mask.of(w.q0 + consumer * kConsumerRows,
+                                                   kConsumerRows, k0, kBlockN) &
+                                      MaskTiles::kAnyHidden);
+        terms.template add<kKeyTiles>(s, k0, mask_mixed);
+      }
       softmax.exponentiate<kKeyTiles>(s, alpha);
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };

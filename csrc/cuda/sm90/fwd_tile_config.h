@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../common/sequence_layout.h"
 #include "hopper_common.cuh"
 
 #ifndef FLASHJAX_FWD_D64_CONSUMERS
@@ -35,6 +36,12 @@ constexpr int kRecomputeWarp = 1;
 // makes the kernel spill).
 template <int kHeadDim>
 constexpr bool kPacksGroups = kHeadDim <= 128;
+// Whether a kernel variant packs a GQA group's rows into one item: uniform
+// layouts without score terms (an item's terms are one query head's).
+template <int kHeadDim, Layouts kLayouts, TermSet kTerms>
+constexpr bool packs_groups() {
+  return kPacksGroups<kHeadDim> && kLayouts == Layouts::kUniform && !has_terms(kTerms);
+}
 
 // Tiles of element type T (the inputs Q, K, V) at head-dim bucket kHeadDim.
 template <class T, int kHeadDimBucket>
