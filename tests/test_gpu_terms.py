@@ -61,6 +61,9 @@ def options_of(name):
         "alibi_full_sinks": dict(alibi_slopes=_slopes((B, H)), sinks=rand(9, (H,))),
         "alibi_softcap_window": dict(alibi_slopes=_slopes((H,)), softcap=3.0,
                                      window_size=(60, 20)),
+        # A mask with or without ALiBi on uniform layouts: the mask variant (kMask).
+        "mask_alibi": dict(mask=_mask((B, H, SQ, SK), 13), alibi_slopes=_slopes((H,)),
+                           causal=True),
         "seqused_alibi": dict(alibi_slopes=_slopes((H,)),
                               seqused_q=jnp.array([150, 200], jnp.int32),
                               seqused_k=jnp.array([333, 101], jnp.int32)),
@@ -70,7 +73,7 @@ def options_of(name):
 CASES = [("bias", 128), ("bias_shared", 64), ("bias_heads_kv", 128), ("mask", 64),
          ("mask_sinks", 128), ("alibi", 64), ("alibi_softcap_bias", 128), ("dropout", 128),
          ("dropout_terms", 64), ("seqused_alibi", 128), ("alibi_full_sinks", 128),
-         ("alibi_softcap_window", 96)]
+         ("alibi_softcap_window", 96), ("mask_alibi", 128)]
 
 
 def rel(x, ref):
@@ -140,7 +143,7 @@ def test_terms(name, d, path, monkeypatch, gpu_device):
     check(name, d, "bfloat16", path, monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["bias", "bias_shared", "dropout_terms", "alibi"])
+@pytest.mark.parametrize("name", ["bias", "bias_shared", "dropout_terms", "alibi", "mask"])
 def test_terms_deterministic(name, monkeypatch, gpu_device):
     """Bitwise-repeatable with terms (a shared dbias entry: the exact pass, no atomics)."""
     first = check(name, 64, "float16", "cuda", monkeypatch, deterministic=True)

@@ -50,12 +50,14 @@ struct FragmentTerms<TermSet::kNone, kRows> {
   __device__ void add_bias_gradient(const float (&)[kTiles * 4], int64_t) const {}
 };
 
-// kSet kAlibi: only the ALiBi term (no bias, mask, dropout or dbias: their code
-// and state are compiled out).
+// kSet kAlibi: only the ALiBi term; kMask: a mask, ALiBi or not (the terms a set
+// leaves out, their code and state, are compiled out).
 template <TermSet kSet, FragmentRows kRows>
 struct FragmentTerms {
   static constexpr bool kActive = true;
   static constexpr bool kAlibiOnly = kSet == TermSet::kAlibi;
+  static constexpr bool kAll = kSet == TermSet::kAny;  // (bias, dbias, dropout)
+  static constexpr bool kMasks = has_mask(kSet);
   static constexpr bool kQueryRows = kRows == FragmentRows::kQueries;
   int64_t row;                // the thread's first fragment row (the other is row + 8)
   int64_t rows_used, cols_used;  // used queries / keys as rows and columns
@@ -73,31 +75,33 @@ struct FragmentTerms {
       : row(fragment_row),
         rows_used(kQueryRows ? seq.seqlen_q : seq.seqlen_k),
         cols_used(kQueryRows ? seq.seqlen_k : seq.seqlen_q),
-        drops(!kAlibiOnly && static_cast<bool>(p.dropout)),
+        drops(kAll && static_cast<bool>(p.dropout)),
         keep_scale(p.dropout.scale) {}
 
   // The (sequence b, query head h) the next tiles belong to.
   __device__ void head(const AttentionParams& p, const SeqlenInfo& seq, int64_t b, int64_t h) {
-    if constexpr (kAlibiOnly) {
-      terms.alibi = true;
-      terms.slope = p.alibi_slopes[b * p.heads_q + h];
-      terms.diagonal = seq.diagonal_offset();
-    } else {
+    if constexpr (kAll) {
       terms = ScoreTerms(p, seq, b, h);
+    } else {
+      terms.alibi = kAlibiOnly || p.alibi_slopes;
+      if (terms.alibi) terms.slope = p.alibi_slopes[b * p.heads_q + h];
+      terms.diagonal = seq.diagonal_offset();
+      if constexpr (has_mask(kSet))
+        terms.mask = p.mask.at<const bool>(b, h), terms.mask_ld = p.mask.row_stride;
     }
     slope_log2 = terms.slope * kLog2e;
     slope_finite = isfinite(slope_log2);
     if (drops) dropout = p.dropout.head(b, h, p.heads_q);
-    if (!kAlibiOnly && p.dbias) {
+    if (kAll && p.dbias) {
       dbias = p.dbias.at<float>(b, h);
       dbias_ld = p.dbias.row_stride;
       dbias_shared = p.dbias.broadcast();
     }
   }
 
-  // The terms present (kAlibiOnly: ALiBi alone, as compile-time constants).
-  __device__ const float* bias_ptr() const { return kAlibiOnly ? nullptr : terms.bias; }
-  __device__ const bool* mask_ptr() const { return kAlibiOnly ? nullptr : terms.mask; }
+  // The terms present (those the set leaves out as compile-time constants).
+  __device__ const float* bias_ptr() const { return kAll ? terms.bias : nullptr; }
+  __device__ const bool* mask_ptr() const { return has_mask(kSet) ? terms.mask : nullptr; }
   __device__ bool alibi_on() const { return kAlibiOnly || terms.alibi; }
 
   // (query, key) of fragment element (row half r, column c).
@@ -298,7 +302,7 @@ struct FragmentTerms {
       if (s[k] != kNegInf) s[k] += term[k];
   }
 
-  __device__ bool dropping() const { return !kAlibiOnly && drops; }
+  __device__ bool dropping() const { return kAll && drops; }
 
   // x *= 1 / (1 - rate) where dropout keeps the pair, 0 where it drops it
   // (dropout.h: one Philox call per 8 elements of a 16 x 16 block), by chunks of up to
@@ -374,7 +378,7 @@ struct FragmentTerms {
   // dbias first), an atomic add where the entry is shared.
   __device__ void add_bias_gradient_at(int index, int64_t c0, float g) const {
     int64_t i, j;
-    if (kAlibiOnly || !dbias || !pair_at(index, c0, i, j)) return;
+    if (!kAll || !dbias || !pair_at(index, c0, i, j)) return;
     float* at = dbias + i * dbias_ld + j;
     if (dbias_shared) atomicAdd(at, g);
     else *at = g;

@@ -115,26 +115,31 @@ cudaError_t with_layouts(const AttentionParams& p, Fn&& fn) {
 // The score terms a tensor-core kernel variant is compiled with (its kTerms):
 // none; ALiBi alone (a slope and a distance per row: the general variant's
 // bias, mask, dropout and dbias state made the Hopper backward spill inside its
-// tile loop, ~5x slower); or any of bias, mask, ALiBi and dropout.
-enum class TermSet { kNone, kAlibi, kAny };
+// tile loop, ~5x slower); a mask, with or without ALiBi; or any of bias, mask,
+// ALiBi and dropout.
+enum class TermSet { kNone, kAlibi, kMask, kAny };
 constexpr bool has_terms(TermSet set) { return set != TermSet::kNone; }
+// Whether the variant reads a mask (and its tile summaries, MaskTiles).
+constexpr bool has_mask(TermSet set) { return set == TermSet::kMask || set == TermSet::kAny; }
 
 // Calls fn(std::integral_constant<TermSet, ...>{}, std::integral_constant<Layouts, ...>{}):
 // the kernel variant that runs p. Terms are compiled only with the layouts that run
 // any call (kVarlen, kSegments), so they cost the build one more instantiation per
 // kernel and layout class, not two; kernels with an ALiBi variant (kAlibiVariant)
-// compile it for uniform calls only (one more instantiation), the other ALiBi calls
-// run the general one.
-template <bool kAlibiVariant = false, class Fn>
+// and the mask variant (kLeanTerms) compile them for uniform calls only (one more
+// instantiation each); the other calls with terms run the general one.
+template <bool kLeanTerms = false, class Fn>
 cudaError_t with_variant(const AttentionParams& p, Fn&& fn) {
   using Any = std::integral_constant<TermSet, TermSet::kAny>;
   if (p.has_pair_terms()) {
     if (p.has_segments())
       return fn(Any{}, std::integral_constant<Layouts, Layouts::kSegments>{});
-    if constexpr (kAlibiVariant)
-      if (p.uniform() && !p.bias && !p.mask && !p.dropout)
-        return fn(std::integral_constant<TermSet, TermSet::kAlibi>{},
-                  std::integral_constant<Layouts, Layouts::kUniform>{});
+    if constexpr (kLeanTerms) {
+      using Uniform = std::integral_constant<Layouts, Layouts::kUniform>;
+      if (p.uniform() && !p.bias && !p.dropout)
+        return p.mask ? fn(std::integral_constant<TermSet, TermSet::kMask>{}, Uniform{})
+                      : fn(std::integral_constant<TermSet, TermSet::kAlibi>{}, Uniform{});
+    }
     return fn(Any{}, std::integral_constant<Layouts, Layouts::kVarlen>{});
   }
   return with_layouts(p, [&](auto layouts) {

@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
         sm, kb, p, maps, segment_tiles, mask_tiles, warpgroup - 1, stats.nonfinite);
   };
   // (No block, a grid slot past the list's: the whole CTA returns.)
-  for_each_block<kTerms == TermSet::kAny, Block>(p, list, segment_tiles, mask_tiles, block);
+  for_each_block<has_mask(kTerms), Block>(p, list, segment_tiles, mask_tiles, block);
 }
 
 // dQ of a block of 128 query rows, and those rows' shares of dsinks.
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     query_consumer<T, kHeadDim, kLayouts, kTerms>(sm, qb, p, segment_tiles, mask_tiles,
                                                   warpgroup - 1, D_all, dsink_rows, nonfinite);
   };
-  for_each_block<kTerms == TermSet::kAny, Block>(p, list, segment_tiles, mask_tiles, block);
+  for_each_block<has_mask(kTerms), Block>(p, list, segment_tiles, mask_tiles, block);
 }
 
 // dK, dV and the shares of dQ of a block of 64 keys, head dims 129-256.

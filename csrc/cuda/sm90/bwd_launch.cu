@@ -121,7 +121,7 @@ cudaError_t launch(const AttentionParams& p, const HopperBackwardWorkspace& ws,
     if (!ws.segments) return cudaErrorInvalidValue;  // no workspace
     if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess) return e;
   }
-  if constexpr (kTerms == TermSet::kAny)
+  if constexpr (has_mask(kTerms))
     if (cudaError_t e = compute_mask_tiles(p, ws.masks, stream); e != cudaSuccess) return e;
   if constexpr (kVarlen) {
     if (cudaError_t e = build_blocks(p, ws.key_list, true, kKeysPerBlock, p.heads_kv, key_blocks,

@@ -282,7 +282,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         if constexpr (has_terms(kTerms)) {
           terms.head(p, kb.sequence(p), kb.b, tile_head);
           bool mask_mixed = false;  // (the mask per element only where it hides some pairs)
-          if constexpr (kTerms == TermSet::kAny)
+          if constexpr (has_mask(kTerms))
             mask_mixed = !mask_tiles || (mask_tiles.of(kb.b, tile_head, q0, kStreamRows,
                                                        kb.k0 + consumer * 64, 64) &
                                          MaskTiles::kAnyHidden);
@@ -431,7 +431,7 @@ __device__ __forceinline__ void query_consumer(Smem<kHeadDim>& sm,
         const auto d_of = [&](int i) { return D[(i % 4) / 2]; };
         if constexpr (has_terms(kTerms)) {
           bool mask_mixed = false;  // (the mask per element only where it hides some pairs)
-          if constexpr (kTerms == TermSet::kAny)
+          if constexpr (has_mask(kTerms))
             mask_mixed = !mask_tiles || (mask_tiles.of(qb.b, qb.h, qb.q0 + consumer * 64, 64, k0,
                                                        kStreamRows) &
                                          MaskTiles::kAnyHidden);

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kConsumers = Cfg::kConsumers;
   constexpr bool kPacks = packs_groups<kHeadDim, kLayouts, kTerms>();
   using Item = WorkItem<kLayouts, kBlockM, kBlockN>;
-  using Keys = ItemKeys<kTerms == TermSet::kAny>;  // (a mask's empty tiles are skipped)
+  using Keys = ItemKeys<has_mask(kTerms)>;  // (a mask's empty tiles are skipped)
   extern __shared__ unsigned char smem_raw[];
   const ForwardSmem<Cfg> sm(smem_raw);
   if (threadIdx.x == 0) sm.init();

@@ -88,6 +88,8 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
     items = schedule.total_pairs;
   }
   const ForwardWorkspace ws(p, workspace);
+  if constexpr (has_mask(kTerms))
+    if (cudaError_t e = compute_mask_tiles(p, ws.masks, stream); e != cudaSuccess) return e;
   if constexpr (kLayouts != Layouts::kUniform) {
     if (!workspace) return cudaErrorInvalidValue;
     items = p.batch * p.heads_q * (((p.seqlen_q + kBlockM - 1) / kBlockM + 1) / 2);
@@ -95,8 +97,6 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
     if constexpr (kLayouts == Layouts::kSegments)
       if (cudaError_t e = compute_segment_tiles(p, ws.segments, stream); e != cudaSuccess)
         return e;
-    if constexpr (kTerms == TermSet::kAny)
-      if (cudaError_t e = compute_mask_tiles(p, ws.masks, stream); e != cudaSuccess) return e;
     schedule.list = ws.list;
     schedule.heads = p.heads_q;
     WorkShape shape;

@@ -117,7 +117,7 @@ struct ForwardMainloop {
       segments.template mask<kKeyTiles>(s, k0);
       if constexpr (Terms::kActive) {  // (the mask per element only where it hides pairs)
         bool mask_mixed = false;
-        if constexpr (!Terms::kAlibiOnly)
+        if constexpr (Terms::kMasks)
           mask_mixed = !keys.mask || (keys.mask.of(w.q0 + consumer * kConsumerRows,
                                                    kConsumerRows, k0, kBlockN) &
                                       MaskTiles::kAnyHidden);
