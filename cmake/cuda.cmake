@@ -66,3 +66,18 @@ target_compile_definitions(flashjax_ffi PRIVATE FLASHJAX_WITH_CUDA=1
 foreach(dim IN LISTS FLASHJAX_HEAD_DIMS)
   target_compile_definitions(flashjax_ffi PRIVATE FLASHJAX_TC_HEAD_DIM_${dim}=1)
 endforeach()
+
+# The Hopper kernels of each head-dim bucket in a translation unit of their own,
+# generated from launch_bucket.cu.in for the compiled buckets (the lists are the
+# kernels' kBuckets, fwd_launch.cu, and kTensorCoreBuckets, common/dispatch.h).
+set(_hopper_buckets_fwd 64 96 128 192 256)
+set(_hopper_buckets_bwd 64 128 256)
+foreach(PASS fwd bwd)
+  foreach(DIM IN LISTS _hopper_buckets_${PASS})
+    if(DIM IN_LIST FLASHJAX_HEAD_DIMS)
+      set(_unit ${CMAKE_CURRENT_BINARY_DIR}/hopper_${PASS}_d${DIM}.cu)
+      configure_file(${CMAKE_CURRENT_SOURCE_DIR}/cuda/sm90/launch_bucket.cu.in ${_unit} @ONLY)
+      target_sources(flashjax_ffi PRIVATE ${_unit})
+    endif()
+  endforeach()
+endforeach()

@@ -28,7 +28,7 @@ struct FragmentTerms;
 // score_mod.cuh's scores_prescaled).
 template <FragmentRows kRows>
 struct FragmentTerms<TermSet::kNone, kRows> {
-  static constexpr bool kActive = false;
+  static constexpr bool kActive = false, kMasks = false;
   __device__ FragmentTerms(const AttentionParams&, const SeqlenInfo&, int64_t) {}
   __device__ void head(const AttentionParams&, const SeqlenInfo&, int64_t, int64_t) {}
   __device__ float term_log2_at(int, int64_t) const { return 0.0f; }

@@ -254,6 +254,13 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
 #pragma unroll
           for (int n = 0; n < 8; ++n) ld_shared(stats + 4 * 8 * n, lse2[2 * n], lse2[2 * n + 1]);
         }
+        // Whether the mask hides some of these pairs (then it is read per element);
+        // its summary is loaded before the wait too.
+        bool mask_mixed = false;
+        if constexpr (has_mask(kTerms))
+          mask_mixed = !mask_tiles || (mask_tiles.of(kb.b, tile_head, q0, kStreamRows,
+                                                     kb.k0 + consumer * 64, 64) &
+                                       MaskTiles::kAnyHidden);
         wgmma_wait<1>();
         fence_operands(st);
         // (else the scale rides in the exponent; terms are added to log2 scores)
@@ -281,11 +288,6 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         };
         if constexpr (has_terms(kTerms)) {
           terms.head(p, kb.sequence(p), kb.b, tile_head);
-          bool mask_mixed = false;  // (the mask per element only where it hides some pairs)
-          if constexpr (has_mask(kTerms))
-            mask_mixed = !mask_tiles || (mask_tiles.of(kb.b, tile_head, q0, kStreamRows,
-                                                       kb.k0 + consumer * 64, 64) &
-                                         MaskTiles::kAnyHidden);
           terms.template add<8>(st, q0, mask_mixed);
           if (kTerms == TermSet::kAlibi && !(p.softcap > 0.0f)) {
             // ALiBi alone, no softcap: P's exponentials overlap dP's product, as

@@ -109,20 +109,31 @@ struct ForwardMainloop {
     auto values_done = [&](int64_t it) {
       if (lane == 0) mbar_arrive(&sm.v_empty[(kv + it) % kStages]);
     };
+    // Kernels with a mask (Terms::kMasks): key tile it's first key and whether the
+    // mask hides some of its pairs from this consumer's rows (then it is read per
+    // element), asked for before the wait for S_it so that the summaries' loads
+    // hide there (prefetch_keys); the others compute k0 in softmax_step.
+    struct TileKeys {
+      int64_t k0;
+      bool mask_mixed;
+    };
+    TileKeys prefetched{0, false};
+    auto prefetch_keys = [&](int64_t it) {
+      if constexpr (Terms::kMasks) {
+        const int64_t k0 = keys.k0(it);
+        prefetched = {k0, !keys.mask || (keys.mask.of(w.q0 + consumer * kConsumerRows,
+                                                      kConsumerRows, k0, kBlockN) &
+                                         MaskTiles::kAnyHidden)};
+      }
+    };
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
-      const int64_t k0 = keys.k0(it);
+      const TileKeys tile = Terms::kMasks ? prefetched : TileKeys{keys.k0(it), false};
+      const int64_t k0 = tile.k0;
       softmax.scores<kKeyTiles>(s, p, w.seq, k0,
                                 RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
                                                             w.keys.key_begin, w.keys.key_end));
       segments.template mask<kKeyTiles>(s, k0);
-      if constexpr (Terms::kActive) {  // (the mask per element only where it hides pairs)
-        bool mask_mixed = false;
-        if constexpr (Terms::kMasks)
-          mask_mixed = !keys.mask || (keys.mask.of(w.q0 + consumer * kConsumerRows,
-                                                   kConsumerRows, k0, kBlockN) &
-                                      MaskTiles::kAnyHidden);
-        terms.template add<kKeyTiles>(s, k0, mask_mixed);
-      }
+      if constexpr (Terms::kActive) terms.template add<kKeyTiles>(s, k0, tile.mask_mixed);
       softmax.exponentiate<kKeyTiles>(s, alpha);
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };
@@ -143,6 +154,7 @@ struct ForwardMainloop {
       wait_turn();
       issue_scores(s, 0);
       pass_turn();
+      prefetch_keys(0);
       wgmma_wait<0>();
       fence_operands(s);
       scores_done(0);
@@ -154,6 +166,7 @@ struct ForwardMainloop {
         issue_scores(s, it);
         issue_values(pa, it - 1);
         pass_turn();
+        prefetch_keys(it);
         wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
         fence_operands(s);
         scores_done(it);

@@ -1,0 +1,19 @@
+// The Hopper forward's launches of one head-dim bucket: defined in
+// fwd_launch_bucket.cuh and instantiated once per compiled bucket, each in a
+// translation unit of its own (cmake/cuda.cmake generates them from
+// launch_bucket.cu.in), so that the buckets compile in parallel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flashjax/params.h"
+
+namespace flashjax::cuda::hopper_fwd {
+
+template <int kHeadDim>
+struct BucketLaunch {
+  // `workspace`: hopper_forward_workspace_bytes(p) bytes (ForwardWorkspace).
+  static cudaError_t run(const AttentionParams& p, void* workspace, cudaStream_t stream);
+};
+
+}  // namespace flashjax::cuda::hopper_fwd
