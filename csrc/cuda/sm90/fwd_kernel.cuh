@@ -78,7 +78,11 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
                                               w.q0 + consumer * kConsumerRows, softmax.row);
     FragmentTerms<kTerms, FragmentRows::kQueries> terms(p, w.seq, softmax.row);
     terms.head(p, w.seq, w.b, w.h);
-    mainloop.compute(p, w, Keys(w, mask_tiles, kBlockN), segments, terms, softmax, o);
+    // (a mask: the keys as the producer's walk publishes them)
+    if constexpr (Keys::kMasked)
+      mainloop.compute(p, w, PublishedKeys{}, segments, terms, softmax, o);
+    else
+      mainloop.compute(p, w, Keys(w, mask_tiles, kBlockN), segments, terms, softmax, o);
     store_work_item<Cfg, TOut, kLayouts, kTerms>(sm, maps, p, w, packed, softmax, o, consumer,
                                          consumer * kWarpsPerGroup + warp_in_group, mainloop.lane);
   });

@@ -58,7 +58,7 @@ struct ForwardMainloop {
                                           const FragmentSegments<kLayouts>& segments,
                                           const Terms& terms,
                                           RowSoftmax& softmax, float (&o)[kDimTiles * 4]) {
-    const int64_t n_tiles = keys.count;
+    int64_t n_tiles = keys.count;  // (Keys::kMasked: published with Q, read after its wait)
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
       const int64_t g = kv + it;
@@ -93,11 +93,30 @@ struct ForwardMainloop {
       mbar_arrive(&sm.k_empty[(kv + it) % kStages]);
       if (it == n_tiles - 1) mbar_arrive(sm.q_empty);
     };
+    // Kernels with a mask (Keys::kMasked): key tile it's first key and whether the
+    // mask hides some of its pairs from this consumer's rows (then it is read per
+    // element), as the producer published them with the K tile (read once it is
+    // in, before the wait for S_it); the others compute k0 in softmax_step.
+    struct TileKeys {
+      int64_t k0;
+      bool mask_mixed;
+    };
+    TileKeys prefetched{0, false};
+    auto prefetch_keys = [&](int64_t it) {
+      if constexpr (Keys::kMasked) {
+        const PublishedTile tile = PublishedTile::read(&sm.tiles[(kv + it) % kStages]);
+        prefetched = {tile.k0, ((tile.mixed >> consumer) & 1u) != 0};
+      }
+    };
+    auto tile_keys = [&](int64_t it) {
+      if constexpr (Keys::kMasked) return prefetched;
+      else return TileKeys{keys.k0(it), false};
+    };
     // kVarlen: V rows of key tile it past the sequence's used keys are zeroed
     // before the P V that sums over them (zero_tile_rows says why); only an
     // item's last tile can cross the end.
     auto clear_values_past_end = [&](int64_t it) {
-      const int64_t k0 = keys.k0(it);
+      const int64_t k0 = tile_keys(it).k0;  // (kMasked: the last tile's, prefetched)
       if (k0 + kBlockN <= w.seq.seqlen_k) return;
       const int64_t g = kv + it;
       mbar_wait(&sm.v_full[g % kStages], (g / kStages) & 1);
@@ -109,25 +128,8 @@ struct ForwardMainloop {
     auto values_done = [&](int64_t it) {
       if (lane == 0) mbar_arrive(&sm.v_empty[(kv + it) % kStages]);
     };
-    // Kernels with a mask (Terms::kMasks): key tile it's first key and whether the
-    // mask hides some of its pairs from this consumer's rows (then it is read per
-    // element), asked for before the wait for S_it so that the summaries' loads
-    // hide there (prefetch_keys); the others compute k0 in softmax_step.
-    struct TileKeys {
-      int64_t k0;
-      bool mask_mixed;
-    };
-    TileKeys prefetched{0, false};
-    auto prefetch_keys = [&](int64_t it) {
-      if constexpr (Terms::kMasks) {
-        const int64_t k0 = keys.k0(it);
-        prefetched = {k0, !keys.mask || (keys.mask.of(w.q0 + consumer * kConsumerRows,
-                                                      kConsumerRows, k0, kBlockN) &
-                                         MaskTiles::kAnyHidden)};
-      }
-    };
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
-      const TileKeys tile = Terms::kMasks ? prefetched : TileKeys{keys.k0(it), false};
+      const TileKeys tile = tile_keys(it);
       const int64_t k0 = tile.k0;
       softmax.scores<kKeyTiles>(s, p, w.seq, k0,
                                 RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
@@ -144,6 +146,8 @@ struct ForwardMainloop {
     const auto pass_turn = [&] { named_arrive(kTurnBarrier + (consumer + 1) % kConsumers); };
 
     mbar_wait(sm.q_full, q_loads++ & 1);
+    if constexpr (Keys::kMasked)
+      n_tiles = static_cast<int64_t>(ld_shared_u64(smem_u32(sm.item_tiles)));
     if (n_tiles > 0) {
       // Software pipeline across tiles: while the softmax of S_j runs on the
       // CUDA cores, the tensor cores compute O += P_{j-1} V_{j-1}.

@@ -34,12 +34,16 @@ __device__ __forceinline__ void load_work_item(const ForwardSmem<Cfg>& sm,
                                                int64_t& q_loads) {
   constexpr int kHeadDim = Cfg::kHeadDim, kBytes = Cfg::kElementBytes;
   mbar_wait(sm.q_empty, (q_loads++ & 1) ^ 1);
+  if constexpr (Keys::kMasked)  // (before Q's arrival, which releases it)
+    st_shared_u64(smem_u32(sm.item_tiles), static_cast<uint64_t>(keys.count));
   mbar_expect_tx(sm.q_full, q_bytes);
   tma_tile<kHeadDim, Cfg::kBlockM, kBytes>(sm.q, &maps.q, sm.q_full, w.q_row(), w.h, w.batch());
   for (int64_t it = 0; it < keys.count; ++it, ++kv) {
     const int stage = kv % kStages, phase = (kv / kStages) & 1;
     const int k0 = static_cast<int>(keys.k0(it));
     mbar_wait(&sm.k_empty[stage], phase ^ 1);
+    if constexpr (Keys::kMasked)
+      keys.published(it, w.q0, Cfg::kConsumers).publish(&sm.tiles[stage]);
     mbar_expect_tx(&sm.k_full[stage], Cfg::kKVBytes);
     tma_tile<kHeadDim, Cfg::kBlockN, kBytes>(sm.k + stage * Cfg::kKVBytes, &maps.k,
                                              &sm.k_full[stage], w.k_row(k0), w.hk, w.batch());

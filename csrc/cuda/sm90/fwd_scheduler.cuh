@@ -28,6 +28,8 @@
 #include "../common/softmax.cuh"
 #include "flashjax/params.h"
 #include "flashjax/seqlen.h"
+#include "fwd_smem.cuh"
+#include "fwd_tile_config.h"
 #include "fwd_tile_config.h"
 #include "tile_scheduler.cuh"
 #include "work_list.cuh"
@@ -137,8 +139,9 @@ struct WorkItem {
 // (kMasked false), or the tiles of that range that a mask does not hide
 // completely for any of the item's rows (MaskTiles; kTerms kernels, when the call
 // has a mask). k0 is asked for in order of it (the masked walk steps forward).
-template <bool kMasked>
+template <bool kMaskedKeys>
 struct ItemKeys {
+  static constexpr bool kMasked = false;
   int64_t begin, count;
   int n;
   template <class Item>
@@ -149,6 +152,7 @@ struct ItemKeys {
 
 template <>
 struct ItemKeys<true> {
+  static constexpr bool kMasked = true;
   MaskTiles::Entry mask;  // the item's (sequence, head)'s summaries
   int64_t q0, rows, end, count = 0;
   int n;
@@ -173,6 +177,23 @@ struct ItemKeys<true> {
     for (; at_it < it; ++at_it) at_k0 = next(at_k0 + n);
     return at_k0;
   }
+  // Tile it as the producer publishes it to `consumers` warpgroups of
+  // kConsumerRows rows from q0 (fwd_smem.cuh's PublishedTile).
+  __device__ PublishedTile published(int64_t it, int64_t q0_of_item, int consumers) const {
+    PublishedTile tile{k0(it), 0};
+    for (int c = 0; c < consumers; ++c)
+      if (!mask || (mask.of(q0_of_item + c * kConsumerRows, kConsumerRows, tile.k0, n) &
+                    MaskTiles::kAnyHidden))
+        tile.mixed |= uint64_t{1} << c;
+    return tile;
+  }
+};
+
+// The consumers' side of ItemKeys<true>: what the producer published (the item's
+// count once its Q tile is in, a tile's first key once its K tile is).
+struct PublishedKeys {
+  static constexpr bool kMasked = true;
+  int64_t count = 0;
 };
 
 // The rows of work item w that warp `warp_in_group` of consumer warpgroup

@@ -14,6 +14,24 @@ namespace flashjax::cuda::hopper_fwd {
 
 // Q has its own full/empty pair so that the next item's Q loads during the
 // current item's last products; the K and V rings have one pair per stage.
+// What the producer's walk over a mask's tile summaries found for one K stage
+// (kernels with a mask: ItemKeys<true>), so that the consumers need not walk them:
+// the tile's first key, and bit c set where the mask hides some of the tile's
+// pairs from consumer c's rows (then they read it per element). Written and read
+// as two 64-bit shared words (publish / read), ordered by the K stage's barriers.
+struct PublishedTile {
+  int64_t k0;
+  uint64_t mixed;
+  __device__ void publish(PublishedTile* slot) const {
+    st_shared_u64(smem_u32(&slot->k0), static_cast<uint64_t>(k0));
+    st_shared_u64(smem_u32(&slot->mixed), mixed);
+  }
+  __device__ static PublishedTile read(const PublishedTile* slot) {
+    return {static_cast<int64_t>(ld_shared_u64(smem_u32(&slot->k0))),
+            ld_shared_u64(smem_u32(&slot->mixed))};
+  }
+};
+
 template <class Cfg>
 struct ForwardSmem {
   unsigned char *q, *k, *v;  // k, v: kStages tiles each
@@ -22,6 +40,10 @@ struct ForwardSmem {
   // Per consumer warp: whether a row it wrote holds NaN or inf (in shared
   // memory: the main loop has no register to spare for it).
   int* nonfinite_warps;
+  // Kernels with a mask: the item's tile count (written before its Q load, read
+  // after it) and each K stage's PublishedTile (written before its K load).
+  int64_t* item_tiles;
+  PublishedTile* tiles;
 
   __device__ explicit ForwardSmem(unsigned char* raw) {
     unsigned char* base = align_smem(raw);
@@ -36,6 +58,8 @@ struct ForwardSmem {
     v_full = k_empty + kStages;
     v_empty = v_full + kStages;
     nonfinite_warps = reinterpret_cast<int*>(base + Cfg::kFlagOffset);
+    item_tiles = reinterpret_cast<int64_t*>(base + Cfg::kPublishedOffset);
+    tiles = reinterpret_cast<PublishedTile*>(base + Cfg::kPublishedOffset + 16);
   }
 
   // (One thread, before the CTA's first __syncthreads.) The full barriers

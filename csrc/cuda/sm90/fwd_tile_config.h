@@ -74,7 +74,11 @@ struct TileConfig {
   static constexpr int kBarriers = 2 + 4 * kStages;
   static constexpr int kOutOffset = kQBytes + 2 * kStages * kKVBytes;
   static constexpr int kOutBytes = kConsumerRows * kPaddedDim * 2;  // a consumer's rows
-  static constexpr int kFixedBytes = 8 * kBarriers + 4 * kWarpsPerGroup * kConsumers + 1024;
+  // (kPublishedBytes: the item's tile count and each K stage's PublishedTile, for
+  // kernels with a mask, fwd_smem.cuh; 16-byte aligned after the flags.)
+  static constexpr int kPublishedBytes = 16 * (1 + kStages);
+  static constexpr int kFixedBytes =
+      8 * kBarriers + 4 * kWarpsPerGroup * kConsumers + 16 + kPublishedBytes + 1024;
   // Out stored by TMA from shared memory (fwd_epilogue.cuh) at head dim 64
   // only: there the 2k causal kernel took 475 us instead of 485; at 128 it
   // took 308 instead of 293 and the 16k ones 6.5% longer (its spills grew
@@ -83,7 +87,8 @@ struct TileConfig {
       kHeadDim == 64 && kOutOffset + kConsumers * kOutBytes + kFixedBytes <= kSmemLimit;
   static constexpr int kBarrierOffset = kOutOffset + (kStagesOut ? kConsumers * kOutBytes : 0);
   static constexpr int kFlagOffset = kBarrierOffset + 8 * kBarriers;
-  static constexpr int kSmemBytes = kFlagOffset + 4 * kWarpsPerGroup * kConsumers + 1024;
+  static constexpr int kPublishedOffset = (kFlagOffset + 4 * kWarpsPerGroup * kConsumers + 15) / 16 * 16;
+  static constexpr int kSmemBytes = kPublishedOffset + kPublishedBytes + 1024;
   static_assert(kConsumers <= kMaxConsumers, "named barrier ids overlap");
   static_assert(kOutStagedBarrier + kConsumers <= 16, "16 named barriers");
 };

@@ -65,6 +65,16 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t a, uint32_t 
 __device__ __forceinline__ void ld_shared(uint32_t addr, float& x, float& y) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
 }
+// 64-bit shared-memory words between threads, ordered by the mbarriers around
+// them (volatile asm: the compiler keeps them in place among the barrier ops).
+__device__ __forceinline__ void st_shared_u64(uint32_t addr, uint64_t x) {
+  asm volatile("st.shared.u64 [%0], %1;\n" ::"r"(addr), "l"(x) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_shared_u64(uint32_t addr) {
+  uint64_t x;
+  asm volatile("ld.shared.u64 %0, [%1];\n" : "=l"(x) : "r"(addr) : "memory");
+  return x;
+}
 __device__ __forceinline__ float ld_shared(uint32_t addr) {
   float x;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(addr) : "memory");
