@@ -73,7 +73,8 @@ def options_of(name):
 CASES = [("bias", 128), ("bias_shared", 64), ("bias_heads_kv", 128), ("mask", 64),
          ("mask_sinks", 128), ("alibi", 64), ("alibi_softcap_bias", 128), ("dropout", 128),
          ("dropout_terms", 64), ("seqused_alibi", 128), ("alibi_full_sinks", 128),
-         ("alibi_softcap_window", 96), ("mask_alibi", 128)]
+         ("alibi_softcap_window", 96), ("mask_alibi", 128), ("alibi_full_sinks", 256),
+         ("mask_alibi", 192)]
 
 
 def rel(x, ref):
