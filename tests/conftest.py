@@ -2,12 +2,23 @@
 
 - float64 references need jax_enable_x64 (flashjax itself still rejects float64 inputs);
 - the `gpu` marker: such tests are skipped when jax sees no GPU;
-- the `slow` marker: long tests that still run in CI (deselect with -m "not slow").
+- the `slow` marker: long tests that still run in CI (deselect with -m "not slow");
+- XLA's CPU backend compiles at LLVM optimisation level 0 (TEST_XLA_FLAGS).
 Helpers (rand, has_gpu, Case, check_close, ...) live in helpers.py.
 """
 
-import jax
-import pytest
+import os
+
+# The CPU suite is bound by XLA compiling small programs (the references, the pure-JAX
+# path): at level 0 a pure-JAX case compiles in about half the time (test_xla_attention.py
+# 133 -> 82 s on the 2-core machine). flashjax's own kernels are compiled by its build,
+# not by XLA, and run as shipped. Before jax starts a backend (run_on_host_devices passes
+# the flags on to its subprocesses).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

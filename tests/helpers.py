@@ -573,8 +573,9 @@ def run_on_host_devices(script: str, devices: int, timeout: int = 900) -> None:
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1")
+    # (conftest.py's XLA_FLAGS, and the device count)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1")
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, timeout=timeout)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -162,8 +162,8 @@ def test_ring_bench_runs_on_host_devices():
     import sys
 
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ring_bench.py"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
     result = subprocess.run(
         [sys.executable, str(script), "--seqlen", "64", "--heads", "4", "2", "--dim", "16",
          "--dtype", "float32", "--iters", "1", "--mode", "fwd"],
