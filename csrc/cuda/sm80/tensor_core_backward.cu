@@ -254,7 +254,8 @@ __global__ void __launch_bounds__(kThreads)
   narrow_to_segments<kLayouts>(keys, segment_tiles, b, q0, kBlock, kBlock);
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
                                             rows.row);
-  FragmentTerms<kTerms ? TermSet::kAny : TermSet::kNone, FragmentRows::kQueries> terms(p, seq, rows.row);
+  FragmentTerms<kTerms ? TermSet::kAny : TermSet::kNone, FragmentRows::kQueries> terms(
+      p, seq, rows.row);
   terms.head(p, seq, b, h);
   const T* k_head = seq.k_at<const T>(p.k, 0, hk);
   const T* v_head = seq.k_at<const T>(p.v, 0, hk);

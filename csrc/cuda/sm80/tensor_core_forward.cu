@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kThreads)
   RowSoftmax softmax{q0 + warp * 16 + lane / 4};
   const FragmentSegments<kLayouts> segments(p, segment_tiles, seq, b, FragmentRows::kQueries, q0,
                                             softmax.row);
-  FragmentTerms<kTerms ? TermSet::kAny : TermSet::kNone, FragmentRows::kQueries> terms(p, seq, softmax.row);
+  FragmentTerms<kTerms ? TermSet::kAny : TermSet::kNone, FragmentRows::kQueries> terms(
+      p, seq, softmax.row);
   terms.head(p, seq, b, h);
 
   // Only used rows and keys are read (the rest of a tile is zero): padding

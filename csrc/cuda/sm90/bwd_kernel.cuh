@@ -34,8 +34,9 @@ __device__ __forceinline__ void consumer_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Config::kConsumerRegs));
 }
 
-// body(block) for this CTA's block (BlockSchedule); kMasked (the general terms
-// variant) narrows it to the span of a mask (the streamed tiles the mask hides from every owned row: skipped).
+// body(block) for this CTA's block (BlockSchedule); kMasked (the variants with a
+// mask) narrows it to the span of the mask (the streamed tiles the mask hides from
+// every owned row: skipped).
 template <bool kMasked, class Block, class Body>
 __device__ __forceinline__ void for_each_block(const AttentionParams& p,
                                                const VarlenWorkList& list,

@@ -37,13 +37,14 @@ __device__ __forceinline__ void store_work_item(const ForwardSmem<Cfg>& sm, cons
                                                 bool packed, const RowSoftmax& softmax,
                                                 float (&o)[kN], int consumer, int warp, int lane) {
   constexpr int kDimTiles = kN / 4;  // 8-column tiles of the fragment
+  constexpr bool kBias = kTerms == TermSet::kAny;  // (the variants that may carry a bias)
   const auto flag = [&](bool nonfinite) {
     if (__any_sync(0xffffffffu, nonfinite) && lane == 0) sm.nonfinite_warps[warp] = 1;
   };
   if constexpr (kLayouts == Layouts::kUniform && Cfg::kStagesOut) {
     if (maps.store_out && !packed) {
       static_assert(sizeof(TOut) == 2, "out is staged as 16-bit rows");
-      flag(write_out_rows<TOut, kDimTiles, true, kTerms == TermSet::kAny>(softmax, p, w.seq, o, w.b, w.h));
+      flag(write_out_rows<TOut, kDimTiles, true, kBias>(softmax, p, w.seq, o, w.b, w.h));
       unsigned char* rows = sm.out + consumer * Cfg::kOutBytes;
       const int barrier = kOutStagedBarrier + consumer;
       const bool sender = threadIdx.x % 128 == 0;
@@ -66,7 +67,7 @@ __device__ __forceinline__ void store_work_item(const ForwardSmem<Cfg>& sm, cons
     }
   }
   if constexpr (kLayouts != Layouts::kUniform) clear_unused_rows<kDimTiles>(softmax, o, w.seq);
-  flag(write_out_rows<TOut, kDimTiles, false, kTerms == TermSet::kAny>(softmax, p, w.seq, o, w.b, w.h));
+  flag(write_out_rows<TOut, kDimTiles, false, kBias>(softmax, p, w.seq, o, w.b, w.h));
 }
 
 // After a consumer's last item: its out stores are complete (before the rows

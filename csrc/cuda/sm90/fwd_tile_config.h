@@ -87,7 +87,8 @@ struct TileConfig {
       kHeadDim == 64 && kOutOffset + kConsumers * kOutBytes + kFixedBytes <= kSmemLimit;
   static constexpr int kBarrierOffset = kOutOffset + (kStagesOut ? kConsumers * kOutBytes : 0);
   static constexpr int kFlagOffset = kBarrierOffset + 8 * kBarriers;
-  static constexpr int kPublishedOffset = (kFlagOffset + 4 * kWarpsPerGroup * kConsumers + 15) / 16 * 16;
+  static constexpr int kPublishedOffset =
+      (kFlagOffset + 4 * kWarpsPerGroup * kConsumers + 15) / 16 * 16;
   static constexpr int kSmemBytes = kPublishedOffset + kPublishedBytes + 1024;
   static_assert(kConsumers <= kMaxConsumers, "named barrier ids overlap");
   static_assert(kOutStagedBarrier + kConsumers <= 16, "16 named barriers");
