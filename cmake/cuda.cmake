@@ -67,16 +67,26 @@ foreach(dim IN LISTS FLASHJAX_HEAD_DIMS)
   target_compile_definitions(flashjax_ffi PRIVATE FLASHJAX_TC_HEAD_DIM_${dim}=1)
 endforeach()
 
-# The Hopper kernels of each head-dim bucket in a translation unit of their own,
-# generated from launch_bucket.cu.in for the compiled buckets (the lists are the
-# kernels' kBuckets, fwd_launch.cu, and kTensorCoreBuckets, common/dispatch.h).
-set(_hopper_buckets_fwd 64 96 128 192 256)
-set(_hopper_buckets_bwd 64 128 256)
-foreach(PASS fwd bwd)
-  foreach(DIM IN LISTS _hopper_buckets_${PASS})
+# The tensor-core kernels of each head-dim bucket in a translation unit of their own,
+# generated from launch_bucket.cu.in for the compiled buckets (each kind: the header
+# with its BucketLaunch, the namespace, the buckets: the Hopper forward's kBuckets,
+# fwd_launch.cu, and kTensorCoreBuckets, common/dispatch.h, for the others).
+set(_bucket_kinds hopper_fwd hopper_bwd sm80_fwd sm80_bwd)
+set(_header_hopper_fwd cuda/sm90/fwd_launch_bucket.cuh)
+set(_header_hopper_bwd cuda/sm90/bwd_launch_bucket.cuh)
+set(_header_sm80_fwd cuda/sm80/tensor_core_forward_bucket.cuh)
+set(_header_sm80_bwd cuda/sm80/tensor_core_backward_bucket.cuh)
+set(_buckets_hopper_fwd 64 96 128 192 256)
+set(_buckets_hopper_bwd 64 128 256)
+set(_buckets_sm80_fwd 64 128 256)
+set(_buckets_sm80_bwd 64 128 256)
+foreach(kind IN LISTS _bucket_kinds)
+  set(HEADER ${_header_${kind}})
+  set(NAMESPACE flashjax::cuda::${kind})
+  foreach(DIM IN LISTS _buckets_${kind})
     if(DIM IN_LIST FLASHJAX_HEAD_DIMS)
-      set(_unit ${CMAKE_CURRENT_BINARY_DIR}/hopper_${PASS}_d${DIM}.cu)
-      configure_file(${CMAKE_CURRENT_SOURCE_DIR}/cuda/sm90/launch_bucket.cu.in ${_unit} @ONLY)
+      set(_unit ${CMAKE_CURRENT_BINARY_DIR}/${kind}_d${DIM}.cu)
+      configure_file(${CMAKE_CURRENT_SOURCE_DIR}/cuda/launch_bucket.cu.in ${_unit} @ONLY)
       target_sources(flashjax_ffi PRIVATE ${_unit})
     endif()
   endforeach()
