@@ -28,7 +28,7 @@ struct FragmentTerms;
 // score_mod.cuh's scores_prescaled).
 template <FragmentRows kRows>
 struct FragmentTerms<TermSet::kNone, kRows> {
-  static constexpr bool kActive = false, kMasks = false;
+  static constexpr bool kActive = false;
   __device__ FragmentTerms(const AttentionParams&, const SeqlenInfo&, int64_t) {}
   __device__ void head(const AttentionParams&, const SeqlenInfo&, int64_t, int64_t) {}
   __device__ float term_log2_at(int, int64_t) const { return 0.0f; }
@@ -57,7 +57,6 @@ struct FragmentTerms {
   static constexpr bool kActive = true;
   static constexpr bool kAlibiOnly = kSet == TermSet::kAlibi;
   static constexpr bool kAll = kSet == TermSet::kAny;  // (bias, dbias, dropout)
-  static constexpr bool kMasks = has_mask(kSet);
   static constexpr bool kQueryRows = kRows == FragmentRows::kQueries;
   int64_t row;                // the thread's first fragment row (the other is row + 8)
   int64_t rows_used, cols_used;  // used queries / keys as rows and columns

@@ -30,7 +30,6 @@
 #include "flashjax/seqlen.h"
 #include "fwd_smem.cuh"
 #include "fwd_tile_config.h"
-#include "fwd_tile_config.h"
 #include "tile_scheduler.cuh"
 #include "work_list.cuh"
 

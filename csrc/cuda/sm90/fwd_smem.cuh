@@ -12,8 +12,6 @@ namespace flashjax::cuda::hopper_fwd {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Q has its own full/empty pair so that the next item's Q loads during the
-// current item's last products; the K and V rings have one pair per stage.
 // What the producer's walk over a mask's tile summaries found for one K stage
 // (kernels with a mask: ItemKeys<true>), so that the consumers need not walk them:
 // the tile's first key, and bit c set where the mask hides some of the tile's
@@ -32,6 +30,8 @@ struct PublishedTile {
   }
 };
 
+// Q has its own full/empty pair so that the next item's Q loads during the
+// current item's last products; the K and V rings have one pair per stage.
 template <class Cfg>
 struct ForwardSmem {
   unsigned char *q, *k, *v;  // k, v: kStages tiles each
