@@ -2,7 +2,7 @@
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
 # the dense A/B, the peers side by side, profiles.
-# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base variant ptx tests kvtests sanitize terms
+# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base alt variant ptx tests kvtests sanitize terms
 #   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu termsncu)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
@@ -26,12 +26,17 @@ for step in "$@"; do
       $PY -m pip install -q --no-build-isolation --no-deps -C build-dir=/tmp/fjb \
         -C "cmake.define.FLASHJAX_CUDA_ARCHS=${FJ_ARCHS:-90a}" ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
       echo "build: $(( $(date +%s) - start )) s" ;;
-    base)
-      $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/base -C build-dir=/tmp/fjb_base ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} \
-        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ./.baseline > "$OUT/build_base.log" 2>&1 || { tail -30 "$OUT/build_base.log"; exit 1; }
+    base|alt)
+      # base: the snapshot in .baseline/ into /tmp/base; alt: another source tree in
+      # .alt/ (e.g. main with an alternative patch) into /tmp/alt. BASE_DIMS narrows
+      # their head dims (default FJ_HEAD_DIMS).
+      src=./.baseline; [ "$step" = alt ] && src=./.alt
+      dims=${BASE_DIMS:-${FJ_HEAD_DIMS:-}}
+      $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/$step -C build-dir=/tmp/fjb_$step ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} \
+        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a $src > "$OUT/build_$step.log" 2>&1 || { tail -30 "$OUT/build_$step.log"; exit 1; }
       cp src/flashjax/bench.py src/flashjax/bench_varlen.py src/flashjax/bench_decode.py \
-        /tmp/base/flashjax/  # same timing code
-      echo "baseline built" ;;
+        src/flashjax/bench_terms.py /tmp/$step/flashjax/  # same timing code
+      echo "$step built" ;;
     variant)
       # This tree again, built with VARIANT_FLAGS (e.g. "-DFLASHJAX_BWD_STAGGER=1") into
       # /tmp/variant (FJ_VARIANT_DIMS narrows its head dims): traintrace's impl "variant".
@@ -65,9 +70,30 @@ for step in "$@"; do
         echo "$script: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$(basename $script .py).log")"
       done ;;
     terms)
-      # Issue 27's table (flashjax.bench_terms): masks, bias, ALiBi, dropout, flashjax.nn.
-      $PY -m flashjax.bench --terms ${TERMS:-all} --json "$OUT/terms.jsonl" > "$OUT/terms.log" 2>&1
-      tail -60 "$OUT/terms.log" ;;
+      # Issue 27's table (flashjax.bench_terms): masks, bias, ALiBi, dropout, flashjax.nn;
+      # TERMS_ARGS adds options (e.g. "--seqlen 8k"); TERMS_WHO="new base alt" runs each
+      # build in a process of its own and prints their times side by side.
+      for who in ${TERMS_WHO:-new}; do
+        pp=""; [ "$who" != new ] && pp=/tmp/$who
+        PYTHONPATH=$pp${PYTHONPATH:+:$PYTHONPATH} $PY -m flashjax.bench --terms ${TERMS:-all} ${TERMS_ARGS:-} \
+          --json "$OUT/terms_$who.jsonl" > "$OUT/terms_$who.log" 2>&1
+        tail -${TERMS_TAIL:-40} "$OUT/terms_$who.log"
+      done
+      $PY - "$OUT" ${TERMS_WHO:-new} <<'PYEOF'
+import json, sys
+out, builds = sys.argv[1], sys.argv[2:]
+rows = {}
+for who in builds:
+    for line in open(f"{out}/terms_{who}.jsonl"):
+        r = json.loads(line)
+        rows.setdefault((r["seqlen_q"], r["mode"], r["variant"]), {})[who] = r["ms"]
+print("seq   mode   variant          " + " ".join(f"{w:>8s}" for w in builds) + "  (ms; ratios to " + builds[0] + ")")
+for (s, mode, v), t in sorted(rows.items()):
+    first = t.get(builds[0]) or 0
+    print(f"{s:5d} {mode:6s} {v:16s} " + " ".join(f"{t.get(w) or 0:8.3f}" for w in builds)
+          + "  " + " ".join(f"{(t.get(w) or 0) / first:.3f}" if first else "-" for w in builds[1:]))
+PYEOF
+      ;;
     kvsanitize)
       compute-sanitizer --tool memcheck $PY tools/sanitize_kvcache.py > "$OUT/kvsanitize.log" 2>&1
       tail -8 "$OUT/kvsanitize.log" ;;

@@ -43,6 +43,19 @@ def _slopes(shape):
     return jnp.asarray(np.random.default_rng(1).uniform(0.01, 0.3, shape).astype(np.float32))
 
 
+def _structured_mask():
+    """Tile-structured masks (the kernels' mask spans, MaskTiles::RowSpan): a sliding
+    window aligned bottom-right (dense spans); on head 1 a gap of keys no row sees (a
+    span with a hidden tile inside); on (sequence 1, head 2) a block of rows that sees
+    nothing (an empty span)."""
+    i = np.arange(SQ)[:, None] + (SK - SQ)
+    j = np.arange(SK)[None, :]
+    m = np.broadcast_to((j <= i + 20) & (j >= i - 90), (B, H, SQ, SK)).copy()
+    m[:, 1, :, 128:192] = False
+    m[1, 2, 64:128, :] = False
+    return jnp.asarray(m)
+
+
 def options_of(name):
     """The call options of case `name` (arrays built here: cases stay hashable ids)."""
     return {
@@ -64,6 +77,11 @@ def options_of(name):
         # A mask with or without ALiBi on uniform layouts: the mask variant (kMask).
         "mask_alibi": dict(mask=_mask((B, H, SQ, SK), 13), alibi_slopes=_slopes((H,)),
                            causal=True),
+        "mask_structured": dict(mask=_structured_mask()),
+        # dropout without a bias on uniform layouts: the same variant (kMask)
+        "dropout_mask_alibi": dict(dropout_rate=RATE, dropout_key=jax.random.key(14),
+                                   mask=_mask((1, H, SQ, SK), 15), alibi_slopes=_slopes((H,)),
+                                   window_size=(100, 30)),
         "seqused_alibi": dict(alibi_slopes=_slopes((H,)),
                               seqused_q=jnp.array([150, 200], jnp.int32),
                               seqused_k=jnp.array([333, 101], jnp.int32)),
@@ -74,7 +92,8 @@ CASES = [("bias", 128), ("bias_shared", 64), ("bias_heads_kv", 128), ("mask", 64
          ("mask_sinks", 128), ("alibi", 64), ("alibi_softcap_bias", 128), ("dropout", 128),
          ("dropout_terms", 64), ("seqused_alibi", 128), ("alibi_full_sinks", 128),
          ("alibi_softcap_window", 96), ("mask_alibi", 128), ("alibi_full_sinks", 256),
-         ("mask_alibi", 192)]
+         ("mask_alibi", 192), ("mask_structured", 128), ("mask_structured", 64),
+         ("dropout_mask_alibi", 128), ("dropout", 64)]
 
 
 def rel(x, ref):
@@ -144,7 +163,7 @@ def test_terms(name, d, path, monkeypatch, gpu_device):
     check(name, d, "bfloat16", path, monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["bias", "bias_shared", "dropout_terms", "alibi", "mask"])
+@pytest.mark.parametrize("name", ["bias", "bias_shared", "dropout_terms", "alibi", "mask", "dropout"])
 def test_terms_deterministic(name, monkeypatch, gpu_device):
     """Bitwise-repeatable with terms (a shared dbias entry: the exact pass, no atomics)."""
     first = check(name, 64, "float16", "cuda", monkeypatch, deterministic=True)

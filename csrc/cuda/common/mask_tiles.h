@@ -17,7 +17,17 @@ namespace flashjax::cuda {
 struct MaskTiles {
   static constexpr int64_t kRows = 64;
   static constexpr uint8_t kAnyAllowed = 1, kAnyHidden = 2;
+  // A row tile's column tiles with an allowed pair: [first, end) (empty: first >= end);
+  // dense: every column tile in it has one (causal, prefix-LM and sliding-window masks),
+  // so that a kernel takes the span's tiles without asking for each one. The same of
+  // a column tile's row tiles (col_spans).
+  struct RowSpan {
+    int32_t first, end, dense, unused;
+  };
+  static constexpr size_t kSpansAlign = alignof(RowSpan);
   uint8_t* bits = nullptr;  // [batch entries][head entries][row_tiles][col_tiles]; null: no mask
+  RowSpan* spans = nullptr;      // [batch entries][head entries][row_tiles]
+  RowSpan* col_spans = nullptr;  // [batch entries][head entries][col_tiles]
   int64_t row_tiles = 0, col_tiles = 0, head_entries = 0;
   int64_t batch_div = 1, head_div = 1;
 
@@ -25,15 +35,23 @@ struct MaskTiles {
   FJ_HOST_DEVICE static int64_t entries(const AttentionParams& p) {
     return (p.batch / p.mask.batch_div) * (p.heads_q / p.mask.head_div);
   }
+  static size_t bits_bytes(const AttentionParams& p) {
+    const auto n = static_cast<size_t>(entries(p) * tiles(p.seqlen_q) * tiles(p.seqlen_k));
+    return (n + kSpansAlign - 1) / kSpansAlign * kSpansAlign;
+  }
   static size_t workspace_bytes(const AttentionParams& p) {
     if (!p.mask) return 0;
-    return static_cast<size_t>(entries(p) * tiles(p.seqlen_q) * tiles(p.seqlen_k));
+    return bits_bytes(p) + static_cast<size_t>(entries(p) * (tiles(p.seqlen_q) +
+                                                             tiles(p.seqlen_k))) *
+                               sizeof(RowSpan);
   }
   MaskTiles() = default;
   // `workspace`: workspace_bytes(p) bytes, or null (no summaries).
   MaskTiles(const AttentionParams& p, void* workspace) {
     if (!p.mask || !workspace) return;
     bits = static_cast<uint8_t*>(workspace);
+    spans = reinterpret_cast<RowSpan*>(bits + bits_bytes(p));
+    col_spans = spans + entries(p) * tiles(p.seqlen_q);
     row_tiles = tiles(p.seqlen_q);
     col_tiles = tiles(p.seqlen_k);
     head_entries = p.heads_q / p.mask.head_div;
@@ -45,6 +63,7 @@ struct MaskTiles {
   // The summaries of one mask entry: that of sequence b, query head h (entry()).
   struct Entry {
     const uint8_t* bits = nullptr;  // null: no mask
+    const RowSpan *spans = nullptr, *col_spans = nullptr;
     int64_t row_tiles = 0, col_tiles = 0;
     explicit FJ_HOST_DEVICE operator bool() const { return bits != nullptr; }
     // The summary bits (kAnyAllowed | kAnyHidden, OR-ed) of query rows [r0, r0 + rows)
@@ -60,6 +79,35 @@ struct MaskTiles {
           out |= bits[r * col_tiles + c];
       return out;
     }
+    // The union of the spans of query rows [r0, r0 + rows)'s row tiles (r0 >= 0): the
+    // column tiles some of them may see; dense where each non-empty span is and they
+    // overlap or touch (one interval).
+    FJ_HOST_DEVICE RowSpan span(int64_t r0, int64_t rows) const {
+      return union_of(spans, r0, rows, row_tiles);
+    }
+    // The same of keys [c0, c0 + cols): the row tiles that may see some of them.
+    FJ_HOST_DEVICE RowSpan col_span(int64_t c0, int64_t cols) const {
+      return union_of(col_spans, c0, cols, col_tiles);
+    }
+    FJ_HOST_DEVICE static RowSpan union_of(const RowSpan* of_tile, int64_t x0, int64_t n,
+                                           int64_t tiles) {
+      RowSpan out{0, 0, 1, 0};
+      int32_t max_first = 0, min_end = 0;
+      bool any = false;
+      const int64_t t_end = (x0 + n + kRows - 1) / kRows;
+      for (int64_t t = x0 / kRows; t < t_end && t < tiles; ++t) {
+        const RowSpan s = of_tile[t];
+        if (s.first >= s.end) continue;
+        out.first = any ? (s.first < out.first ? s.first : out.first) : s.first;
+        out.end = any ? (s.end > out.end ? s.end : out.end) : s.end;
+        max_first = any ? (s.first > max_first ? s.first : max_first) : s.first;
+        min_end = any ? (s.end < min_end ? s.end : min_end) : s.end;
+        out.dense &= s.dense;
+        any = true;
+      }
+      if (any && max_first > min_end) out.dense = 0;  // (a gap between the spans)
+      return out;
+    }
   };
   // Sequence b, query head h's entry: made once per (sequence, head) by a kernel that
   // asks for many tiles of it (the entry's index divides; 32-bit: b and h are small).
@@ -67,7 +115,9 @@ struct MaskTiles {
     if (!bits) return {};
     const auto eb = static_cast<uint32_t>(b) / static_cast<uint32_t>(batch_div),
                eh = static_cast<uint32_t>(h) / static_cast<uint32_t>(head_div);
-    return {bits + (eb * head_entries + eh) * row_tiles * col_tiles, row_tiles, col_tiles};
+    const uint32_t e = eb * static_cast<uint32_t>(head_entries) + eh;
+    return {bits + e * row_tiles * col_tiles, spans + e * row_tiles, col_spans + e * col_tiles,
+            row_tiles, col_tiles};
   }
   FJ_HOST_DEVICE uint8_t of(int64_t b, int64_t h, int64_t r0, int64_t rows, int64_t c0,
                             int64_t cols) const {

@@ -50,14 +50,17 @@ struct FragmentTerms<TermSet::kNone, kRows> {
   __device__ void add_bias_gradient(const float (&)[kTiles * 4], int64_t) const {}
 };
 
-// kSet kAlibi: only the ALiBi term; kMask: a mask, ALiBi or not (the terms a set
-// leaves out, their code and state, are compiled out).
+// kSet kAlibi: only the ALiBi term; kMask: a mask and dropout, ALiBi or not (the
+// terms a set leaves out, their code and state, are compiled out).
 template <TermSet kSet, FragmentRows kRows>
 struct FragmentTerms {
   static constexpr bool kActive = true;
   static constexpr bool kAlibiOnly = kSet == TermSet::kAlibi;
-  static constexpr bool kAll = kSet == TermSet::kAny;  // (bias, dbias, dropout)
+  static constexpr bool kAll = kSet == TermSet::kAny;  // (bias, dbias)
+  static constexpr bool kDrops = kAll || kSet == TermSet::kMask;
   static constexpr bool kQueryRows = kRows == FragmentRows::kQueries;
+  // Lane l ^ kPartnerLanes holds fragment row row ^ 1 (lane / 4 + a multiple of 8).
+  static constexpr int kPartnerLanes = 4;
   int64_t row;                // the thread's first fragment row (the other is row + 8)
   int64_t rows_used, cols_used;  // used queries / keys as rows and columns
   ScoreTerms terms;
@@ -74,7 +77,7 @@ struct FragmentTerms {
       : row(fragment_row),
         rows_used(kQueryRows ? seq.seqlen_q : seq.seqlen_k),
         cols_used(kQueryRows ? seq.seqlen_k : seq.seqlen_q),
-        drops(kAll && static_cast<bool>(p.dropout)),
+        drops(kDrops && static_cast<bool>(p.dropout)),
         keep_scale(p.dropout.scale) {}
 
   // The (sequence b, query head h) the next tiles belong to.
@@ -301,23 +304,42 @@ struct FragmentTerms {
       if (s[k] != kNegInf) s[k] += term[k];
   }
 
-  __device__ bool dropping() const { return kAll && drops; }
+  __device__ bool dropping() const { return kDrops && drops; }
+
+  // Dropout's keep bits of a tile of kTiles column tiles, one word per chunk of up to
+  // 8 (keep_bits): taken once for the backward's dP and P.
+  template <int kTiles>
+  struct KeepWords {
+    static constexpr int kChunk = kTiles < 8 ? kTiles : 8;
+    static_assert(kTiles % kChunk == 0, "whole chunks of 8 column tiles");
+    uint32_t word[kTiles / kChunk];
+  };
+  template <int kTiles>
+  __device__ KeepWords<kTiles> keep_words(int64_t c0) const {
+    constexpr int kChunk = KeepWords<kTiles>::kChunk;
+    KeepWords<kTiles> keep{};
+    if (!dropping()) return keep;
+#pragma unroll
+    for (int n0 = 0; n0 < kTiles; n0 += kChunk)
+      keep.word[n0 / kChunk] = keep_bits<kChunk>(c0 + n0 * 8);
+    return keep;
+  }
 
   // x *= 1 / (1 - rate) where dropout keeps the pair, 0 where it drops it
-  // (dropout.h: one Philox call per 8 elements of a 16 x 16 block), by chunks of up to
-  // 8 column tiles (keep_bits).
+  // (dropout.h: one Philox call per 8 elements of a 16 x 16 block).
   template <int kTiles>
-  __device__ void drop(float (&x)[kTiles * 4], int64_t c0) const {
+  __device__ void drop(float (&x)[kTiles * 4], const KeepWords<kTiles>& keep) const {
     if (!dropping()) return;
-    constexpr int kChunk = kTiles < 8 ? kTiles : 8;
-    static_assert(kTiles % kChunk == 0, "whole chunks of 8 column tiles");
+    constexpr int kChunk = KeepWords<kTiles>::kChunk;
 #pragma unroll
-    for (int n0 = 0; n0 < kTiles; n0 += kChunk) {
-      const uint32_t keep = keep_bits<kChunk>(c0 + n0 * 8);
+    for (int n0 = 0; n0 < kTiles; n0 += kChunk)
 #pragma unroll
       for (int i = 0; i < kChunk * 4; ++i)
-        x[4 * n0 + i] = (keep >> i) & 1u ? x[4 * n0 + i] * keep_scale : 0.0f;
-    }
+        x[4 * n0 + i] = (keep.word[n0 / kChunk] >> i) & 1u ? x[4 * n0 + i] * keep_scale : 0.0f;
+  }
+  template <int kTiles>
+  __device__ void drop(float (&x)[kTiles * 4], int64_t c0) const {
+    if (dropping()) drop<kTiles>(x, keep_words<kTiles>(c0));
   }
 
   // Dropout's keep bits of the tile from column c0 (c0 % 16 == 0, fragment row % 16 <
@@ -346,14 +368,21 @@ struct FragmentTerms {
           }
       }
     } else {
+      // Keys as rows (S^T): a group holds keys {k, k + 1, k + 8, k + 9} of query rows
+      // {q, q + 8}; this thread uses keys {row, row + 8} of the groups of queries
+      // c and c + 1, and the thread 4 lanes away (fragment row row ^ 1, fragment.cuh's
+      // layout) the other keys of the same two groups: each generates one, and they
+      // swap (every lane of the warp takes part).
       const uint32_t x0 = dropout::column_counter(static_cast<uint32_t>(row));
       const int key_slot = static_cast<int>(row % 2);
 #pragma unroll
-      for (int m = 0; m < kTiles / 2; ++m)
+      for (int m = 0; m < kTiles / 2; ++m) {
+        const uint32_t mine = dropout.group_keep_bits(
+            dropout::row_counter(static_cast<uint32_t>(c0 + 16 * m + 2 * t + key_slot)), x0);
+        const uint32_t theirs = __shfl_xor_sync(0xFFFFFFFFu, mine, kPartnerLanes);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const uint32_t bits = dropout.group_keep_bits(
-              dropout::row_counter(static_cast<uint32_t>(c0 + 16 * m + 2 * t + e)), x0);
+          const uint32_t bits = e == key_slot ? mine : theirs;
 #pragma unroll
           for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -362,6 +391,7 @@ struct FragmentTerms {
               keep |= ((bits >> slot) & 1u) << (4 * (2 * m + half) + 2 * r + e);
             }
         }
+      }
     }
     return keep;
   }

@@ -115,8 +115,8 @@ cudaError_t with_layouts(const AttentionParams& p, Fn&& fn) {
 // The score terms a tensor-core kernel variant is compiled with (its kTerms):
 // none; ALiBi alone (a slope and a distance per row: the general variant's
 // bias, mask, dropout and dbias state made the Hopper backward spill inside its
-// tile loop, ~5x slower); a mask, with or without ALiBi; or any of bias, mask,
-// ALiBi and dropout.
+// tile loop, ~5x slower); a mask or dropout or both, with or without ALiBi (no
+// bias); or any of bias, mask, ALiBi and dropout.
 enum class TermSet { kNone, kAlibi, kMask, kAny };
 constexpr bool has_terms(TermSet set) { return set != TermSet::kNone; }
 // Whether the variant reads a mask (and its tile summaries, MaskTiles).
@@ -125,10 +125,13 @@ constexpr bool has_mask(TermSet set) { return set == TermSet::kMask || set == Te
 // Calls fn(std::integral_constant<TermSet, ...>{}, std::integral_constant<Layouts, ...>{}):
 // the kernel variant that runs p. Terms are compiled only with the layouts that run
 // any call (kVarlen, kSegments), so they cost the build one more instantiation per
-// kernel and layout class, not two; kernels with an ALiBi variant (kAlibiVariant)
-// and the mask variant (kLeanTerms) compile them for uniform calls only (one more
-// instantiation each); the other calls with terms run the general one.
-template <bool kLeanTerms = false, class Fn>
+// kernel and layout class, not two; kernels with the lean variants (kLeanTerms)
+// compile kAlibi and kMask for uniform calls only (one more instantiation each), and
+// with kUniformBias the general set with the kUniform layouts for uniform calls with
+// a bias (the Hopper backward: 0.79x the kVarlen instantiation's fwd+bwd time,
+// benchmarks/NOTES.md "Eighteenth session"); the other calls with terms run the
+// general one.
+template <bool kLeanTerms = false, bool kUniformBias = false, class Fn>
 cudaError_t with_variant(const AttentionParams& p, Fn&& fn) {
   using Any = std::integral_constant<TermSet, TermSet::kAny>;
   if (p.has_pair_terms()) {
@@ -136,9 +139,12 @@ cudaError_t with_variant(const AttentionParams& p, Fn&& fn) {
       return fn(Any{}, std::integral_constant<Layouts, Layouts::kSegments>{});
     if constexpr (kLeanTerms) {
       using Uniform = std::integral_constant<Layouts, Layouts::kUniform>;
-      if (p.uniform() && !p.bias && !p.dropout)
-        return p.mask ? fn(std::integral_constant<TermSet, TermSet::kMask>{}, Uniform{})
-                      : fn(std::integral_constant<TermSet, TermSet::kAlibi>{}, Uniform{});
+      if (p.uniform() && !p.bias)
+        return p.mask || p.dropout
+                   ? fn(std::integral_constant<TermSet, TermSet::kMask>{}, Uniform{})
+                   : fn(std::integral_constant<TermSet, TermSet::kAlibi>{}, Uniform{});
+      if constexpr (kUniformBias)
+        if (p.uniform()) return fn(Any{}, Uniform{});
     }
     return fn(Any{}, std::integral_constant<Layouts, Layouts::kVarlen>{});
   }

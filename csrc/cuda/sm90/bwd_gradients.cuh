@@ -69,7 +69,8 @@ __device__ __forceinline__ void terms_probabilities_and_grad(float (&s)[kTiles *
                                                              const Terms& terms, int64_t c0,
                                                              LseOf&& lse2, DOf&& d_of) {
   const float inv_cap_log2 = p.softcap > 0.0f ? 1.0f / (p.softcap * kLog2e) : 0.0f;
-  terms.template drop<kTiles>(dp, c0);
+  const auto keep = terms.template keep_words<kTiles>(c0);
+  terms.template drop<kTiles>(dp, keep);
 #pragma unroll
   for (int i = 0; i < kTiles * 4; ++i) {
     const float prob = fast_exp2(s[i] - lse2(i));
@@ -80,7 +81,7 @@ __device__ __forceinline__ void terms_probabilities_and_grad(float (&s)[kTiles *
     s[i] = prob;
     dp[i] = ds;
   }
-  terms.template drop<kTiles>(s, c0);
+  terms.template drop<kTiles>(s, keep);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

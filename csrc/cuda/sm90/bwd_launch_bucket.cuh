@@ -178,7 +178,8 @@ cudaError_t BucketLaunch<kHeadDim>::run(const AttentionParams& p,
                                         cudaStream_t stream) {
   return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    return with_variant<true>(p, [&](auto terms, auto layouts) {
+    return with_variant</*kLeanTerms=*/true, /*kUniformBias=*/true>(
+        p, [&](auto terms, auto layouts) {
       constexpr Layouts kLayouts = decltype(layouts)::value;
       constexpr TermSet kTerms = decltype(terms)::value;
       // (hopper_backward_supports says no)

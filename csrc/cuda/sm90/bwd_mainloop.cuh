@@ -289,9 +289,9 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         if constexpr (has_terms(kTerms)) {
           terms.head(p, kb.sequence(p), kb.b, tile_head);
           terms.template add<8>(st, q0, mask_mixed);
-          if (kTerms == TermSet::kAlibi && !(p.softcap > 0.0f)) {
-            // ALiBi alone, no softcap: P's exponentials overlap dP's product, as
-            // without terms (the scores are in log2 units already).
+          if (kTerms != TermSet::kAny && !terms.dropping() && !(p.softcap > 0.0f)) {
+            // ALiBi or a mask, no dropout or softcap: P's exponentials overlap dP's
+            // product, as without terms (the scores are in log2 units already).
             probabilities_then_grad(st, dpt, p, 1.0f, lse2_of, d_of, wait_dp);
           } else {
             wgmma_wait<0>();

@@ -118,10 +118,12 @@ struct KeyBlock {
   __device__ KeyBlock(const AttentionParams& p, const VarlenWorkList& list,
                       const SegmentTiles& segment_tiles) {
     // (Ordered deterministic dQ keeps pair order: a block whose dQ waits for later
-    // blocks of its pair, DqOrder, finds them started.)
+    // blocks of its pair, DqOrder, finds them started. A mask: the causal order, a
+    // guess that costs nothing where it is wrong: its blocks' lengths are unknown.)
     const BlockIndex i =
         block_index<kLayouts>((p.seqlen_k + kRows - 1) / kRows, p.heads_kv, list,
-                              p.window_right == 0 && !(kOrderedDq && p.deterministic));
+                              (p.window_right == 0 || p.mask) &&
+                                  !(kOrderedDq && p.deterministic));
     valid = i.valid;
     b = i.b;
     hk = i.head;
@@ -196,20 +198,24 @@ struct KeyBlock {
     return row == row_begin + q_tiles * kStreamRows ? row_begin : row;
   }
 
-  // Only the query tiles where a mask lets some query head of the group see some
-  // of the owned keys (MaskTiles; a contiguous span, as for segment ids).
+  // Only the query tiles where a mask may let some query head of the group see some
+  // of the owned keys: the union of the owned column tiles' spans (MaskTiles::RowSpan;
+  // a contiguous span, as for segment ids; tiles inside it that the mask hides are
+  // streamed, their pairs hidden per element).
   __device__ void narrow_to_mask(const AttentionParams& p, const MaskTiles& mask) {
     if (!mask || q_tiles == 0) return;
     const int64_t end = row_begin + q_tiles * kStreamRows;
     int64_t lo = end, hi = row_begin;
-    for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h)
-      for (int64_t r = row_begin; r < end; r += kStreamRows)
-        if (mask.of(b, h, r, kStreamRows, k0, kRows) & MaskTiles::kAnyAllowed) {
-          lo = min(lo, r);
-          hi = max(hi, r + kStreamRows);
-        }
-    row_begin = lo;
-    q_tiles = hi > lo ? (hi - lo) / kStreamRows : 0;
+    for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
+      const MaskTiles::RowSpan s = mask.entry(b, h).col_span(k0, kRows);
+      if (s.first >= s.end) continue;
+      lo = min(lo, max(row_begin, s.first * MaskTiles::kRows));
+      hi = max(hi, min(end, s.end * MaskTiles::kRows));
+    }
+    // (on the streamed tiles' grid from row_begin)
+    const int64_t grid = row_begin;
+    row_begin = hi > lo ? grid + (lo - grid) / kStreamRows * kStreamRows : grid;
+    q_tiles = hi > lo ? (hi - row_begin + kStreamRows - 1) / kStreamRows : 0;
     tiles = q_tiles * p.group_size();
   }
 
@@ -256,18 +262,18 @@ struct QueryBlock {
     tiles = valid ? keys.tiles(kStreamRows) : 0;
   }
   __device__ int64_t key_tile(int64_t it) const { return keys.tile_begin + it * kStreamRows; }
-  // Only the key tiles where a mask lets some owned row see some key (a contiguous
-  // span, as for segment ids; KeyBlock::narrow_to_mask).
+  // Only the key tiles where a mask may let some owned row see some key: the union
+  // of the owned row tiles' spans (KeyBlock::narrow_to_mask).
   __device__ void narrow_to_mask(const AttentionParams&, const MaskTiles& mask) {
     if (!mask || tiles == 0) return;
-    const int64_t end = keys.tile_begin + tiles * kStreamRows;
-    int64_t lo = end, hi = keys.tile_begin;
-    for (int64_t k = keys.tile_begin; k < end; k += kStreamRows)
-      if (mask.of(b, h, q0, kOwnRows, k, kStreamRows) & MaskTiles::kAnyAllowed) {
-        lo = min(lo, k);
-        hi = max(hi, k + kStreamRows);
-      }
-    keys.narrow(lo, hi, kStreamRows);
+    const int64_t begin = keys.tile_begin, end = begin + tiles * kStreamRows;
+    const MaskTiles::RowSpan s = mask.entry(b, h).span(q0, kOwnRows);
+    int64_t lo = max(begin, s.first * MaskTiles::kRows),
+            hi = min(end, s.end * MaskTiles::kRows);
+    if (s.first >= s.end || hi <= lo) lo = hi = begin;
+    lo = begin + (lo - begin) / kStreamRows * kStreamRows;  // (on the tiles' grid)
+    hi = hi > lo ? lo + (hi - lo + kStreamRows - 1) / kStreamRows * kStreamRows : lo;
+    keys.narrow(lo, min(hi, end), kStreamRows);
     tiles = hi > lo ? keys.tiles(kStreamRows) : 0;
   }
   // As KeyBlock's: the owned queries past the used ones, streamed keys past theirs.

@@ -153,18 +153,39 @@ template <>
 struct ItemKeys<true> {
   static constexpr bool kMasked = true;
   MaskTiles::Entry mask;  // the item's (sequence, head)'s summaries
-  int64_t q0, rows, end, count = 0;
+  int64_t q0, rows, begin, end, count = 0;
   int n;
+  bool dense = true;  // every tile of [begin, end) is taken: no walk
   mutable int64_t at_it = 0, at_k0 = 0;
+  // The range is first narrowed to the span of the keys the mask lets the item's
+  // rows see (MaskTiles::RowSpan, on the item's tile grid); a dense span's tiles
+  // are all taken, the others' are walked (only the producer walks: it publishes
+  // the tiles to the consumers, fwd_smem.cuh's PublishedTile).
   template <class Item>
   __device__ ItemKeys(const Item& w, const MaskTiles& mask_tiles, int tile_keys)
       : mask(mask_tiles.entry(w.b, w.h)),
         q0(w.q0),
         rows(w.last_row - w.q0 + 1),
+        begin(w.keys.tile_begin),
         end(w.keys.tile_begin + w.n_tiles * tile_keys),
         n(tile_keys) {
-    at_k0 = next(w.keys.tile_begin);
-    for (int64_t k = at_k0; k < end; k = next(k + n)) ++count;
+    if (mask && rows > 0) {
+      const MaskTiles::RowSpan span = mask.span(q0, rows);
+      const int64_t grid = begin;  // (tiles start at grid + a multiple of n)
+      const int64_t lo = span.first * MaskTiles::kRows, hi = span.end * MaskTiles::kRows;
+      if (lo > grid) begin = grid + (lo - grid) / n * n;
+      if (hi < end) end = hi > grid ? grid + (hi - grid + n - 1) / n * n : grid;
+      if (span.first >= span.end || end < begin) end = begin;
+      dense = span.dense != 0;
+    }
+    at_k0 = dense ? begin : next(begin);
+    if (dense) {
+      count = (end - begin) / n;
+    } else {
+#pragma unroll 4
+      for (int64_t k = begin; k < end; k += n)  // (independent loads: no walk)
+        count += (mask.of(q0, rows, k, n) & MaskTiles::kAnyAllowed) != 0;
+    }
   }
   // The first tile from k0 (tile-aligned) that the mask lets any row see.
   __device__ int64_t next(int64_t k0) const {
@@ -173,6 +194,7 @@ struct ItemKeys<true> {
     return k0;
   }
   __device__ int64_t k0(int64_t it) const {
+    if (dense) return begin + it * n;
     for (; at_it < it; ++at_it) at_k0 = next(at_k0 + n);
     return at_k0;
   }
