@@ -66,7 +66,8 @@ for step in "$@"; do
       tail -15 "$OUT/ptx_tests.log" ;;
     sanitize)
       for script in ${SANITIZE_SCRIPTS:-tools/sanitize_dense.py tools/sanitize_varlen.py}; do
-        compute-sanitizer --tool memcheck $PY $script > "$OUT/sanitize_$(basename $script .py).log" 2>&1
+        # SANITIZE_ARGS: the scripts' arguments (e.g. tools/sanitize_terms.py's case indices)
+        compute-sanitizer --tool memcheck $PY $script ${SANITIZE_ARGS:-} > "$OUT/sanitize_$(basename $script .py).log" 2>&1
         echo "$script: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$(basename $script .py).log")"
       done ;;
     terms)
