@@ -128,9 +128,9 @@ constexpr bool has_mask(TermSet set) { return set == TermSet::kMask || set == Te
 // kernel and layout class, not two; kernels with the lean variants (kLeanTerms)
 // compile kAlibi and kMask for uniform calls only (one more instantiation each), and
 // with kUniformBias the general set with the kUniform layouts for uniform calls with
-// a bias (the Hopper backward: 0.79x the kVarlen instantiation's fwd+bwd time,
-// benchmarks/NOTES.md "Eighteenth session"); the other calls with terms run the
-// general one.
+// a bias that are not deterministic (the Hopper backward: 0.79x the kVarlen
+// instantiation's fwd+bwd time, benchmarks/NOTES.md "Eighteenth session"; only its
+// fused key kernel is compiled so); the other calls with terms run the general one.
 template <bool kLeanTerms = false, bool kUniformBias = false, class Fn>
 cudaError_t with_variant(const AttentionParams& p, Fn&& fn) {
   using Any = std::integral_constant<TermSet, TermSet::kAny>;
@@ -144,7 +144,7 @@ cudaError_t with_variant(const AttentionParams& p, Fn&& fn) {
                    ? fn(std::integral_constant<TermSet, TermSet::kMask>{}, Uniform{})
                    : fn(std::integral_constant<TermSet, TermSet::kAlibi>{}, Uniform{});
       if constexpr (kUniformBias)
-        if (p.uniform()) return fn(Any{}, Uniform{});
+        if (p.uniform() && !p.deterministic) return fn(Any{}, Uniform{});
     }
     return fn(Any{}, std::integral_constant<Layouts, Layouts::kVarlen>{});
   }

@@ -27,6 +27,10 @@
 namespace flashjax::cuda::hopper_bwd {
 namespace {
 
+// The general terms with the kUniform layouts run only non-deterministic calls
+// (with_variant's kUniformBias): only the fused key kernel is compiled for them.
+template <Layouts kLayouts, TermSet kTerms>
+constexpr bool kFusedOnly = kTerms == TermSet::kAny && kLayouts == Layouts::kUniform;
 
 // Kernel attributes are set once per instantiation.
 template <class Kernel>
@@ -41,6 +45,8 @@ cudaError_t configure_kernels() {
   return configured([] {
     if constexpr (kWide<kHeadDim>) {
       return allow_smem(hopper_wide_key_kernel<T>, kSmem);
+    } else if constexpr (kFusedOnly<kLayouts, kTerms>) {
+      return allow_smem(hopper_key_kernel<T, kHeadDim, true, kLayouts, kTerms>, kSmem);
     } else {  // (the query kernel's configuration is the key kernel's)
       cudaError_t status = cudaSuccess;
       for (cudaError_t e :
@@ -139,7 +145,7 @@ cudaError_t launch(const AttentionParams& p, const HopperBackwardWorkspace& ws,
   const unsigned elementwise_blocks = 8 * multiprocessor_count();  // grid-stride kernels
   stage_rows_kernel<<<elementwise_blocks, 256, 0, stream>>>(p, ws, fused);
   if (!fused) {  // deterministic, not ordered_dq: key kernel without dQ, then the query kernel
-    if constexpr (kWide<kHeadDim>) {
+    if constexpr (kWide<kHeadDim> || kFusedOnly<kLayouts, kTerms>) {
       return cudaErrorNotSupported;  // hopper_backward_supports says no
     } else {
       if (key_blocks > 0)
