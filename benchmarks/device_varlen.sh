@@ -2,7 +2,7 @@
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
 # the dense A/B, the peers side by side, profiles.
-# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base alt variant ptx tests kvtests sanitize terms
+# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base alt patched variant ptx tests kvtests sanitize terms
 #   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu termsncu)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
@@ -37,6 +37,25 @@ for step in "$@"; do
       cp src/flashjax/bench.py src/flashjax/bench_varlen.py src/flashjax/bench_decode.py \
         src/flashjax/bench_terms.py /tmp/$step/flashjax/  # same timing code
       echo "$step built" ;;
+    patched)
+      # PATCHED="NAME=PATCH[,PATCH...] ...": this tree with benchmarks/patches/PATCH.patch
+      # applied in order (patch -p1, in a copy), built into /tmp/NAME (BASE_DIMS narrows
+      # the head dims); NAME then serves TERMS_WHO / DENSE_WHO like base.
+      dims=${BASE_DIMS:-${FJ_HEAD_DIMS:-}}
+      for spec in ${PATCHED:-}; do
+        name=${spec%%=*}; src=/tmp/src_$name
+        rm -rf "$src" && mkdir -p "$src"
+        tar --exclude=./.git --exclude=./.baseline --exclude=./.alt --exclude=./.peers -cf - . | tar -xf - -C "$src"
+        IFS=, read -ra pts <<< "${spec#*=}"
+        for pt in "${pts[@]}"; do
+          patch -s -p1 -d "$src" < "benchmarks/patches/$pt.patch" || { echo "$pt does not apply"; exit 1; }
+        done
+        $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/$name -C build-dir=/tmp/fjb_$name \
+          ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} -C cmake.define.FLASHJAX_CUDA_ARCHS=90a "$src" \
+          > "$OUT/build_$name.log" 2>&1 || { tail -30 "$OUT/build_$name.log"; exit 1; }
+        cp src/flashjax/bench*.py /tmp/$name/flashjax/  # same timing code
+        echo "$name built (${spec#*=})"
+      done ;;
     variant)
       # This tree again, built with VARIANT_FLAGS (e.g. "-DFLASHJAX_BWD_STAGGER=1") into
       # /tmp/variant (FJ_VARIANT_DIMS narrows its head dims): traintrace's impl "variant".
@@ -144,7 +163,7 @@ PYEOF
       # A "_det" suffix (e.g. "new_det") runs that build with --deterministic.
       for who in ${DENSE_WHO:-new base}; do
         build=${who%_det}; det=""; [ "$build" != "$who" ] && det=--deterministic
-        pp=""; [ "$build" = base ] && pp=/tmp/base; [ "$build" = variant ] && pp=/tmp/variant
+        pp=""; [ "$build" != new ] && pp=/tmp/$build  # (base, alt, variant, patched names)
         # DENSE_ARGS narrows the shapes (e.g. "--seqlen 2k --head-dim 64 128 --mode fwd").
         PYTHONPATH=$pp $PY -m flashjax.bench --fa3-shapes ${DENSE_ARGS:---seqlen 2k 16k --mode fwd fwdbwd} \
           $det --impl flashjax --loop 10 --iters 10 --json "$OUT/dense_$who.jsonl" > "$OUT/dense_$who.log" 2>&1
