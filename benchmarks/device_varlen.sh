@@ -48,7 +48,9 @@ for step in "$@"; do
         tar --exclude=./.git --exclude=./.baseline --exclude=./.alt --exclude=./.peers -cf - . | tar -xf - -C "$src"
         IFS=, read -ra pts <<< "${spec#*=}"
         for pt in "${pts[@]}"; do
-          patch -s -p1 -d "$src" < "benchmarks/patches/$pt.patch" || { echo "$pt does not apply"; exit 1; }
+          if command -v patch > /dev/null; then patch -s -p1 -d "$src" < "benchmarks/patches/$pt.patch"
+          else (cd "$src" && git apply "$OLDPWD/benchmarks/patches/$pt.patch"); fi \
+            || { echo "$pt does not apply"; exit 1; }
         done
         $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/$name -C build-dir=/tmp/fjb_$name \
           ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} -C cmake.define.FLASHJAX_CUDA_ARCHS=90a "$src" \
