@@ -95,8 +95,9 @@ for step in "$@"; do
       # Issue 27's table (flashjax.bench_terms): masks, bias, ALiBi, dropout, flashjax.nn;
       # TERMS_ARGS adds options (e.g. "--seqlen 8k"); TERMS_WHO="new base alt" runs each
       # build in a process of its own and prints their times side by side.
+      # A build named twice runs twice: NAME.2 is NAME's second process (noise).
       for who in ${TERMS_WHO:-new}; do
-        pp=""; [ "$who" != new ] && pp=/tmp/$who
+        build=${who%%.*}; pp=""; [ "$build" != new ] && pp=/tmp/$build
         PYTHONPATH=$pp${PYTHONPATH:+:$PYTHONPATH} $PY -m flashjax.bench --terms ${TERMS:-all} ${TERMS_ARGS:-} \
           --json "$OUT/terms_$who.jsonl" > "$OUT/terms_$who.log" 2>&1
         tail -${TERMS_TAIL:-40} "$OUT/terms_$who.log"
@@ -229,14 +230,19 @@ PYEOF
       # call (tools/profile_terms.py; FA3 shapes, d128 bf16): TERMS_NCU_VARIANTS (default
       # "none alibi"), TERMS_NCU_KERNEL (default hopper_forward_kernel; hopper_key_kernel
       # with TERMS_NCU_MODE=fwdbwd), TERMS_NCU_SEQLEN (8192). Details and SASS csv tarred.
+      # TERMS_NCU_WHO (default new): the builds profiled (names as in terms).
+      for who in ${TERMS_NCU_WHO:-new}; do
+      pp=""; [ "$who" != new ] && pp=/tmp/$who
       for v in ${TERMS_NCU_VARIANTS:-none alibi}; do
-        ncu --clock-control none --set full --import-source no \
+        n=${v}_$who
+        PYTHONPATH=$pp${PYTHONPATH:+:$PYTHONPATH} ncu --clock-control none --set full --import-source no \
           -k regex:"${TERMS_NCU_KERNEL:-hopper_forward_kernel}" --launch-skip 1 -c 1 -f \
-          -o "/tmp/tncu_$v" $PY tools/profile_terms.py "$v" ${TERMS_NCU_SEQLEN:-8192} \
-          ${TERMS_NCU_MODE:-fwd} > "/tmp/tncu_$v.log" 2>&1 || tail -5 "/tmp/tncu_$v.log"
-        ncu -i "/tmp/tncu_$v.ncu-rep" --page details --print-units base > "/tmp/tdetails_$v.txt" 2>&1
-        ncu -i "/tmp/tncu_$v.ncu-rep" --page source --csv --print-source sass > "/tmp/tsass_$v.csv" 2>&1
-        echo "== $v: $(grep -m1 -E 'Duration' "/tmp/tdetails_$v.txt")"
+          -o "/tmp/tncu_$n" $PY tools/profile_terms.py "$v" ${TERMS_NCU_SEQLEN:-8192} \
+          ${TERMS_NCU_MODE:-fwd} > "/tmp/tncu_$n.log" 2>&1 || tail -5 "/tmp/tncu_$n.log"
+        ncu -i "/tmp/tncu_$n.ncu-rep" --page details --print-units base > "/tmp/tdetails_$n.txt" 2>&1
+        ncu -i "/tmp/tncu_$n.ncu-rep" --page source --csv --print-source sass > "/tmp/tsass_$n.csv" 2>&1
+        echo "== $n: $(grep -m1 -E 'Duration' "/tmp/tdetails_$n.txt")"
+      done
       done
       tar -czf "$OUT/terms_ncu.tgz" -C /tmp $(cd /tmp && ls tdetails_*.txt tsass_*.csv) ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -56,6 +56,17 @@ def _structured_mask():
     return jnp.asarray(m)
 
 
+def _block_mask(seed, rows=64, cols=64):
+    """Block-sparse (the Hopper backward skips the query tiles a mask hides from all
+    of a block's keys): per head, about half of the rows x cols tiles all False, the
+    others random (query head 3 sees every tile: its group's other head does not)."""
+    rng = np.random.default_rng(seed)
+    tiles = rng.random((B, H, -(-SQ // rows), -(-SK // cols))) < 0.5
+    tiles[:, 3] = True
+    m = np.repeat(np.repeat(tiles, rows, 2), cols, 3)[:, :, :SQ, :SK]
+    return jnp.asarray(m & (rng.random((B, H, SQ, SK)) < 0.8))
+
+
 def options_of(name):
     """The call options of case `name` (arrays built here: cases stay hashable ids)."""
     return {
@@ -78,6 +89,8 @@ def options_of(name):
         "mask_alibi": dict(mask=_mask((B, H, SQ, SK), 13), alibi_slopes=_slopes((H,)),
                            causal=True),
         "mask_structured": dict(mask=_structured_mask()),
+        "mask_blocks": dict(mask=_block_mask(16)),
+        "mask_blocks_wide": dict(mask=_block_mask(17, rows=128, cols=128), causal=True),
         # dropout without a bias on uniform layouts: the same variant (kMask)
         "dropout_mask_alibi": dict(dropout_rate=RATE, dropout_key=jax.random.key(14),
                                    mask=_mask((1, H, SQ, SK), 15), alibi_slopes=_slopes((H,)),
@@ -93,7 +106,8 @@ CASES = [("bias", 128), ("bias_shared", 64), ("bias_heads_kv", 128), ("mask", 64
          ("dropout_terms", 64), ("seqused_alibi", 128), ("alibi_full_sinks", 128),
          ("alibi_softcap_window", 96), ("mask_alibi", 128), ("alibi_full_sinks", 256),
          ("mask_alibi", 192), ("mask_structured", 128), ("mask_structured", 64),
-         ("dropout_mask_alibi", 128), ("dropout", 64)]
+         ("dropout_mask_alibi", 128), ("dropout", 64), ("mask_blocks", 128),
+         ("mask_blocks", 64), ("mask_blocks_wide", 128)]
 
 
 def rel(x, ref):
@@ -163,7 +177,8 @@ def test_terms(name, d, path, monkeypatch, gpu_device):
     check(name, d, "bfloat16", path, monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["bias", "bias_shared", "dropout_terms", "alibi", "mask", "dropout"])
+@pytest.mark.parametrize("name", ["bias", "bias_shared", "dropout_terms", "alibi", "mask", "dropout",
+                                  "mask_blocks"])
 def test_terms_deterministic(name, monkeypatch, gpu_device):
     """Bitwise-repeatable with terms (a shared dbias entry: the exact pass, no atomics)."""
     first = check(name, 64, "float16", "cuda", monkeypatch, deterministic=True)

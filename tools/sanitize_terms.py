@@ -1,7 +1,7 @@
 """Bias, mask, ALiBi and dropout forward + backward (dbias included) through every GPU
 kernel path at small, odd shapes, for `compute-sanitizer --tool memcheck python
 tools/sanitize_terms.py`: the sanitizer must report 0 errors. Covers owned and shared
-dbias entries, masks with empty tiles and rows, seqused, default and deterministic
+dbias entries, masks with empty tiles and rows, block-sparse masks, seqused, default and deterministic
 backward, bf16 d128 / d64 and float32 d40."""
 
 import sys
@@ -21,6 +21,10 @@ def case_options(key):
     mask = rng.random((B, 1, SQ, SK)) < 0.5
     mask[:, :, :, 64:128] = False  # whole empty tiles
     mask[:, :, 7, :] = False       # a row that sees nothing
+    # Block-sparse on every head (the Hopper backward skips the query tiles a key
+    # block does not see: MaskedTiles); no bias, so the lean mask variant.
+    blocks = rng.random((B, HQ, 3, 2)) < 0.5
+    sparse = np.repeat(np.repeat(blocks, 64, 2), 128, 3)[:, :, :SQ, :SK]
     return [
         dict(bias=jax.random.normal(key, (B, HQ, SQ, SK)), causal=True),
         dict(bias=jax.random.normal(key, (1, 1, SQ, SK)), mask=jnp.asarray(mask)),
@@ -28,6 +32,7 @@ def case_options(key):
              seqused_k=jnp.array([150, 77], jnp.int32)),
         dict(dropout_rate=0.3, dropout_key=key, bias=jax.random.normal(key, (1, HK, SQ, SK)),
              softcap=5.0),
+        dict(mask=jnp.asarray(sparse), dropout_rate=0.1, dropout_key=key),
     ]
 
 

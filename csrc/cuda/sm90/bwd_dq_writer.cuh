@@ -109,18 +109,24 @@ struct DqOrder {
 // bulk reduction once all 128 of its threads have arrived on dq_full, and
 // frees a stage (dq_empty) once the reduction has read it, so that consumers
 // only wait when they are a whole ring ahead. kOrdered: deterministic, in the
-// order of DqOrder (counters at dq_order).
-template <bool kOrdered, int kHeadDim, class Block>
+// order of DqOrder (counters at dq_order). tiles_of: the block's tiles as the
+// producer walks them (bwd_scheduler.cuh).
+template <bool kOrdered, int kHeadDim, class Block, class Tiles>
 __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionParams& p,
-                         const RowStats& stats, float* dq_accum, int* dq_order) {
+                         const RowStats& stats, float* dq_accum, int* dq_order,
+                         const Tiles& tiles_of) {
   using C = TileConfig<kHeadDim>;
   static_assert(C::kStreamRows == HopperBackwardWorkspace::kDqOrderRows, "a counter per tile");
   constexpr int kLag = C::kDqStages - 1;  // tiles whose reductions may still read
   auto tile = kb.walk(p, stats.padded);
   // (kDqOfOwnKeys: both consumers add to one block, which an order would serialise)
   static_assert(!kOrdered || !C::kDqOfOwnKeys, "ordered dQ: consumers add to their own blocks");
+  // (A mask's skipped tiles would break the order: ordered_dq leaves masks out.)
+  static_assert(!kOrdered || !Tiles::kSkips, "ordered dQ visits every tile");
   const DqOrder<Block> order(dq_order, p, kb);
   for (int64_t it = 0; it < kb.tiles; ++it) {
+    // (the tile the consumers compute next: found while they do, off their path)
+    if (Tiles::kSkips && tiles_of.find(tile).end()) break;
     const int s = it % C::kDqStages;
 #pragma unroll
     for (int c = 0; c < C::kConsumers; ++c) {

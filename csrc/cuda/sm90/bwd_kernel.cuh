@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "bwd_dq_writer.cuh"
 #include "bwd_mainloop.cuh"
@@ -74,21 +75,28 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     const int warpgroup = warpgroup_index();
     if (warpgroup == 0) {
       producer_registers<Config>();
+      // (the variants with a mask stream only the tiles it lets through)
+      using Tiles = std::conditional_t<has_mask(kTerms), MaskedTiles<Block>, AllTiles>;
+      const Tiles tiles_of = [&] {
+        if constexpr (has_mask(kTerms)) return Tiles{kb, p, mask_tiles};
+        else return Tiles{};
+      }();
       if (threadIdx.x == 0)
         produce(sm, maps, static_cast<int>(kb.sequence(p).k_row(kb.k0)),
                 static_cast<int>(kb.hk), static_cast<int>(kb.sequence(p).batch), kb.tiles,
-                kb.walk(p, stats.padded), stats);
+                kb.walk(p, stats.padded), stats, tiles_of);
       else if (kFusedDq && threadIdx.x == 32) {
         // (dq_order: deterministic, uniform layouts, consumers on their own dQ blocks)
-        if constexpr (kOrderedDq && kLayouts == Layouts::kUniform && !Config::kDqOfOwnKeys)
-          if (dq_order) return write_dq<true>(sm, kb, p, stats, dq_accum, dq_order);
-        write_dq<false>(sm, kb, p, stats, dq_accum, nullptr);
+        if constexpr (kOrderedDq && kLayouts == Layouts::kUniform && !Config::kDqOfOwnKeys &&
+                      !Tiles::kSkips)
+          if (dq_order) return write_dq<true>(sm, kb, p, stats, dq_accum, dq_order, tiles_of);
+        write_dq<false>(sm, kb, p, stats, dq_accum, nullptr, tiles_of);
       }
       return;
     }
     consumer_registers<Config>();
     key_consumer<T, kHeadDim, kFusedDq, kLayouts, kTerms>(
-        sm, kb, p, maps, segment_tiles, mask_tiles, warpgroup - 1, stats.nonfinite);
+        sm, kb, p, maps, segment_tiles, warpgroup - 1, stats.nonfinite);
   };
   // (No block, a grid slot past the list's: the whole CTA returns.)
   for_each_block<has_mask(kTerms), Block>(p, list, segment_tiles, mask_tiles, block);

@@ -45,7 +45,9 @@ namespace {
 // a tile pair to the fused kernel's 5).
 bool ordered_dq(const AttentionParams& p) {
   const int64_t bucket = head_dim_bucket(kTensorCoreBuckets, p);
+  // (Not with score terms: the variants with a mask skip tiles, MaskedTiles.)
   if (!hopper_bwd::kOrderedDq || !p.deterministic || layouts_of(p) != Layouts::kUniform ||
+      p.has_pair_terms() ||
       bucket > 128 ||
       (hopper_bwd::TileConfig<64>::kDqOfOwnKeys && bucket <= 64))
     return false;

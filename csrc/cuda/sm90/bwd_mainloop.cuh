@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/device.cuh"
 #include "../common/epilogue.cuh"
@@ -114,22 +115,28 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], uint64_t ds_tile, uint
 // kOverlap: the updates of tile it-1 run on the tensor cores while
 // gradients(it) runs on the CUDA cores; this keeps two tiles' fragments live,
 // which the key kernel (dK and dV accumulators) has no registers for.
+// Without kOverlap, products(it) may return false: no tile it (the producer's end
+// mark, MaskedTiles), the loop ends there. Returns the tiles done.
 template <bool kOverlap, class Products, class Gradients, class Pack, class Updates,
           class Release>
-__device__ __forceinline__ void pipeline(int64_t tiles, Products&& products,
-                                         Gradients&& gradients, Pack&& pack, Updates&& updates,
-                                         Release&& release) {
-  if (tiles == 0) return;
+__device__ __forceinline__ int64_t pipeline(int64_t tiles, Products&& products,
+                                            Gradients&& gradients, Pack&& pack,
+                                            Updates&& updates, Release&& release) {
+  if (tiles == 0) return 0;
   if constexpr (!kOverlap) {
     for (int64_t it = 0; it < tiles; ++it) {
-      products(it);
+      if constexpr (std::is_same_v<decltype(products(it)), bool>) {
+        if (!products(it)) return it;
+      } else {
+        products(it);
+      }
       gradients(it);
       pack(it);
       updates(it);
       wgmma_wait<0>();
       release(it);
     }
-    return;
+    return tiles;
   }
   products(0);
   wgmma_wait<0>();
@@ -147,6 +154,7 @@ __device__ __forceinline__ void pipeline(int64_t tiles, Products&& products,
   updates(tiles - 1);
   wgmma_wait<0>();
   release(tiles - 1);
+  return tiles;
 }
 
 // Zeros rows [first_row, kRows) of a pair of tiles (owned K and V, or Q and
@@ -163,13 +171,14 @@ __device__ __forceinline__ void zero_rows_of_pair(unsigned char* a, unsigned cha
 // tiles (with kFusedDq also each tile's share of dQ, staged for the writer),
 // then its rows of dk and dv. `consumer` must be warp-uniform as the compiler
 // sees it (bwd_kernel.cuh), so that descriptors live in uniform registers.
-// kTerms: bias, mask, ALiBi, dropout and dbias, or ALiBi alone (score_terms.cuh).
+// kTerms: bias, mask, ALiBi, dropout and dbias, or ALiBi alone (score_terms.cuh);
+// the variants with a mask take each tile as the producer publishes it
+// (MaskedTiles: it skips the tiles the mask hides).
 template <class T, int kHeadDim, bool kFusedDq, Layouts kLayouts, TermSet kTerms>
 __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                              const KeyBlock<TileConfig<kHeadDim>, kLayouts>& kb,
                                              const AttentionParams& p, const BackwardMaps& maps,
-                                             const SegmentTiles& segment_tiles,
-                                             const MaskTiles& mask_tiles, int consumer,
+                                             const SegmentTiles& segment_tiles, int consumer,
                                              int* nonfinite) {
   using C = TileConfig<kHeadDim>;
   constexpr int kOwnRows = C::kOwnRows, kStreamRows = C::kStreamRows;
@@ -205,6 +214,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
                                             kb.k0 + consumer * 64, my_key);
   FragmentTerms<kTerms, FragmentRows::kKeys> terms(p, kb.sequence(p), my_key);
   int64_t tile_head = kb.hk * p.group_size();  // (kTerms: the current tile's query head)
+  int64_t terms_head = -1;                      // (the head terms.head set up last)
   // Hands this consumer's share of a tile's dQ (in dq) to the dQ writer.
   // (real = false: staged only, into a stage not yet handed over.)
   const auto send_dq = [&](bool real = true) {
@@ -229,10 +239,15 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   mbar_wait(sm.owned, 0);
   if (kb.owned_crosses_end())
     zero_rows_of_pair<kOwnRows, kHeadDim>(sm.own_a, sm.own_b, kb.first_unused_owned_row(), zeroed);
-  pipeline<false>(
+  [[maybe_unused]] const int64_t tiles_done = pipeline<false>(
       kb.tiles,
       [&](int64_t) {  // S^T = K Q_j^T, dP^T = V dO_j^T
         mbar_wait(&sm.full[tile.stage], tile.phase);
+        // (the tile the producer found, MaskedTiles; none: the block's tiles end)
+        if constexpr (has_mask(kTerms)) {
+          q0 = read_published(&sm.streamed[tile.stage]).row;
+          if (q0 == StreamedTile::kEndRow) return false;
+        }
         if (kb.tile_crosses_end(q0))
           zero_rows_of_pair<kStreamRows, kHeadDim>(sm.stream_a + stream_offset(),
                                                    sm.stream_b + stream_offset(),
@@ -242,8 +257,17 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         wgmma_commit();
         issue_abt<T, kHeadDim>(dpt, v_rows, desc_advance(do_k_major, stream_offset()));
         wgmma_commit();
+        return true;
       },
       [&](int64_t it) {  // P^T, dS^T
+        // The tile's query head (MaskedTiles), and whether the mask hides some of its
+        // pairs (then read per element).
+        bool mask_mixed = false;
+        if constexpr (has_mask(kTerms)) {
+          const StreamedTile found = read_published(&sm.streamed[tile.stage]);
+          tile_head = found.head;
+          mask_mixed = (found.mixed >> consumer) & 1u;
+        }
         // The tile's lse2 and D (loaded before the waits: their latency hides there;
         // the general terms variant reads them where they are used: 32 registers
         // fewer while the terms are added, which spilled inside the loop).
@@ -254,13 +278,6 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
 #pragma unroll
           for (int n = 0; n < 8; ++n) ld_shared(stats + 4 * 8 * n, lse2[2 * n], lse2[2 * n + 1]);
         }
-        // Whether the mask hides some of these pairs (then it is read per element);
-        // its summary is loaded before the wait too.
-        bool mask_mixed = false;
-        if constexpr (has_mask(kTerms))
-          mask_mixed = !mask_tiles || (mask_tiles.of(kb.b, tile_head, q0, kStreamRows,
-                                                     kb.k0 + consumer * 64, 64) &
-                                       MaskTiles::kAnyHidden);
         wgmma_wait<1>();
         fence_operands(st);
         // (else the scale rides in the exponent; terms are added to log2 scores)
@@ -287,7 +304,11 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
           return kStatsOnDemand ? stat_at(i, kStreamRows) : D[column(i)];
         };
         if constexpr (has_terms(kTerms)) {
-          terms.head(p, kb.sequence(p), kb.b, tile_head);
+          // (a mask variant: only where the tile's head changes; a CTA's tiles run
+          // through one head's, then the next's)
+          if (!has_mask(kTerms) || tile_head != terms_head)
+            terms.head(p, kb.sequence(p), kb.b, tile_head);
+          terms_head = tile_head;
           terms.template add<8>(st, q0, mask_mixed);
           if (kTerms != TermSet::kAny && !terms.dropping() && !(p.softcap > 0.0f)) {
             // ALiBi or a mask, no dropout or softcap: P's exponentials overlap dP's
@@ -353,12 +374,14 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         if (lane == 0) mbar_arrive(&sm.empty[tile.stage]);
         tile.next();
         ds_buffer ^= 1;
-        q0 = kb.next_row(q0);
-        if (has_terms(kTerms) && q0 == kb.row_begin) ++tile_head;  // (the next head's tiles)
+        if constexpr (!has_mask(kTerms)) {  // (else published with the next tile)
+          q0 = kb.next_row(q0);
+          if (has_terms(kTerms) && q0 == kb.row_begin) ++tile_head;  // (the next head's tiles)
+        }
       });
   if constexpr (kDqLags) {  // the last tile's dQ
-    if (kb.tiles > 0) {
-      issue_lagging_dq(kb.tiles - 1, ds_buffer ^ 1);
+    if (tiles_done > 0) {
+      issue_lagging_dq(tiles_done - 1, ds_buffer ^ 1);
       wgmma_wait<0>();
       fence_operands(dq);
       send_dq();

@@ -17,19 +17,29 @@ namespace flashjax::cuda::hopper_bwd {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Producer: owned tensors once (tensor row own_row), then `tiles` streamed
-// pairs, from the walk's first. With stats.lse2, also those rows' lse2 and D.
-template <int kHeadDim>
+// pairs, from the walk's first, as tiles_of finds them (AllTiles, MaskedTiles:
+// then each stage's StreamedTile published too). With stats.lse2, also those
+// rows' lse2 and D.
+template <int kHeadDim, class Tiles = AllTiles>
 __device__ void produce(Smem<kHeadDim>& sm, const BackwardMaps& maps, int own_row, int own_head,
                         int batch, int64_t tiles,
                         StreamWalk<TileConfig<kHeadDim>::kStreamRows> tile,
-                        const RowStats& stats) {
+                        const RowStats& stats, const Tiles& tiles_of = {}) {
   using C = TileConfig<kHeadDim>;
   mbar_expect_tx(sm.owned, 2 * C::kOwnBytes);
   tma_tile<kHeadDim, C::kOwnRows>(sm.own_a, &maps.own_a, sm.owned, own_row, own_head, batch);
   tma_tile<kHeadDim, C::kOwnRows>(sm.own_b, &maps.own_b, sm.owned, own_row, own_head, batch);
   for (int64_t it = 0; it < tiles; ++it) {
     const int stage = it % C::kStages, phase = (it / C::kStages) & 1;
+    const StreamedTile found = tiles_of.find(tile);  // (AllTiles: nothing)
     mbar_wait_idle(&sm.empty[stage], phase ^ 1);
+    if constexpr (Tiles::kSkips) {
+      publish(&sm.streamed[stage], found);
+      if (found.end()) {  // (the consumers stop at this stage)
+        mbar_arrive(&sm.full[stage]);
+        return;
+      }
+    }
     mbar_expect_tx(&sm.full[stage], 2 * C::kStreamBytes + (stats.lse2 ? C::kStatBytes : 0));
     if (stats.lse2) {
       float* dst = sm.stats + stage * (C::kStatBytes / 4);

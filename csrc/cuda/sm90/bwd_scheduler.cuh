@@ -200,8 +200,8 @@ struct KeyBlock {
 
   // Only the query tiles where a mask may let some query head of the group see some
   // of the owned keys: the union of the owned column tiles' spans (MaskTiles::RowSpan;
-  // a contiguous span, as for segment ids; tiles inside it that the mask hides are
-  // streamed, their pairs hidden per element).
+  // a contiguous span, as for segment ids). `tiles` counts the span's tiles; the
+  // kernels stream only those the mask lets through (MaskedTiles).
   __device__ void narrow_to_mask(const AttentionParams& p, const MaskTiles& mask) {
     if (!mask || q_tiles == 0) return;
     const int64_t end = row_begin + q_tiles * kStreamRows;
@@ -218,6 +218,12 @@ struct KeyBlock {
     q_tiles = hi > lo ? (hi - row_begin + kStreamRows - 1) / kStreamRows : 0;
     tiles = q_tiles * p.group_size();
   }
+
+  // The owned keys as the mask's column tiles see them: kConsumerKeys (a
+  // consumer's keys) to a tile, the first from k0 (a multiple of kRows).
+  static constexpr int kConsumerKeys = MaskTiles::kRows;
+  static_assert(kRows % kConsumerKeys == 0 && kStreamRows == MaskTiles::kRows,
+                "a streamed tile is one mask row tile, a consumer's keys one column tile");
 
   // Masks a thread's S^T fragment (keys key, key + 8; queries col0 + [0, 8 kTiles))
   // where some of the block's (key, query) pairs are invisible.
@@ -238,6 +244,68 @@ struct KeyBlock {
       if (k >= seq.seqlen_k) hi[r] = -1;
     }
     mask_columns<kTiles>(st, lo, hi);
+  }
+};
+
+// The streamed tiles of a key block, as its producer and dQ writer walk them:
+// every tile of the block (AllTiles), or with a mask only those it lets through
+// (MaskedTiles: the producer publishes each one's StreamedTile to the consumers,
+// and after the last one, if there are fewer than kb.tiles, an end mark: a
+// StreamedTile with row kEndRow, which find returns past the block's tiles).
+struct AllTiles {
+  static constexpr bool kSkips = false;
+  template <int kStreamRows>
+  __device__ StreamedTile find(StreamWalk<kStreamRows>&) const { return {}; }
+};
+template <class Block>
+struct MaskedTiles {
+  static constexpr bool kSkips = true;
+  static constexpr int kCols = Block::kRows / Block::kConsumerKeys;  // (one per consumer)
+  static constexpr uint32_t kVisible = 1;  // find's summary: the tile has an allowed pair,
+  static constexpr int kMixedShift = 1;    // consumer c's keys a hidden one (bit 1 + c)
+  // (Values, not the block: the producer and the dQ writer keep them in the few
+  // registers their warpgroup has, kProducerRegs; the mask is a kernel parameter.)
+  const MaskTiles& mask;
+  int64_t row_begin;
+  uint32_t head_end, batch_entries, col0, cols;
+  __device__ MaskedTiles(const Block& kb, const AttentionParams& p, const MaskTiles& mask_tiles)
+      : mask(mask_tiles),
+        row_begin(kb.row_begin),
+        head_end(static_cast<uint32_t>((kb.hk + 1) * p.group_size())),
+        batch_entries(static_cast<uint32_t>(kb.b) / static_cast<uint32_t>(mask_tiles.batch_div) *
+                      static_cast<uint32_t>(mask_tiles.head_entries)),
+        col0(static_cast<uint32_t>(kb.k0 / Block::kConsumerKeys)),
+        cols(static_cast<uint32_t>(
+            min(mask_tiles.col_tiles - kb.k0 / Block::kConsumerKeys, int64_t{kCols}))) {}
+  // Moves w to its first tile from the current one that the mask lets through and
+  // returns it (mixed: every consumer's keys where there are no summaries; row
+  // kEndRow: none left).
+  template <int kStreamRows>
+  __device__ StreamedTile find(StreamWalk<kStreamRows>& w) const {
+    for (; static_cast<uint32_t>(w.head) < head_end; w.next()) {
+      const int64_t row = row_begin + w.j * kStreamRows;
+      const uint32_t summary = of(static_cast<uint32_t>(w.head), row);
+      if (summary & kVisible)
+        return {row, static_cast<uint32_t>(w.head), summary >> kMixedShift};
+    }
+    return {StreamedTile::kEndRow, 0, 0};
+  }
+  // The summary of query head h's tile at slot row `row` (a multiple of the mask's
+  // tile rows, KeyBlock) against the owned keys: its mask row tile's bytes of the
+  // owned column tiles.
+  __device__ uint32_t of(uint32_t h, int64_t row) const {
+    if (!mask) return kVisible | ((1u << kCols) - 1) << kMixedShift;
+    const uint32_t entry = batch_entries + h / static_cast<uint32_t>(mask.head_div);
+    const uint8_t* at = mask.bits + (static_cast<int64_t>(entry) * mask.row_tiles +
+                                     row / MaskTiles::kRows) * mask.col_tiles + col0;
+    uint32_t out = 0;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const uint8_t bits = c < static_cast<int>(cols) ? at[c] : 0;
+      out |= (bits & MaskTiles::kAnyAllowed ? kVisible : 0u) |
+             (bits & MaskTiles::kAnyHidden ? 1u << (kMixedShift + c) : 0u);
+    }
+    return out;
   }
 };
 

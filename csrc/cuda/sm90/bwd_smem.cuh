@@ -18,6 +18,18 @@ __device__ __forceinline__ T* smem_region(unsigned char* base, int offset) {
   return reinterpret_cast<T*>(base + offset);
 }
 
+// A stage's StreamedTile (bwd_tile_config.h), between the producer and the
+// consumers: written before the stage's loads, read after its full wait.
+__device__ __forceinline__ void publish(StreamedTile* slot, const StreamedTile& tile) {
+  st_shared_u64(smem_u32(&slot->row), static_cast<uint64_t>(tile.row));
+  st_shared_u64(smem_u32(&slot->head), tile.head | static_cast<uint64_t>(tile.mixed) << 32);
+}
+// (Plain loads: the full wait before them orders them, and a volatile load with a
+// memory clobber here made the key kernel reload its block from local memory.)
+__device__ __forceinline__ StreamedTile read_published(const StreamedTile* slot) {
+  return *slot;
+}
+
 // Shared memory and barriers of the key and query kernels: two owned [128][d]
 // tensors, a ring of (a, b) streamed tile pairs (with their rows' lse2 and D)
 // with one full/empty barrier pair each, and, for the fused key kernel, two
@@ -27,6 +39,7 @@ template <int kHeadDim>
 struct Smem {
   unsigned char *own_a, *own_b, *stream_a, *stream_b, *ds;
   float *dq_stage, *stats;
+  StreamedTile* streamed;
   uint64_t *owned, *full, *empty, *dq_full, *dq_empty, *ds_full, *ds_empty;
   __device__ explicit Smem(unsigned char* raw) {
     constexpr auto at = TileConfig<kHeadDim>::kSmem;
@@ -38,6 +51,7 @@ struct Smem {
     ds = base + at.ds;
     dq_stage = smem_region<float>(base, at.dq_stage);
     stats = smem_region<float>(base, at.stats);
+    streamed = smem_region<StreamedTile>(base, at.streamed);
     owned = smem_region<uint64_t>(base, at.owned);
     full = smem_region<uint64_t>(base, at.full);
     empty = smem_region<uint64_t>(base, at.empty);

@@ -99,6 +99,17 @@ struct SmemPlan {
 // or queries), 64 per consumer warpgroup, and streams 64-row tiles of the
 // other side (bwd_mainloop.cuh: S^T, dP^T or S, dP from shared memory; the
 // updates dV, dK or dQ with their left operand in registers).
+// A streamed tile as the key kernel's producer found it (key kernels with a mask,
+// which skip the tiles it hides; bwd_scheduler.cuh's MaskedTiles): its first slot
+// row, its query head and, bit c, whether the mask hides some of its pairs with
+// consumer c's keys (then read per element). Each stage holds one in shared memory.
+struct StreamedTile {
+  static constexpr int64_t kEndRow = -1;  // (the block's tiles end before this stage)
+  int64_t row;
+  uint32_t head, mixed;
+  __host__ __device__ bool end() const { return row == kEndRow; }
+};
+
 template <int kHeadDimBucket>
 struct TileConfig {
   static constexpr int kHeadDim = kHeadDimBucket;
@@ -134,13 +145,15 @@ struct TileConfig {
   static constexpr int kStreamBytes = kStreamRows * kHeadDim * 2; // one streamed tile
   static constexpr int kDsBytes = kOwnRows * kStreamRows * 2;     // dS^T [keys][queries]
   static constexpr int kStatBytes = 2 * kStreamRows * 4;          // a tile's lse2 and D
+  static constexpr int kStreamedTileBytes = sizeof(StreamedTile);
 
   // Shared memory (Smem carves it): the owned tensors (a, b), the rings of
   // streamed tiles (a, b) and their rows' statistics, two dS^T buffers and
-  // each consumer's dQ stages (fused key kernel), then the mbarriers: owned;
+  // each consumer's dQ stages (fused key kernel), each stage's StreamedTile
+  // (key kernels with a mask), then the mbarriers: owned;
   // full and empty per stage; dQ full and empty per consumer and dQ stage.
   struct Offsets {
-    int own_a, own_b, stream_a, stream_b, ds, dq_stage, stats;
+    int own_a, own_b, stream_a, stream_b, ds, dq_stage, stats, streamed;
     int owned, full, empty, dq_full, dq_empty, ds_full, ds_empty;
     int bytes;
   };
@@ -154,6 +167,7 @@ struct TileConfig {
     at.ds = plan.append(2 * kDsBytes, kTileAlign);
     at.dq_stage = plan.append(kConsumers * kDqStages * kDqBlockBytes<kDqCols>, kBulkAlign);
     at.stats = plan.append(kStages * kStatBytes, kBulkAlign);
+    at.streamed = plan.append(kStages * kStreamedTileBytes, kStreamedTileBytes);
     at.owned = plan.barriers(1);
     at.full = plan.barriers(kStages);
     at.empty = plan.barriers(kStages);
