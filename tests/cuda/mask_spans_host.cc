@@ -1,6 +1,8 @@
 // MaskTiles::Entry::span / col_span (csrc/cuda/common/mask_tiles.h, host and device)
 // against brute force on random, causal-like and banded tile summaries, with the spans
-// made as mask_spans_kernel makes them; compiled and run on the host by
+// made as mask_spans_kernel makes them, and MaskTiles::on_grid (a span onto a kernel's
+// tile grid: the Hopper forward's items, the backward's key and query blocks) against
+// the grid tiles that meet the span; compiled and run on the host by
 // tests/test_mask_tiles.py. Prints "ok" when every case agrees.
 #include <algorithm>
 #include <cstdio>
@@ -57,6 +59,20 @@ int main() {
     bad += u.first != first || u.end != last + 1;
     if (u.dense)
       for (int o = first; o <= last; ++o) bad += !seen[o];
+  }
+  for (int trial = 0; trial < 20000; ++trial) {
+    // A span of tiles of kRows (maybe empty) onto a grid of `count` tiles of n from begin.
+    const int64_t n = (rng() % 3 == 0 ? 176 : 64 * (1 + rng() % 2)), count = rng() % 6,
+                  begin = rng() % 4 == 0 ? 0 : rng() % 700, end = begin + count * n;
+    const int32_t first = rng() % 16, last = first + static_cast<int32_t>(rng() % 8) - 2;
+    const MaskTiles::RowSpan s{first, last, 1, 0};
+    const MaskTiles::Range r = MaskTiles::on_grid(s, begin, end, n);
+    int64_t lo = end, hi = begin;  // the grid tiles that meet the span's rows
+    for (int64_t t = begin; t < end; t += n)
+      if (t < s.end * MaskTiles::kRows && t + n > s.first * MaskTiles::kRows && s.first < s.end)
+        lo = std::min(lo, t), hi = std::max(hi, t + n);
+    if (hi <= lo) lo = hi = begin;
+    bad += r.begin != lo || r.end != hi;
   }
   if (bad) std::printf("%d mismatches\n", bad);
   else std::printf("ok\n");

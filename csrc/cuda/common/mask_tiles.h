@@ -109,6 +109,19 @@ struct MaskTiles {
       return out;
     }
   };
+  // The rows (or keys) [begin', end') a kernel with tiles of n rows from `begin` takes
+  // for a span (its first and end tiles of kRows): the span clipped to [begin, end)
+  // (end: begin + a multiple of n) and rounded out to whole tiles of that grid;
+  // [begin, begin) where nothing is left.
+  struct Range {
+    int64_t begin, end;
+  };
+  FJ_HOST_DEVICE static Range on_grid(const RowSpan& s, int64_t begin, int64_t end, int64_t n) {
+    const int64_t lo = s.first * kRows > begin ? s.first * kRows : begin,
+                  hi = s.end * kRows < end ? s.end * kRows : end;
+    if (hi <= lo) return {begin, begin};
+    return {begin + (lo - begin) / n * n, begin + (hi - begin + n - 1) / n * n};
+  }
   // Sequence b, query head h's entry: made once per (sequence, head) by a kernel that
   // asks for many tiles of it (the entry's index divides; 32-bit: b and h are small).
   FJ_HOST_DEVICE Entry entry(int64_t b, int64_t h) const {

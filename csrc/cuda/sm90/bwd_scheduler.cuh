@@ -204,18 +204,17 @@ struct KeyBlock {
   // kernels stream only those the mask lets through (MaskedTiles).
   __device__ void narrow_to_mask(const AttentionParams& p, const MaskTiles& mask) {
     if (!mask || q_tiles == 0) return;
-    const int64_t end = row_begin + q_tiles * kStreamRows;
-    int64_t lo = end, hi = row_begin;
+    MaskTiles::RowSpan all{0, 0, 0, 0};  // (the union of the heads' spans)
     for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
       const MaskTiles::RowSpan s = mask.entry(b, h).col_span(k0, kRows);
       if (s.first >= s.end) continue;
-      lo = min(lo, max(row_begin, s.first * MaskTiles::kRows));
-      hi = max(hi, min(end, s.end * MaskTiles::kRows));
+      all.first = all.first < all.end ? min(all.first, s.first) : s.first;
+      all.end = max(all.end, s.end);
     }
-    // (on the streamed tiles' grid from row_begin)
-    const int64_t grid = row_begin;
-    row_begin = hi > lo ? grid + (lo - grid) / kStreamRows * kStreamRows : grid;
-    q_tiles = hi > lo ? (hi - row_begin + kStreamRows - 1) / kStreamRows : 0;
+    const MaskTiles::Range r =
+        MaskTiles::on_grid(all, row_begin, row_begin + q_tiles * kStreamRows, kStreamRows);
+    row_begin = r.begin;
+    q_tiles = (r.end - r.begin) / kStreamRows;
     tiles = q_tiles * p.group_size();
   }
 
@@ -334,15 +333,11 @@ struct QueryBlock {
   // of the owned row tiles' spans (KeyBlock::narrow_to_mask).
   __device__ void narrow_to_mask(const AttentionParams&, const MaskTiles& mask) {
     if (!mask || tiles == 0) return;
-    const int64_t begin = keys.tile_begin, end = begin + tiles * kStreamRows;
-    const MaskTiles::RowSpan s = mask.entry(b, h).span(q0, kOwnRows);
-    int64_t lo = max(begin, s.first * MaskTiles::kRows),
-            hi = min(end, s.end * MaskTiles::kRows);
-    if (s.first >= s.end || hi <= lo) lo = hi = begin;
-    lo = begin + (lo - begin) / kStreamRows * kStreamRows;  // (on the tiles' grid)
-    hi = hi > lo ? lo + (hi - lo + kStreamRows - 1) / kStreamRows * kStreamRows : lo;
-    keys.narrow(lo, min(hi, end), kStreamRows);
-    tiles = hi > lo ? keys.tiles(kStreamRows) : 0;
+    const int64_t begin = keys.tile_begin;
+    const MaskTiles::Range r = MaskTiles::on_grid(mask.entry(b, h).span(q0, kOwnRows), begin,
+                                                  begin + tiles * kStreamRows, kStreamRows);
+    keys.narrow(r.begin, r.end, kStreamRows);
+    tiles = r.end > r.begin ? keys.tiles(kStreamRows) : 0;
   }
   // As KeyBlock's: the owned queries past the used ones, streamed keys past theirs.
   __device__ bool owned_crosses_end() const {

@@ -171,11 +171,9 @@ struct ItemKeys<true> {
         n(tile_keys) {
     if (mask && rows > 0) {
       const MaskTiles::RowSpan span = mask.span(q0, rows);
-      const int64_t grid = begin;  // (tiles start at grid + a multiple of n)
-      const int64_t lo = span.first * MaskTiles::kRows, hi = span.end * MaskTiles::kRows;
-      if (lo > grid) begin = grid + (lo - grid) / n * n;
-      if (hi < end) end = hi > grid ? grid + (hi - grid + n - 1) / n * n : grid;
-      if (span.first >= span.end || end < begin) end = begin;
+      const MaskTiles::Range r = MaskTiles::on_grid(span, begin, end, n);
+      begin = r.begin;
+      end = r.end;
       dense = span.dense != 0;
     }
     at_k0 = dense ? begin : next(begin);
