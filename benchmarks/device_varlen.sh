@@ -2,7 +2,7 @@
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
 # the dense A/B, the peers side by side, profiles.
-# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base alt patched variant ptx tests kvtests sanitize terms
+# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base alt patched builds variant ptx tests kvtests sanitize terms
 #   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu termsncu)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
@@ -17,47 +17,71 @@ if [ -d .peers ] && [ -z "${FJ_NO_PEERS:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .peers/*.whl > "$OUT/peers_install.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
+# The package from this tree into the environment (the `build` step).
+build_main() {
+  # FJ_HEAD_DIMS (e.g. "64;128;256") narrows the compiled buckets for a faster build;
+  # FJ_ARCHS (default 90a) the targets (e.g. "90a;80-virtual" to test the PTX JIT).
+  $PY -m pip install -q --no-build-isolation --no-deps -C build-dir=/tmp/fjb \
+    -C "cmake.define.FLASHJAX_CUDA_ARCHS=${FJ_ARCHS:-90a}" ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; return 1; }
+}
+# Source tree $2 built into /tmp/$1 (BASE_DIMS, default FJ_HEAD_DIMS, narrows its head
+# dims), with this tree's timing code: NAME then serves TERMS_WHO / DENSE_WHO.
+build_into() {
+  local dims=${BASE_DIMS:-${FJ_HEAD_DIMS:-}}
+  $PY -m pip install -q --no-build-isolation --no-deps --target "/tmp/$1" -C "build-dir=/tmp/fjb_$1" \
+    ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} -C cmake.define.FLASHJAX_CUDA_ARCHS=90a "$2" \
+    > "$OUT/build_$1.log" 2>&1 || { tail -30 "$OUT/build_$1.log"; return 1; }
+  cp src/flashjax/bench*.py "/tmp/$1/flashjax/"
+}
+# This tree with the patches of spec NAME=PATCH[,PATCH...] (benchmarks/patches/, in
+# order) copied to /tmp/src_NAME; prints NAME.
+patched_tree() {
+  local name=${1%%=*} src=/tmp/src_${1%%=*} pt pts
+  rm -rf "$src" && mkdir -p "$src"
+  tar --exclude=./.git --exclude=./.baseline --exclude=./.alt --exclude=./.peers -cf - . | tar -xf - -C "$src"
+  IFS=, read -ra pts <<< "${1#*=}"
+  for pt in "${pts[@]}"; do
+    if command -v patch > /dev/null; then patch -s -p1 -d "$src" < "benchmarks/patches/$pt.patch"
+    else (cd "$src" && git apply "$OLDPWD/benchmarks/patches/$pt.patch"); fi \
+      || { echo "$pt does not apply" >&2; return 1; }
+  done
+  echo "$name"
+}
 for step in "$@"; do
   case $step in
     build)
       start=$(date +%s)
-      # FJ_HEAD_DIMS (e.g. "64;128;256") narrows the compiled buckets for a faster build;
-      # FJ_ARCHS (default 90a) the targets (e.g. "90a;80-virtual" to test the PTX JIT).
-      $PY -m pip install -q --no-build-isolation --no-deps -C build-dir=/tmp/fjb \
-        -C "cmake.define.FLASHJAX_CUDA_ARCHS=${FJ_ARCHS:-90a}" ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+      build_main || exit 1
       echo "build: $(( $(date +%s) - start )) s" ;;
     base|alt)
       # base: the snapshot in .baseline/ into /tmp/base; alt: another source tree in
-      # .alt/ (e.g. main with an alternative patch) into /tmp/alt. BASE_DIMS narrows
-      # their head dims (default FJ_HEAD_DIMS).
+      # .alt/ (e.g. main with an alternative patch) into /tmp/alt.
       src=./.baseline; [ "$step" = alt ] && src=./.alt
-      dims=${BASE_DIMS:-${FJ_HEAD_DIMS:-}}
-      $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/$step -C build-dir=/tmp/fjb_$step ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} \
-        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a $src > "$OUT/build_$step.log" 2>&1 || { tail -30 "$OUT/build_$step.log"; exit 1; }
-      cp src/flashjax/bench.py src/flashjax/bench_varlen.py src/flashjax/bench_decode.py \
-        src/flashjax/bench_terms.py /tmp/$step/flashjax/  # same timing code
+      build_into "$step" "$src" || exit 1
       echo "$step built" ;;
     patched)
       # PATCHED="NAME=PATCH[,PATCH...] ...": this tree with benchmarks/patches/PATCH.patch
-      # applied in order (patch -p1, in a copy), built into /tmp/NAME (BASE_DIMS narrows
-      # the head dims); NAME then serves TERMS_WHO / DENSE_WHO like base.
-      dims=${BASE_DIMS:-${FJ_HEAD_DIMS:-}}
+      # applied in order (patch -p1, in a copy), built into /tmp/NAME.
       for spec in ${PATCHED:-}; do
-        name=${spec%%=*}; src=/tmp/src_$name
-        rm -rf "$src" && mkdir -p "$src"
-        tar --exclude=./.git --exclude=./.baseline --exclude=./.alt --exclude=./.peers -cf - . | tar -xf - -C "$src"
-        IFS=, read -ra pts <<< "${spec#*=}"
-        for pt in "${pts[@]}"; do
-          if command -v patch > /dev/null; then patch -s -p1 -d "$src" < "benchmarks/patches/$pt.patch"
-          else (cd "$src" && git apply "$OLDPWD/benchmarks/patches/$pt.patch"); fi \
-            || { echo "$pt does not apply"; exit 1; }
-        done
-        $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/$name -C build-dir=/tmp/fjb_$name \
-          ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} -C cmake.define.FLASHJAX_CUDA_ARCHS=90a "$src" \
-          > "$OUT/build_$name.log" 2>&1 || { tail -30 "$OUT/build_$name.log"; exit 1; }
-        cp src/flashjax/bench*.py /tmp/$name/flashjax/  # same timing code
+        name=$(patched_tree "$spec") && build_into "$name" "/tmp/src_$name" || exit 1
         echo "$name built (${spec#*=})"
       done ;;
+    builds)
+      # build, base (with .baseline/), alt (with .alt/) and every PATCHED build at once:
+      # a narrowed build has fewer units than the cores, so together they take about
+      # the longest one's time (four d128 builds in a row took 367 s).
+      start=$(date +%s); pids=(); names=()
+      build_main & pids+=($!); names+=(build)
+      [ -d .baseline ] && { build_into base ./.baseline & pids+=($!); names+=(base); }
+      [ -d .alt ] && { build_into alt ./.alt & pids+=($!); names+=(alt); }
+      for spec in ${PATCHED:-}; do
+        name=$(patched_tree "$spec") || exit 1
+        build_into "$name" "/tmp/src_$name" & pids+=($!); names+=("$name")
+      done
+      failed=0
+      for i in "${!pids[@]}"; do wait "${pids[$i]}" || { echo "${names[$i]} failed"; failed=1; }; done
+      [ $failed = 0 ] || exit 1
+      echo "builds (${names[*]}): $(( $(date +%s) - start )) s" ;;
     variant)
       # This tree again, built with VARIANT_FLAGS (e.g. "-DFLASHJAX_BWD_STAGGER=1") into
       # /tmp/variant (FJ_VARIANT_DIMS narrows its head dims): traintrace's impl "variant".
