@@ -253,7 +253,8 @@ PYEOF
       # Nsight Compute on one kernel of issue 27's score-terms calls next to the plain
       # call (tools/profile_terms.py; FA3 shapes, d128 bf16): TERMS_NCU_VARIANTS (default
       # "none alibi"), TERMS_NCU_KERNEL (default hopper_forward_kernel; hopper_key_kernel
-      # with TERMS_NCU_MODE=fwdbwd), TERMS_NCU_SEQLEN (8192). Details and SASS csv tarred.
+      # with TERMS_NCU_MODE=fwdbwd), TERMS_NCU_SEQLEN (8192). Details and SASS csv tarred
+      # (tools/ncu_lines.py compares the csvs: samples by how often a line ran, top lines).
       # TERMS_NCU_WHO (default new): the builds profiled (names as in terms).
       for who in ${TERMS_NCU_WHO:-new}; do
       pp=""; [ "$who" != new ] && pp=/tmp/$who
