@@ -72,6 +72,11 @@ def test_packed_batches_without_rows_or_keys(implementation):
     want = np.where(np.arange(9)[None, :] < 7, np.asarray(sink)[:, None], -np.inf)
     np.testing.assert_array_equal(np.asarray(lse), want)
     no_kernel_call(f, q, k, v)
+    # The reference agrees (it gathers each sequence's keys: there are none at all).
+    ref_out, ref_lse = flashjax.reference.attention_varlen(
+        q, k, v, np.asarray(cu_q), np.asarray(cu_k), 4, 0, sinks=sink, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(ref_out), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(ref_lse), np.asarray(lse))
     empty_q = rand(0, (0, 4, 16))
     out, lse = flashjax.flash_attention_varlen(
         empty_q, rand(1, (5, 2, 16)), rand(2, (5, 2, 16)), jnp.zeros((3,), jnp.int32),

@@ -221,6 +221,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     q0, used_q, k0, used_k, q_at, kv_at = (np.array(c, np.int64) for c in zip(*spans))
 
     def gather(x, first, used, width):  # (sequences, width, ...), zero past `used`
+        if x.shape[0] == 0:  # (no packed rows at all: every gathered row is padding)
+            x = jnp.zeros((1,) + x.shape[1:], x.dtype)
         i = np.arange(width)[None, :]
         rows = np.where(i < used[:, None], first[:, None] + i, 0)
         valid = (i < used[:, None]).reshape(rows.shape + (1,) * (x.ndim - 1))
