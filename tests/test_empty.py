@@ -46,6 +46,10 @@ def test_no_keys_give_zero_output_and_the_sink_or_minus_inf(implementation, sink
     used = np.arange(6)[None, None, :] < np.asarray(seqused_q)[:, None, None]
     want = np.where(used, np.asarray(sink)[None, :, None] if sinks else -np.inf, -np.inf)
     np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(want, (2, 4, 6)))
+    ref_out, ref_lse = flashjax.reference.attention(q, k, v, sinks=sink, seqused_q=seqused_q,
+                                                    return_lse=True)
+    np.testing.assert_array_equal(np.asarray(ref_out), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(ref_lse), np.asarray(lse))
     no_kernel_call(f, q, k, v, sink)
     # Gradients: dq 0, dsinks = the lse cotangent summed over the used rows.
     weights = rand(4, lse.shape)

@@ -141,7 +141,8 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     # whatever q holds (no score is formed). Decided by the mask, never by the values:
     # a NaN row must stay NaN (docs/api.md, "Non-finite values").
     nonempty = jnp.any(mask, axis=-1, keepdims=True)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)  # NaN if a visible score is NaN
+    # (NaN if a visible score is NaN; -inf where there are no keys at all)
+    row_max = jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf)
     if sinks is not None:
         sink = jnp.asarray(sinks).astype(dtype)[:, None, None]  # (heads_q, 1, 1)
         row_max = jnp.maximum(row_max, sink)
