@@ -17,6 +17,9 @@ if [ -d .peers ] && [ -z "${FJ_NO_PEERS:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .peers/*.whl > "$OUT/peers_install.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
+# The PYTHONPATH entry of build NAME: none for `new` (this tree, the `build` step),
+# else /tmp/NAME (base, alt, variant, patched builds).
+build_path() { [ "$1" = new ] || echo "/tmp/$1"; }
 # The package from this tree into the environment (the `build` step).
 build_main() {
   # FJ_HEAD_DIMS (e.g. "64;128;256") narrows the compiled buckets for a faster build;
@@ -121,7 +124,7 @@ for step in "$@"; do
       # build in a process of its own and prints their times side by side.
       # A build named twice runs twice: NAME.2 is NAME's second process (noise).
       for who in ${TERMS_WHO:-new}; do
-        build=${who%%.*}; pp=""; [ "$build" != new ] && pp=/tmp/$build
+        pp=$(build_path "${who%%.*}")
         PYTHONPATH=$pp${PYTHONPATH:+:$PYTHONPATH} $PY -m flashjax.bench --terms ${TERMS:-all} ${TERMS_ARGS:-} \
           --json "$OUT/terms_$who.jsonl" > "$OUT/terms_$who.log" 2>&1
         tail -${TERMS_TAIL:-40} "$OUT/terms_$who.log"
@@ -190,7 +193,7 @@ PYEOF
       # A "_det" suffix (e.g. "new_det") runs that build with --deterministic.
       for who in ${DENSE_WHO:-new base}; do
         build=${who%_det}; det=""; [ "$build" != "$who" ] && det=--deterministic
-        pp=""; [ "$build" != new ] && pp=/tmp/$build  # (base, alt, variant, patched names)
+        pp=$(build_path "$build")
         # DENSE_ARGS narrows the shapes (e.g. "--seqlen 2k --head-dim 64 128 --mode fwd").
         PYTHONPATH=$pp $PY -m flashjax.bench --fa3-shapes ${DENSE_ARGS:---seqlen 2k 16k --mode fwd fwdbwd} \
           $det --impl flashjax --loop 10 --iters 10 --json "$OUT/dense_$who.jsonl" > "$OUT/dense_$who.log" 2>&1
@@ -257,7 +260,7 @@ PYEOF
       # (tools/ncu_lines.py compares the csvs: samples by how often a line ran, top lines).
       # TERMS_NCU_WHO (default new): the builds profiled (names as in terms).
       for who in ${TERMS_NCU_WHO:-new}; do
-      pp=""; [ "$who" != new ] && pp=/tmp/$who
+      pp=$(build_path "$who")
       for v in ${TERMS_NCU_VARIANTS:-none alibi}; do
         n=${v}_$who
         PYTHONPATH=$pp${PYTHONPATH:+:$PYTHONPATH} ncu --clock-control none --set full --import-source no \

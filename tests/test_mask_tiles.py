@@ -1,6 +1,7 @@
 """The mask tile summaries' spans (csrc/cuda/common/mask_tiles.h, host and device):
-MaskTiles::Entry::span / col_span against brute force, compiled for the host
-(tests/cuda/mask_spans_host.cc; skipped without a C++ compiler or the CUDA headers)."""
+MaskTiles::Entry::span / col_span and MaskTiles::on_grid against brute force, compiled
+for the host (tests/cuda/mask_spans_host.cc; skipped without a C++ compiler or the CUDA
+headers)."""
 
 import pathlib
 import shutil
