@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kConsumers = Cfg::kConsumers;
   constexpr bool kPacks = packs_groups<kHeadDim, kLayouts, kTerms>();
   using Item = WorkItem<kLayouts, kBlockM, kBlockN>;
-  using Keys = ItemKeys<has_mask(kTerms)>;  // (a mask's empty tiles are skipped)
+  using Keys = ItemKeys<has_mask(kTerms), kBlockM, kBlockN>;  // (a mask's empty tiles are skipped)
   extern __shared__ unsigned char smem_raw[];
   const ForwardSmem<Cfg> sm(smem_raw);
   if (threadIdx.x == 0) sm.init();
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
     int64_t kv = 0, q_loads = 0;
     for_each_work_tile(schedule, [&](QueryTile tile) {
       const Item w(p, tile, packed, segment_tiles);
-      load_work_item(sm, maps, w, Keys(w, mask_tiles, kBlockN), q_bytes, kv, q_loads);
+      load_work_item(sm, maps, w, Keys(w, mask_tiles), q_bytes, kv, q_loads);
     });
     return;
   }
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
     if constexpr (Keys::kMasked)
       mainloop.compute(p, w, PublishedKeys{}, segments, terms, softmax, o);
     else
-      mainloop.compute(p, w, Keys(w, mask_tiles, kBlockN), segments, terms, softmax, o);
+      mainloop.compute(p, w, Keys(w, mask_tiles), segments, terms, softmax, o);
     store_work_item<Cfg, TOut, kLayouts, kTerms>(sm, maps, p, w, packed, softmax, o, consumer,
                                          consumer * kWarpsPerGroup + warp_in_group, mainloop.lane);
   });

@@ -51,7 +51,8 @@ struct ForwardMainloop {
   // O (unnormalised, in o: zeros on entry) and the softmax statistics of the
   // consumer's rows of work item w.
   // keys: the item's ItemKeys; terms: a FragmentTerms (score_terms.cuh) of the
-  // item's rows (kTerms kernels: the mask's summaries are keys.mask).
+  // item's rows (kernels with a mask: keys is PublishedKeys, the tiles as the
+  // producer publishes them).
   template <class Item, class Keys, class Terms>
   __device__ __forceinline__ void compute(const AttentionParams& p, const Item& w,
                                           const Keys& keys,

@@ -26,11 +26,12 @@ struct TensorMaps {
 
 // The loads of work item w: Q once the previous item's Q is free (q_bytes:
 // the tile's bytes, fewer when it packs a GQA group), then the item's K and V
-// tiles (keys: its ItemKeys). kv (the ring position) and q_loads run on across items.
+// tiles (keys: its ItemKeys, walked here). kv (the ring position) and q_loads
+// run on across items.
 template <class Cfg, class Item, class Keys>
 __device__ __forceinline__ void load_work_item(const ForwardSmem<Cfg>& sm,
                                                const TensorMaps& maps, const Item& w,
-                                               const Keys& keys, int q_bytes, int64_t& kv,
+                                               Keys keys, int q_bytes, int64_t& kv,
                                                int64_t& q_loads) {
   constexpr int kHeadDim = Cfg::kHeadDim, kBytes = Cfg::kElementBytes;
   mbar_wait(sm.q_empty, (q_loads++ & 1) ^ 1);
@@ -40,10 +41,17 @@ __device__ __forceinline__ void load_work_item(const ForwardSmem<Cfg>& sm,
   tma_tile<kHeadDim, Cfg::kBlockM, kBytes>(sm.q, &maps.q, sm.q_full, w.q_row(), w.h, w.batch());
   for (int64_t it = 0; it < keys.count; ++it, ++kv) {
     const int stage = kv % kStages, phase = (kv / kStages) & 1;
-    const int k0 = static_cast<int>(keys.k0(it));
+    // (a mask's tile: found while the stage frees, published once it has)
+    [[maybe_unused]] PublishedTile tile{};
+    int k0;
+    if constexpr (Keys::kMasked) {
+      tile = keys.next_tile();
+      k0 = static_cast<int>(tile.k0);
+    } else {
+      k0 = static_cast<int>(keys.k0(it));
+    }
     mbar_wait(&sm.k_empty[stage], phase ^ 1);
-    if constexpr (Keys::kMasked)
-      keys.published(it, w.q0, Cfg::kConsumers).publish(&sm.tiles[stage]);
+    if constexpr (Keys::kMasked) tile.publish(&sm.tiles[stage]);
     mbar_expect_tx(&sm.k_full[stage], Cfg::kKVBytes);
     tma_tile<kHeadDim, Cfg::kBlockN, kBytes>(sm.k + stage * Cfg::kKVBytes, &maps.k,
                                              &sm.k_full[stage], w.k_row(k0), w.hk, w.batch());

@@ -29,6 +29,7 @@
 #include "flashjax/params.h"
 #include "flashjax/seqlen.h"
 #include "fwd_smem.cuh"
+#include "fwd_smem.cuh"
 #include "fwd_tile_config.h"
 #include "tile_scheduler.cuh"
 #include "work_list.cuh"
@@ -137,78 +138,98 @@ struct WorkItem {
 // The key tiles a work item visits, tile it from key k0(it): its contiguous range
 // (kMasked false), or the tiles of that range that a mask does not hide
 // completely for any of the item's rows (MaskTiles; kTerms kernels, when the call
-// has a mask). k0 is asked for in order of it (the masked walk steps forward).
-template <bool kMaskedKeys>
+// has a mask). kBlockM / kBlockN: the item's query rows and a tile's keys.
+template <bool kMaskedKeys, int kBlockM, int kBlockN>
 struct ItemKeys {
   static constexpr bool kMasked = false;
   int64_t begin, count;
-  int n;
   template <class Item>
-  __device__ ItemKeys(const Item& w, const MaskTiles&, int tile_keys)
-      : begin(w.keys.tile_begin), count(w.n_tiles), n(tile_keys) {}
-  __device__ int64_t k0(int64_t it) const { return begin + it * n; }
+  __device__ ItemKeys(const Item& w, const MaskTiles&)
+      : begin(w.keys.tile_begin), count(w.n_tiles) {}
+  __device__ int64_t k0(int64_t it) const { return begin + it * kBlockN; }
 };
 
-template <>
-struct ItemKeys<true> {
+// With a mask, only the producer walks the tiles (next_tile, in order): it
+// publishes each one to the consumers (fwd_smem.cuh's PublishedTile). Values,
+// not the mask's Entry: the producer thread has kProducerRegs registers, and a
+// tile's summary is the item's few summary bytes read at one address.
+template <int kBlockM, int kBlockN>
+struct ItemKeys<true, kBlockM, kBlockN> {
   static constexpr bool kMasked = true;
-  MaskTiles::Entry mask;  // the item's (sequence, head)'s summaries
-  int64_t q0, rows, begin, end, count = 0;
-  int n;
-  bool dense = true;  // every tile of [begin, end) is taken: no walk
-  mutable int64_t at_it = 0, at_k0 = 0;
+  static constexpr int64_t kTileKeys = MaskTiles::kRows;
+  static constexpr int kRowTiles = kBlockM / kConsumerRows;  // (one per consumer)
+  static constexpr int kColTiles = kBlockN / MaskTiles::kRows;
+  static_assert(kConsumerRows == MaskTiles::kRows && kBlockN % MaskTiles::kRows == 0,
+                "a consumer's rows are one mask row tile, a key tile whole column tiles");
+  static constexpr uint32_t kVisible = 1;  // summary(): some row may see a key,
+  static constexpr int kMixedShift = 1;    // consumer r's rows a hidden pair (bit 1 + r)
+  const uint8_t* at = nullptr;  // the item's first row tile's summaries (null: no mask)
+  uint32_t stride = 0, rows = 0, cols = 0;  // column tiles a row; the item's row tiles
+  int32_t col = 0, end_col = 0;  // the next tile's first column tile (next_tile's
+                                 // cursor), the range's end
+  int64_t count = 0;
+  bool dense = true;  // every tile of the range is taken: no walk
+
   // The range is first narrowed to the span of the keys the mask lets the item's
   // rows see (MaskTiles::RowSpan, on the item's tile grid); a dense span's tiles
-  // are all taken, the others' are walked (only the producer walks: it publishes
-  // the tiles to the consumers, fwd_smem.cuh's PublishedTile).
+  // are all taken, the others' counted here and walked by next_tile.
   template <class Item>
-  __device__ ItemKeys(const Item& w, const MaskTiles& mask_tiles, int tile_keys)
-      : mask(mask_tiles.entry(w.b, w.h)),
-        q0(w.q0),
-        rows(w.last_row - w.q0 + 1),
-        begin(w.keys.tile_begin),
-        end(w.keys.tile_begin + w.n_tiles * tile_keys),
-        n(tile_keys) {
-    if (mask && rows > 0) {
-      const MaskTiles::RowSpan span = mask.span(q0, rows);
-      const MaskTiles::Range r = MaskTiles::on_grid(span, begin, end, n);
-      begin = r.begin;
-      end = r.end;
-      dense = span.dense != 0;
+  __device__ ItemKeys(const Item& w, const MaskTiles& mask_tiles) {
+    int64_t begin = w.keys.tile_begin, end = begin + w.n_tiles * kBlockN;
+    const MaskTiles::Entry mask = mask_tiles.entry(w.b, w.h);
+    if (mask) {
+      const int64_t row0 = w.q0 / MaskTiles::kRows, used_rows = w.last_row - w.q0 + 1;
+      at = mask.bits + row0 * mask.col_tiles;
+      stride = cols = static_cast<uint32_t>(mask.col_tiles);
+      if (used_rows > 0) {  // (else no row: every tile, none mixed)
+        rows = static_cast<uint32_t>(
+            min(MaskTiles::tiles(w.last_row + 1), mask.row_tiles) - row0);
+        const MaskTiles::RowSpan span = mask.span(w.q0, used_rows);
+        const MaskTiles::Range r = MaskTiles::on_grid(span, begin, end, kBlockN);
+        begin = r.begin;
+        end = r.end;
+        dense = span.dense != 0;
+      }
     }
-    at_k0 = dense ? begin : next(begin);
+    col = static_cast<int32_t>(begin / kTileKeys);
+    end_col = static_cast<int32_t>(end / kTileKeys);
     if (dense) {
-      count = (end - begin) / n;
-    } else {
-#pragma unroll 4
-      for (int64_t k = begin; k < end; k += n)  // (independent loads: no walk)
-        count += (mask.of(q0, rows, k, n) & MaskTiles::kAnyAllowed) != 0;
+      count = (end - begin) / kBlockN;
+      return;
     }
+#pragma unroll 4
+    for (int32_t c = col; c < end_col; c += kColTiles)  // (independent loads: no walk)
+      count += (summary(c) & kVisible) != 0;
   }
-  // The first tile from k0 (tile-aligned) that the mask lets any row see.
-  __device__ int64_t next(int64_t k0) const {
-    if (!mask || rows <= 0) return k0;
-    while (k0 < end && !(mask.of(q0, rows, k0, n) & MaskTiles::kAnyAllowed)) k0 += n;
-    return k0;
+  // The summary of the key tile from column tile c: kVisible where the mask lets
+  // some of the item's rows see one of its keys, bit kMixedShift + r where it
+  // hides some pair from consumer r's rows (no mask: every consumer's).
+  __device__ uint32_t summary(int32_t c) const {
+    if (!at) return kVisible | ((1u << kRowTiles) - 1) << kMixedShift;
+    uint32_t out = 0;
+#pragma unroll
+    for (int r = 0; r < kRowTiles; ++r)
+#pragma unroll
+      for (int j = 0; j < kColTiles; ++j) {
+        const bool in = r < static_cast<int>(rows) && static_cast<uint32_t>(c + j) < cols;
+        const uint8_t bits = in ? at[r * stride + c + j] : 0;
+        out |= (bits & MaskTiles::kAnyAllowed ? kVisible : 0u) |
+               (bits & MaskTiles::kAnyHidden ? 1u << (kMixedShift + r) : 0u);
+      }
+    return out;
   }
-  __device__ int64_t k0(int64_t it) const {
-    if (dense) return begin + it * n;
-    for (; at_it < it; ++at_it) at_k0 = next(at_k0 + n);
-    return at_k0;
-  }
-  // Tile it as the producer publishes it to `consumers` warpgroups of
-  // kConsumerRows rows from q0 (fwd_smem.cuh's PublishedTile).
-  __device__ PublishedTile published(int64_t it, int64_t q0_of_item, int consumers) const {
-    PublishedTile tile{k0(it), 0};
-    for (int c = 0; c < consumers; ++c)
-      if (!mask || (mask.of(q0_of_item + c * kConsumerRows, kConsumerRows, tile.k0, n) &
-                    MaskTiles::kAnyHidden))
-        tile.mixed |= uint64_t{1} << c;
+  // The next tile the item takes (count calls), as the producer publishes it.
+  __device__ PublishedTile next_tile() {
+    uint32_t s = summary(col);
+    if (!dense)  // (count found that many visible tiles before end_col)
+      while (!(s & kVisible) && col + kColTiles < end_col) s = summary(col += kColTiles);
+    const PublishedTile tile{col * kTileKeys, s >> kMixedShift};
+    col += kColTiles;
     return tile;
   }
 };
 
-// The consumers' side of ItemKeys<true>: what the producer published (the item's
+// The consumers' side of ItemKeys<true, ...>: what the producer published (the item's
 // count once its Q tile is in, a tile's first key once its K tile is).
 struct PublishedKeys {
   static constexpr bool kMasked = true;
