@@ -149,6 +149,7 @@ struct FragmentTerms {
     // Tile-relative columns [0, col_end) are used; this thread's are 8 n + 2 t + e.
     const int col_end = static_cast<int>(clamp_to(cols_used - c0, 0, kCols)) - 2 * t;
     const bool read_mask = mask_ptr() && mask_mixed;
+    if (!bias_ptr() && !alibi_on() && !read_mask) return;  // (no set-up per row)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t fr = row + 8 * r;

@@ -50,7 +50,11 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
   const int q_bytes = packed ? static_cast<int>(schedule.packed_rows * p.group_size()) *
                                    Cfg::kPaddedDim * Cfg::kElementBytes
                              : Cfg::kQBytes;
-  const int warpgroup = threadIdx.x / 128;
+  // (kTerms: through a shuffle, so that the Q descriptors live in uniform registers:
+  // half the spills in the masked tile loop; the plain kernels keep threadIdx.x, not
+  // measured better the other way)
+  const int warpgroup =
+      has_terms(kTerms) ? warpgroup_index() : static_cast<int>(threadIdx.x / 128);
   if (warpgroup == 0) {  // producer
     release_registers<Cfg::kProducerRegs>();
     if (threadIdx.x / 32 == kRecomputeWarp)

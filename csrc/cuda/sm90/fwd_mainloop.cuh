@@ -100,18 +100,24 @@ struct ForwardMainloop {
     // in, before the wait for S_it); the others compute k0 in softmax_step.
     struct TileKeys {
       int64_t k0;
-      bool mask_mixed;
+      bool mask_mixed, ranged;
     };
-    TileKeys prefetched{0, false};
+    TileKeys prefetched{0, false, false};
     auto prefetch_keys = [&](int64_t it) {
       if constexpr (Keys::kMasked) {
         const PublishedTile tile = PublishedTile::read(&sm.tiles[(kv + it) % kStages]);
-        prefetched = {tile.k0, ((tile.mixed >> consumer) & 1u) != 0};
+        prefetched = {tile.k0, ((tile.mixed >> consumer) & 1u) != 0, tile.ranged};
       }
     };
     auto tile_keys = [&](int64_t it) {
-      if constexpr (Keys::kMasked) return prefetched;
-      else return TileKeys{keys.k0(it), false};
+      if constexpr (Keys::kMasked) {
+        return prefetched;
+      } else {
+        const int64_t k0 = keys.k0(it);
+        return TileKeys{k0, false,
+                        RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
+                                                    w.keys.key_begin, w.keys.key_end)};
+      }
     };
     // kVarlen: V rows of key tile it past the sequence's used keys are zeroed
     // before the P V that sums over them (zero_tile_rows says why); only an
@@ -132,9 +138,7 @@ struct ForwardMainloop {
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
       const TileKeys tile = tile_keys(it);
       const int64_t k0 = tile.k0;
-      softmax.scores<kKeyTiles>(s, p, w.seq, k0,
-                                RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
-                                                            w.keys.key_begin, w.keys.key_end));
+      softmax.scores<kKeyTiles>(s, p, w.seq, k0, tile.ranged);
       segments.template mask<kKeyTiles>(s, k0);
       if constexpr (Terms::kActive) terms.template add<kKeyTiles>(s, k0, tile.mask_mixed);
       softmax.exponentiate<kKeyTiles>(s, alpha);

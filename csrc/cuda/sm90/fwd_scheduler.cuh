@@ -167,6 +167,8 @@ struct ItemKeys<true, kBlockM, kBlockN> {
   uint32_t stride = 0, rows = 0, cols = 0;  // column tiles a row; the item's row tiles
   int32_t col = 0, end_col = 0;  // the next tile's first column tile (next_tile's
                                  // cursor), the range's end
+  int32_t unranged_lo, unranged_hi;  // the first keys of the tiles that need no
+                                     // RowSoftmax::tile_needs_mask: [lo, hi]
   int64_t count = 0;
   bool dense = true;  // every tile of the range is taken: no walk
 
@@ -174,7 +176,11 @@ struct ItemKeys<true, kBlockM, kBlockN> {
   // rows see (MaskTiles::RowSpan, on the item's tile grid); a dense span's tiles
   // are all taken, the others' counted here and walked by next_tile.
   template <class Item>
-  __device__ ItemKeys(const Item& w, const MaskTiles& mask_tiles) {
+  __device__ ItemKeys(const Item& w, const MaskTiles& mask_tiles)
+      : unranged_lo(static_cast<int32_t>(
+            clamp_to(max(w.keys.key_begin, w.seq.first_key(w.last_row)), 0, INT32_MAX))),
+        unranged_hi(static_cast<int32_t>(
+            clamp_to(min(w.keys.key_end, w.seq.last_key(w.q0) + 1) - kBlockN, -1, INT32_MAX))) {
     int64_t begin = w.keys.tile_begin, end = begin + w.n_tiles * kBlockN;
     const MaskTiles::Entry mask = mask_tiles.entry(w.b, w.h);
     if (mask) {
@@ -223,7 +229,8 @@ struct ItemKeys<true, kBlockM, kBlockN> {
     uint32_t s = summary(col);
     if (!dense)  // (count found that many visible tiles before end_col)
       while (!(s & kVisible) && col + kColTiles < end_col) s = summary(col += kColTiles);
-    const PublishedTile tile{col * kTileKeys, s >> kMixedShift};
+    const int32_t k0 = col * static_cast<int32_t>(kTileKeys);
+    const PublishedTile tile{k0, s >> kMixedShift, k0 < unranged_lo || k0 > unranged_hi};
     col += kColTiles;
     return tile;
   }

@@ -13,22 +13,28 @@ namespace flashjax::cuda::hopper_fwd {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // What the producer's walk over a mask's tile summaries found for one K stage
-// (kernels with a mask: ItemKeys<true>), so that the consumers need not walk them:
-// the tile's first key, and bit c set where the mask hides some of the tile's
-// pairs from consumer c's rows (then they read it per element). Written and read
-// as two 64-bit shared words (publish / read), ordered by the K stage's barriers.
+// (kernels with a mask: ItemKeys<true, ...>), so that the consumers need not walk
+// them: the tile's first key, bit c of `mixed` set where the mask hides some of the
+// tile's pairs from consumer c's rows (then they read it per element), and `ranged`
+// where positions, windows or the sequence's end hide some of its pairs
+// (RowSoftmax::tile_needs_mask: the consumers' k0 is not warp-uniform to the
+// compiler, so they would test it in 64-bit vector registers). Written and read as
+// two 64-bit shared words (publish / read), ordered by the K stage's barriers.
 struct PublishedTile {
   int64_t k0;
-  uint64_t mixed;
+  uint32_t mixed;
+  bool ranged;
   __device__ void publish(PublishedTile* slot) const {
     st_shared_u64(smem_u32(&slot->k0), static_cast<uint64_t>(k0));
-    st_shared_u64(smem_u32(&slot->mixed), mixed);
+    st_shared_u64(smem_u32(&slot->mixed), mixed | static_cast<uint64_t>(ranged) << 32);
   }
   __device__ static PublishedTile read(const PublishedTile* slot) {
+    const uint64_t flags = ld_shared_u64(smem_u32(&slot->mixed));
     return {static_cast<int64_t>(ld_shared_u64(smem_u32(&slot->k0))),
-            ld_shared_u64(smem_u32(&slot->mixed))};
+            static_cast<uint32_t>(flags), (flags >> 32) != 0};
   }
 };
+static_assert(sizeof(PublishedTile) == 16, "two 64-bit shared words");
 
 // Q has its own full/empty pair so that the next item's Q loads during the
 // current item's last products; the K and V rings have one pair per stage.
