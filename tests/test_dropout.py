@@ -1,4 +1,4 @@
-"""Dropout's keep mask: Philox4x32-10 against Random123's known answers (C++ and JAX),
+"""Dropout's keep mask: Philox4x32 (7 and 10 rounds) against Random123's known answers (C++ and JAX),
 the C++ definition (csrc/include/flashjax/dropout.h, through the CPU target
 flashjax_dropout_mask) against the pure-JAX one (flashjax._dropout) bit for bit, the
 kept fraction, keys, jit/vmap and argument checks.
@@ -21,27 +21,41 @@ from flashjax import _dropout, _ffi
 
 SHAPE = (4, 8, 256, 256)  # batch, heads, seqlen_q, seqlen_k: 2M elements
 
-# Random123's kat_vectors, "philox4x32 10" lines: counter, key, result.
+# Random123's kat_vectors, "philox4x32 R" lines: rounds, counter, key, result (7: the
+# keep mask's generator; 10: Random123's default, the same code with more rounds).
 KNOWN_ANSWERS = [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+    (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    (7, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (10, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
 
 
+def test_mask_generator_rounds():
+    assert _dropout.ROUNDS == 7  # (dropout.h's kRounds: the C++ answers below use 7 too)
+
+
 def test_philox_known_answers_cxx():
     lib = _ffi.library()
-    for counter, key, expected in KNOWN_ANSWERS:
+    lib.FlashjaxPhilox4x32.restype = ctypes.c_bool
+    for rounds, counter, key, expected in KNOWN_ANSWERS:
         out = (ctypes.c_uint32 * 4)()
-        lib.FlashjaxPhilox4x32_10((ctypes.c_uint32 * 4)(*counter), (ctypes.c_uint32 * 2)(*key),
-                                  out)
+        assert lib.FlashjaxPhilox4x32((ctypes.c_uint32 * 4)(*counter),
+                                      (ctypes.c_uint32 * 2)(*key), rounds, out)
         assert tuple(out) == expected
+    assert not lib.FlashjaxPhilox4x32((ctypes.c_uint32 * 4)(), (ctypes.c_uint32 * 2)(), 8,
+                                      (ctypes.c_uint32 * 4)())
 
 
-def test_philox_known_answers_jax():
-    counters, keys, expected = (np.array(x, np.uint32).T for x in zip(*KNOWN_ANSWERS))
-    words = _dropout.philox4x32_10(tuple(counters), *keys)  # keys broadcast too
+@pytest.mark.parametrize("rounds", [7, 10])
+def test_philox_known_answers_jax(rounds):
+    cases = [case[1:] for case in KNOWN_ANSWERS if case[0] == rounds]
+    counters, keys, expected = (np.array(x, np.uint32).T for x in zip(*cases))
+    words = _dropout.philox4x32(tuple(counters), *keys, rounds=rounds)  # keys broadcast too
     np.testing.assert_array_equal(np.stack(words), expected)
 
 

@@ -4,7 +4,8 @@
 //     seqlen_q, seqlen_k], attributes rate (f64) and per_element (bool: each element by
 //     Generator::keep, else a Philox call per 8-element group scattered to its slots,
 //     as a kernel does);
-//   FlashjaxPhilox4x32_10 (C, for ctypes): the bare generator, for known-answer tests.
+//   FlashjaxPhilox4x32 (C, for ctypes): the bare generator (7 or 10 rounds), for
+//   known-answer tests.
 #include <cstdint>
 
 #include "flashjax/dropout.h"
@@ -65,11 +66,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashjaxDropoutMaskCpu, fill_dropout_mask,
                                   .Attr<double>("rate")
                                   .Attr<bool>("per_element"));
 
-extern "C" __attribute__((visibility("default"))) void FlashjaxPhilox4x32_10(
-    const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]) {
-  const dropout::Words4 w = dropout::philox4x32_10(
-      dropout::Words4{{counter[0], counter[1], counter[2], counter[3]}}, key[0], key[1]);
+// rounds: 7 (the keep mask's, dropout::kRounds) or 10; returns false for others.
+extern "C" __attribute__((visibility("default"))) bool FlashjaxPhilox4x32(
+    const uint32_t counter[4], const uint32_t key[2], int rounds, uint32_t out[4]) {
+  const dropout::Words4 c{{counter[0], counter[1], counter[2], counter[3]}};
+  dropout::Words4 w;
+  if (rounds == 7) w = dropout::philox4x32<7>(c, key[0], key[1]);
+  else if (rounds == 10) w = dropout::philox4x32<10>(c, key[0], key[1]);
+  else return false;
   for (int n = 0; n < 4; ++n) out[n] = w.x[n];
+  return true;
 }
 
 extern "C" __attribute__((visibility("default"))) uint32_t FlashjaxDropoutThreshold(double rate) {

@@ -3,7 +3,8 @@ csrc/include/flashjax/dropout.h (every C++/CUDA path uses that header), and the 
 `dropout_mask`.
 
 The definition (the header has the reasoning behind the grouping):
-- generator: Philox4x32-10 (Salmon et al., SC'11; Random123's constants), in uint32
+- generator: Philox4x32-7 (Salmon et al., SC'11; Random123's constants; 7 rounds as
+  FlashAttention 2's dropout), in uint32
   arithmetic only (the high half of a 32x32-bit product from 16-bit halves), so that it
   runs the same with jax_enable_x64 on or off;
 - key (k0, k1): the PRNG key's data words (`key_words`);
@@ -28,14 +29,14 @@ import numpy as np
 
 from ._checks import static_int, static_real
 
-__all__ = ["ROUNDS", "VALUE_RANGE", "MAX_THRESHOLD", "philox4x32_10", "threshold", "check_rate",
+__all__ = ["ROUNDS", "VALUE_RANGE", "MAX_THRESHOLD", "philox4x32", "threshold", "check_rate",
            "check_dropout", "key_words", "key_rows", "keep_block", "keep_elements",
            "dropout_mask"]
 
 # Random123's Philox4x32 multipliers and Weyl key increments.
 _MULTIPLIERS = (np.uint32(0xD2511F53), np.uint32(0xCD9E8D57))
 _WEYL = (np.uint32(0x9E3779B9), np.uint32(0xBB67AE85))
-ROUNDS = 10
+ROUNDS = 7  # (dropout.h's kRounds: why seven)
 VALUE_RANGE = 65536  # values are 16-bit: uniform in [0, VALUE_RANGE)
 MAX_THRESHOLD = VALUE_RANGE - 1  # a rate in [0, 1) always keeps something
 _MAX_INDEX = 2 ** 32  # counters are uint32
@@ -50,9 +51,10 @@ def _mul_hi_lo(a, m: np.uint32):
     return a_hi * m_hi + (lh >> 16) + (hl >> 16) + carry, a * m
 
 
-def philox4x32_10(counter, k0, k1):
-    """Philox4x32-10 of `counter` (four uint32 arrays that broadcast together) under key
-    (k0, k1) (uint32 scalars): its four uint32 output words, of the broadcast shape."""
+def philox4x32(counter, k0, k1, rounds=ROUNDS):
+    """Philox4x32 with `rounds` rounds of `counter` (four uint32 arrays that broadcast
+    together) under key (k0, k1) (uint32 scalars): its four uint32 output words, of the
+    broadcast shape."""
     shape = jnp.broadcast_shapes(*(jnp.shape(c) for c in counter))
     words = tuple(jnp.broadcast_to(jnp.asarray(c).astype(jnp.uint32), shape) for c in counter)
 
@@ -61,10 +63,10 @@ def philox4x32_10(counter, k0, k1):
         hi0, lo0 = _mul_hi_lo(c0, _MULTIPLIERS[0])
         hi1, lo1 = _mul_hi_lo(c2, _MULTIPLIERS[1])
         return (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0), (k0 + _WEYL[0], k1 + _WEYL[1])
-    # A loop, not 10 unrolled rounds: on the CPU it compiled 2.5x faster and ran 8x
-    # faster ((2, 8, 512, 512) mask: 0.4 s vs 1.0 s, 19 ms vs 159 ms).
+    # A loop, not unrolled rounds: on the CPU (10 rounds) it compiled 2.5x faster and
+    # ran 8x faster ((2, 8, 512, 512) mask: 0.4 s vs 1.0 s, 19 ms vs 159 ms).
     key = (jnp.asarray(k0, jnp.uint32), jnp.asarray(k1, jnp.uint32))
-    return jax.lax.fori_loop(0, ROUNDS, round_, (words, key))[0]
+    return jax.lax.fori_loop(0, rounds, round_, (words, key))[0]
 
 
 def threshold(rate: float) -> int:
@@ -153,7 +155,7 @@ def keep_elements(key, rate_threshold, b, h, i, j):
     `rate_threshold` (`threshold(rate)`, an int or a traced uint32): a Philox call per
     element."""
     b, h, i, j = (jnp.asarray(x).astype(jnp.uint32) for x in (b, h, i, j))
-    words = philox4x32_10(((j // 16) * 4 + (j % 8) // 2, (i // 16) * 8 + i % 8, h, b), *key)
+    words = philox4x32(((j // 16) * 4 + (j % 8) // 2, (i // 16) * 8 + i % 8, h, b), *key)
     slot = ((i % 16) // 8) * 4 + ((j % 16) // 8) * 2 + j % 2
     word = jnp.select([slot // 2 == n for n in range(3)], list(words[:3]), words[3])
     return ((word >> (16 * (slot % 2))) & 0xFFFF) >= jnp.asarray(rate_threshold, jnp.uint32)
@@ -191,7 +193,7 @@ def keep_block(key, rate_threshold, batch: int, heads: int, rows: int, cols: int
         heads, 1, 1, 1, 1)
     b = (jnp.asarray(batch_start).astype(u32) + jnp.arange(batch, dtype=u32)).reshape(
         batch, 1, 1, 1, 1, 1)
-    values = _values(philox4x32_10((x0, x1, h, b), *key))  # [b, h, qb, qr, kb, kc, slot]
+    values = _values(philox4x32((x0, x1, h, b), *key))  # [b, h, qb, qr, kb, kc, slot]
     keep = values >= jnp.asarray(rate_threshold, jnp.uint32)
     # slot = 4 qh + 2 kh + kp: row 16 qb + 8 qh + qr, column 16 kb + 8 kh + 2 kc + kp.
     keep = keep.reshape(batch, heads, qb, 8, kb, 4, 2, 2, 2).transpose(0, 1, 2, 6, 3, 4, 7, 5, 8)
@@ -221,7 +223,7 @@ def dropout_mask(dropout_key, rate, batch, heads_q, seqlen_q, seqlen_k):
     `flashjax._dropout.key_words`). Under `jax.vmap` over keys each instance gets the
     mask of the unbatched call with its key.
     rate: static, in [0, 1); 0 keeps everything. Element (b, h, i, j) is kept when its
-    16-bit Philox4x32-10 value is >= round(rate * 65536) (at most 65535: any rate below 1
+    16-bit Philox4x32-7 value is >= round(rate * 65536) (at most 65535: any rate below 1
     keeps something), so the kept fraction is 1 - rate to within 2^-17.
     batch, heads_q, seqlen_q, seqlen_k: static sizes (>= 0); element (b, h, i, j) is
     sequence b, query head h, query row i, key column j.

@@ -1,11 +1,14 @@
 // Attention dropout's keep mask: one definition for every path (CPU, every CUDA
 // kernel, and the pure-JAX generator in src/flashjax/_dropout.py, bit for bit).
 //
-// Generator: Philox4x32-10 (Salmon, Moraes, Dror, Shaw, "Parallel random numbers:
+// Generator: Philox4x32-7 (Salmon, Moraes, Dror, Shaw, "Parallel random numbers:
 // as easy as 1, 2, 3", SC'11; the constants of Random123's philox.h, checked
 // against its kat_vectors in tests/test_dropout.py). Counter-based: an output is a
 // pure function of a 128-bit counter and a 64-bit key, so any thread can make any
-// element's bits, forward and backward alike, with no state.
+// element's bits, forward and backward alike, with no state. Seven rounds, as
+// FlashAttention 2's dropout: the paper finds Philox4x32 with 7 rounds passing
+// TestU01's BigCrush (Random123 defaults to 10, a margin); each round is ~4
+// instructions of every dropout element's ~6 in the kernels.
 //
 // Key (k0, k1): the JAX PRNG key's data words (jax.random.key_data of a typed key, a
 // legacy uint32[2] key as it is; a key of 2n words is folded: k0 = XOR of the even
@@ -15,7 +18,7 @@
 // (0-based, within the call's sequences):
 //   counter = (x0 = (j / 16) * 4 + (j % 8) / 2,  x1 = (i / 16) * 8 + i % 8,  x2 = h,  x3 = b)
 //   slot    = ((i % 16) / 8) * 4 + ((j % 16) / 8) * 2 + j % 2                 (0..7)
-//   value   = (w[slot / 2] >> (16 * (slot % 2))) & 0xFFFF,  w = Philox4x32-10(counter, key)
+//   value   = (w[slot / 2] >> (16 * (slot % 2))) & 0xFFFF,  w = Philox4x32-7(counter, key)
 //   keep    = value >= T,  T = threshold(rate)
 // Kept probabilities are scaled by 1 / (1 - rate), dropped ones are zero.
 //
@@ -42,7 +45,7 @@ namespace flashjax::dropout {
 // Philox4x32's multipliers and Weyl key increments (Random123).
 constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
 constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
-constexpr int kRounds = 10;
+constexpr int kRounds = 7;
 
 // Keep elements whose 16-bit value is >= T; values are uniform in [0, 65536).
 constexpr uint32_t kValueRange = 65536;
@@ -72,12 +75,14 @@ FJ_HOST_DEVICE Words4 philox_round(const Words4& c, uint32_t k0, uint32_t k1) {
   return Words4{{hi1 ^ c.x[1] ^ k0, lo1, hi0 ^ c.x[3] ^ k1, lo0}};
 }
 
-// Philox4x32-10: ten rounds, the key bumped by the Weyl increments between rounds.
-FJ_HOST_DEVICE Words4 philox4x32_10(Words4 c, uint32_t k0, uint32_t k1) {
+// Philox4x32-R: R rounds (kRounds for the keep mask; 10 too, for the known-answer
+// tests), the key bumped by the Weyl increments between rounds.
+template <int R = kRounds>
+FJ_HOST_DEVICE Words4 philox4x32(Words4 c, uint32_t k0, uint32_t k1) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int r = 0; r < kRounds; ++r) {
+  for (int r = 0; r < R; ++r) {
     c = philox_round(c, k0, k1);
     k0 += kWeyl0;
     k1 += kWeyl1;
@@ -118,7 +123,7 @@ struct Generator {
   // The 8 values of the group (b, h, x1, x0), value of slot s in word s / 2,
   // bits 16 (s % 2) and up.
   FJ_HOST_DEVICE Words4 group_words(uint32_t b, uint32_t h, uint32_t x1, uint32_t x0) const {
-    return philox4x32_10(Words4{{x0, x1, h, b}}, k0, k1);
+    return philox4x32(Words4{{x0, x1, h, b}}, k0, k1);
   }
   // The group's keep bits: bit s set when slot s is kept.
   FJ_HOST_DEVICE uint32_t group_keep_bits(uint32_t b, uint32_t h, uint32_t x1,
