@@ -2,8 +2,9 @@
 // against brute force on random, causal-like and banded tile summaries, with the spans
 // made as mask_spans_kernel makes them, and MaskTiles::on_grid (a span onto a kernel's
 // tile grid: the Hopper forward's items, the backward's key and query blocks) against
-// the grid tiles that meet the span; compiled and run on the host by
-// tests/test_mask_tiles.py. Prints "ok" when every case agrees.
+// the grid tiles that meet the span, and the summaries' layout ([batch entries][head
+// entries][row tiles][col tiles]) through entry() and row_bits(); compiled and run on
+// the host by tests/test_mask_tiles.py. Prints "ok" when every case agrees.
 #include <algorithm>
 #include <cstdio>
 #include <random>
@@ -73,6 +74,31 @@ int main() {
         lo = std::min(lo, t), hi = std::max(hi, t + n);
     if (hi <= lo) lo = hi = begin;
     bad += r.begin != lo || r.end != hi;
+  }
+  for (int trial = 0; trial < 200; ++trial) {
+    // Every (sequence b, head h, row tile r, column tile c) of a mask broadcast over
+    // batch_div sequences and head_div heads reads its byte of the layout.
+    MaskTiles m;
+    const int batch = 1 + rng() % 4, heads = 1 + rng() % 6;
+    m.batch_div = rng() % 2 ? batch : 1;
+    m.head_div = heads % 2 == 0 && rng() % 2 ? 2 : 1;
+    m.head_entries = heads / m.head_div;
+    m.row_tiles = 1 + rng() % 5;
+    m.col_tiles = 1 + rng() % 7;
+    const int64_t entries = batch / m.batch_div * m.head_entries;
+    std::vector<uint8_t> bits(entries * m.row_tiles * m.col_tiles);
+    for (auto& b : bits) b = static_cast<uint8_t>(rng());
+    m.bits = bits.data();
+    for (int b = 0; b < batch; ++b)
+      for (int h = 0; h < heads; ++h)
+        for (int64_t r = 0; r < m.row_tiles; ++r)
+          for (int64_t c = 0; c < m.col_tiles; ++c) {
+            const int64_t e = b / m.batch_div * m.head_entries + h / m.head_div;
+            const uint8_t want = bits[(e * m.row_tiles + r) * m.col_tiles + c];
+            bad += m.entry(b, h).of(r * MaskTiles::kRows, MaskTiles::kRows,
+                                    c * MaskTiles::kRows, MaskTiles::kRows) != want;
+            bad += m.row_bits(m.batch_entry(b) + m.head_entry(h), r)[c] != want;
+          }
   }
   if (bad) std::printf("%d mismatches\n", bad);
   else std::printf("ok\n");

@@ -122,15 +122,27 @@ struct MaskTiles {
     if (hi <= lo) return {begin, begin};
     return {begin + (lo - begin) / n * n, begin + (hi - begin + n - 1) / n * n};
   }
+  // The index of sequence b, query head h's entry: batch_entry(b) + head_entry(h)
+  // (divisions: a kernel that asks for many tiles keeps the parts it reuses; 32-bit:
+  // b and h are small).
+  FJ_HOST_DEVICE uint32_t batch_entry(int64_t b) const {
+    return static_cast<uint32_t>(b) / static_cast<uint32_t>(batch_div) *
+           static_cast<uint32_t>(head_entries);
+  }
+  FJ_HOST_DEVICE uint32_t head_entry(int64_t h) const {
+    return static_cast<uint32_t>(h) / static_cast<uint32_t>(head_div);
+  }
+  // Entry e's summaries of row tile r: col_tiles bytes, one per column tile.
+  FJ_HOST_DEVICE const uint8_t* row_bits(uint32_t e, int64_t r) const {
+    return bits + (e * row_tiles + r) * col_tiles;
+  }
   // Sequence b, query head h's entry: made once per (sequence, head) by a kernel that
-  // asks for many tiles of it (the entry's index divides; 32-bit: b and h are small).
+  // asks for many tiles of it.
   FJ_HOST_DEVICE Entry entry(int64_t b, int64_t h) const {
     if (!bits) return {};
-    const auto eb = static_cast<uint32_t>(b) / static_cast<uint32_t>(batch_div),
-               eh = static_cast<uint32_t>(h) / static_cast<uint32_t>(head_div);
-    const uint32_t e = eb * static_cast<uint32_t>(head_entries) + eh;
-    return {bits + e * row_tiles * col_tiles, spans + e * row_tiles, col_spans + e * col_tiles,
-            row_tiles, col_tiles};
+    const uint32_t e = batch_entry(b) + head_entry(h);
+    return {row_bits(e, 0), spans + e * row_tiles, col_spans + e * col_tiles, row_tiles,
+            col_tiles};
   }
   FJ_HOST_DEVICE uint8_t of(int64_t b, int64_t h, int64_t r0, int64_t rows, int64_t c0,
                             int64_t cols) const {

@@ -271,8 +271,7 @@ struct MaskedTiles {
       : mask(mask_tiles),
         row_begin(kb.row_begin),
         head_end(static_cast<uint32_t>((kb.hk + 1) * p.group_size())),
-        batch_entries(static_cast<uint32_t>(kb.b) / static_cast<uint32_t>(mask_tiles.batch_div) *
-                      static_cast<uint32_t>(mask_tiles.head_entries)),
+        batch_entries(mask_tiles.batch_entry(kb.b)),
         col0(static_cast<uint32_t>(kb.k0 / Block::kConsumerKeys)),
         cols(static_cast<uint32_t>(
             min(mask_tiles.col_tiles - kb.k0 / Block::kConsumerKeys, int64_t{kCols}))) {}
@@ -294,9 +293,8 @@ struct MaskedTiles {
   // owned column tiles.
   __device__ uint32_t of(uint32_t h, int64_t row) const {
     if (!mask) return kVisible | ((1u << kCols) - 1) << kMixedShift;
-    const uint32_t entry = batch_entries + h / static_cast<uint32_t>(mask.head_div);
-    const uint8_t* at = mask.bits + (static_cast<int64_t>(entry) * mask.row_tiles +
-                                     row / MaskTiles::kRows) * mask.col_tiles + col0;
+    const uint8_t* at =
+        mask.row_bits(batch_entries + mask.head_entry(h), row / MaskTiles::kRows) + col0;
     uint32_t out = 0;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
