@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""Randomised differential runs of flashjax against independent definitions.
+
+    python tools/fuzz_attention.py [--mode dense|nn] [--impl cpu|xla|cuda] \
+        [--dtype float32|bfloat16|float16] [--large] [--start 0] [--count 100]
+
+dense: `flashjax.flash_attention` with a random combination of its options (GQA, causal,
+windows, softcap, sinks, bias and mask of every broadcast shape, ALiBi, dropout,
+seqused_k, segment ids, position offsets, deterministic, a scale) against
+`flashjax.reference.attention` in float64 on the same (rounded) inputs: out, lse and the
+gradients of q, k, v and bias. nn: `flashjax.nn.dot_product_attention` against
+`jax.nn.dot_product_attention(implementation="xla")` (rank 3 and 4, bias, mask, windows,
+lengths), out and gradients, on the rows jax.nn defines (a row that sees no key is left
+out: jax.nn averages every value there). Each case is a seed: a failure prints its seed,
+shapes and options, and the run exits 1. --large takes the GPU kernels' head dims (64 to
+256) and longer sequences; on the GPU machine run with --impl cuda and a 16-bit dtype.
+(A first run of the CPU path's version found two bugs, in the reference itself:
+benchmarks/NOTES.md, "Nineteenth session".)
+"""
+
+import argparse
+import random
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+
+import flashjax  # noqa: E402  (after x64: the reference computes in float64)
+import flashjax.nn  # noqa: E402
+from flashjax import reference  # noqa: E402
+
+# |got - want| <= ATOL + RTOL * |want| for out and lse; gradients relative to the largest
+# reference entry (a gradient's error scales with its largest terms).
+TOLERANCES = {"float32": (2e-4, 2e-4, 5e-4), "bfloat16": (2e-2, 2e-2, 4e-2),
+              "float16": (5e-3, 5e-3, 1e-2)}
+
+
+def dense_case(rng, large):
+    """Shapes (b, sq, sk, hq, hk, d, dv) and the options to draw inputs for."""
+    b, hk, group = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2, 3])
+    if large:
+        sq, sk = rng.choice([1, 64, 130, 257]), rng.choice([1, 70, 129, 300])
+        d = rng.choice([64, 96, 128, 192, 256])
+        dv = d
+    else:
+        sq, sk = rng.choice([1, 3, 17, 40, 65]), rng.choice([1, 5, 17, 40, 70])
+        d = rng.choice([8, 16, 24, 40])
+        dv = rng.choice([d, 8, 32])
+    o = {}
+    if rng.random() < 0.4:
+        o["causal"] = True
+    if rng.random() < 0.25:
+        o["window_size"] = (rng.choice([-1, 0, 3, 9]), rng.choice([-1, 0, 2, 7]))
+    if rng.random() < 0.2:
+        o["softcap"] = rng.choice([2.0, 10.0])
+    if rng.random() < 0.2:
+        o["sinks"] = True
+    if rng.random() < 0.3:
+        o["bias"] = (rng.choice([1, b]), rng.choice([1, hk * group, hk]))
+    if rng.random() < 0.3:
+        o["mask"] = (rng.choice([1, b]), rng.choice([1, hk * group, hk]))
+    if rng.random() < 0.25:
+        o["alibi_slopes"] = rng.choice(["heads", "batch_heads"])
+    if rng.random() < 0.2:
+        o["dropout_rate"] = rng.choice([0.1, 0.5])
+    if rng.random() < 0.2:
+        o["seqused_k"] = True
+    if rng.random() < 0.15:
+        o["segments"] = True
+    if rng.random() < 0.15:
+        o["offsets"] = True
+    if rng.random() < 0.2:
+        o["deterministic"] = True
+    if rng.random() < 0.3:
+        o["softmax_scale"] = rng.choice([0.1, 0.7])
+    return (b, sq, sk, hk * group, hk, d, dv), o
+
+
+def dense_inputs(shape, o, key, dtype):
+    """q, k, v in dtype and flash_attention's keyword arguments."""
+    b, sq, sk, hq, hk, d, dv = shape
+    keys = iter(jax.random.split(key, 12))
+    normal = lambda s: jax.random.normal(next(keys), s, jnp.float32)
+    q, k, v = (normal(s).astype(dtype) for s in ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, dv)))
+    kw = {n: o[n] for n in ("causal", "window_size", "softcap", "deterministic",
+                            "softmax_scale", "dropout_rate") if n in o}
+    if "sinks" in o:
+        kw["sinks"] = normal((hq,))
+    if "bias" in o:
+        kw["bias"] = normal((*o["bias"], sq, sk))
+    if "mask" in o:
+        kw["mask"] = jax.random.uniform(next(keys), (*o["mask"], sq, sk)) < 0.7
+    if "alibi_slopes" in o:
+        kw["alibi_slopes"] = 0.5 * jax.random.uniform(
+            next(keys), (hq,) if o["alibi_slopes"] == "heads" else (b, hq), jnp.float32)
+    if "dropout_rate" in o:
+        kw["dropout_key"] = jax.random.key(7)
+    if "seqused_k" in o:
+        kw["seqused_k"] = jax.random.randint(next(keys), (b,), 0, sk + 1).astype(jnp.int32)
+    if "segments" in o:
+        ids = lambda s: jnp.sort(jax.random.randint(next(keys), (b, s), 0, 3), axis=1)
+        kw["q_segment_ids"], kw["kv_segment_ids"] = ids(sq).astype(jnp.int32), ids(sk).astype(jnp.int32)
+    if "offsets" in o:
+        kw["q_offset"], kw["kv_offset"] = rng_offsets(next(keys))
+    return q, k, v, kw
+
+
+def rng_offsets(key):
+    return tuple(int(x) for x in jax.random.randint(key, (2,), 0, 20))
+
+
+def max_relative(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not got.size:
+        return 0.0
+    return float(np.max(np.abs(got - want))) / (1.0 + float(np.max(np.abs(want))))
+
+
+def within(got, want, atol, rtol):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    both_neg_inf = np.isneginf(got) & np.isneginf(want)
+    with np.errstate(invalid="ignore"):  # (-inf - -inf: masked by both_neg_inf)
+        err = np.where(both_neg_inf, 0.0, np.abs(got - want) - rtol * np.abs(want))
+    return bool(np.all(err <= atol)), float(np.max(err, initial=0.0))
+
+
+def run_dense(seed, impl, dtype, large):
+    rng = random.Random(seed)
+    shape, o = dense_case(rng, large)
+    q, k, v, kw = dense_inputs(shape, o, jax.random.key(seed), dtype)
+    atol, rtol, gtol = TOLERANCES[dtype]
+    try:
+        out, lse = flashjax.flash_attention(q, k, v, return_lse=True, implementation=impl, **kw)
+    except (ValueError, TypeError, NotImplementedError) as e:  # (a combination refused)
+        return "raised", shape, o, str(e)[:150]
+    rkw = {n: x for n, x in kw.items() if n != "deterministic"}
+    ref = lambda *a, **x: reference.attention(*a, compute_dtype=jnp.float64, **x)
+    rout, rlse = ref(q, k, v, return_lse=True, **rkw)
+    bad = []
+    for name, got, want in (("out", out, rout), ("lse", lse, rlse)):
+        ok, err = within(got, want, atol, rtol)
+        if not ok:
+            bad.append(f"{name} err {err:.3g}")
+    weights = jax.random.normal(jax.random.key(seed + 1), out.shape, jnp.float64)
+    extra = {n: x for n, x in kw.items() if n != "bias"}
+    rextra = {n: x for n, x in rkw.items() if n != "bias"}
+    argnums = (0, 1, 2, 3) if "bias" in kw else (0, 1, 2)
+
+    def loss(fn, extra, q, k, v, bias):
+        more = dict(extra) if bias is None else dict(extra, bias=bias)
+        return jnp.sum(fn(q, k, v, **more).astype(jnp.float64) * weights)
+
+    ours = lambda *a, **x: flashjax.flash_attention(*a, implementation=impl, **x)
+    try:
+        grads = jax.grad(lambda *a: loss(ours, extra, *a), argnums)(q, k, v, kw.get("bias"))
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return "bad", shape, o, "gradient raised " + str(e)[:120]
+    # (the reference's gradients in float64: of the same rounded inputs)
+    up = lambda x: None if x is None else x.astype(jnp.float64)
+    rgrads = jax.grad(lambda *a: loss(ref, rextra, *a), argnums)(
+        up(q), up(k), up(v), up(kw.get("bias")))
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, rgrads):
+        err = max_relative(got, want)
+        if not np.isfinite(err) or err > gtol:
+            bad.append(f"{name} err {err:.3g}")
+    return ("bad" if bad else "ok"), shape, o, "; ".join(bad)
+
+
+def visible_rows(q, k, kw, rank3):
+    """(batch, seqlen_q, heads, 1): the rows jax.nn defines (some key visible, within
+    query_seq_lengths)."""
+    batch, sq, sk = (1, q.shape[0], k.shape[0]) if rank3 else (q.shape[0], q.shape[1], k.shape[1])
+    heads = q.shape[-2]
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    vis = np.ones((batch, heads, sq, sk), bool)
+    if kw.get("is_causal"):
+        vis &= i >= j
+    window = kw.get("local_window_size")
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        vis &= (j >= i - left) & (j <= i + right)
+    if "mask" in kw:
+        mask = np.asarray(kw["mask"])
+        vis &= mask if mask.ndim == 4 else mask[None]
+    if "key_value_seq_lengths" in kw:
+        vis &= j[None, None] < np.asarray(kw["key_value_seq_lengths"])[:, None, None, None]
+    padded = np.zeros((batch, sq), bool)
+    if "query_seq_lengths" in kw:
+        padded = np.arange(sq)[None] >= np.asarray(kw["query_seq_lengths"])[:, None]
+    keep = (vis.any(-1) & ~padded[:, None, :]).transpose(0, 2, 1)[..., None]
+    return keep[0] if rank3 else keep
+
+
+def run_nn(seed, impl, dtype, large):
+    rng = random.Random(seed)
+    b, hk, group = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2])
+    hq = hk * group
+    sq, sk = (rng.choice([1, 64, 200]), rng.choice([1, 70, 200])) if large else \
+        (rng.choice([1, 7, 33]), rng.choice([1, 9, 33]))
+    d = rng.choice([64, 128]) if large else rng.choice([8, 16])
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    normal = lambda s: jax.random.normal(next(keys), s, jnp.float32)
+    q, k, v = (normal(s).astype(dtype) for s in ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)))
+    kw = {}
+    if rng.random() < 0.4:
+        kw["is_causal"] = True
+    if rng.random() < 0.3:
+        kw["bias"] = normal((rng.choice([1, b]), rng.choice([1, hq]), sq, sk)).astype(dtype)
+    if rng.random() < 0.3:
+        kw["mask"] = jax.random.uniform(next(keys), (rng.choice([1, b]), rng.choice([1, hq]),
+                                                     sq, sk)) < 0.7
+    if rng.random() < 0.3:
+        kw["scale"] = 0.3
+    if rng.random() < 0.25:
+        kw["local_window_size"] = rng.choice([3, (2, 1), (0, 4)])
+    if rng.random() < 0.2:
+        kw["query_seq_lengths"] = jax.random.randint(next(keys), (b,), 1, sq + 1).astype(jnp.int32)
+    if rng.random() < 0.2:
+        kw["key_value_seq_lengths"] = jax.random.randint(next(keys), (b,), 1, sk + 1).astype(jnp.int32)
+    rank3 = rng.random() < 0.2
+    if rank3:
+        q, k, v = q[0], k[0], v[0]
+        kw = {n: (x[0] if n in ("bias", "mask") else x) for n, x in kw.items()
+              if n not in ("query_seq_lengths", "key_value_seq_lengths")}
+    desc = dict(b=b, hq=hq, hk=hk, sq=sq, sk=sk, d=d, rank3=rank3)
+    atol, rtol, gtol = TOLERANCES[dtype]
+    up = lambda x: x.astype(jnp.float64) if (hasattr(x, "dtype") and
+                                             jnp.issubdtype(x.dtype, jnp.floating)) else x
+    theirs = lambda q, k, v: jax.nn.dot_product_attention(
+        up(q), up(k), up(v), implementation="xla", **{n: up(x) for n, x in kw.items()})
+    ours = lambda q, k, v: flashjax.nn.dot_product_attention(q, k, v, implementation=impl, **kw)
+    try:
+        got = ours(q, k, v)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return "raised", desc, sorted(kw), str(e)[:150]
+    want = theirs(q, k, v)
+    keep = visible_rows(q, k, kw, rank3)
+    bad = []
+    ok, err = within(np.where(keep, got.astype(jnp.float64), 0), np.where(keep, want, 0), atol, rtol)
+    if not ok:
+        bad.append(f"out err {err:.3g}")
+    if keep.all():  # (gradients where every row is defined)
+        weights = jax.random.normal(next(keys), want.shape, jnp.float64)
+        g = jax.grad(lambda *a: jnp.sum(ours(*a).astype(jnp.float64) * weights), (0, 1, 2))(q, k, v)
+        r = jax.grad(lambda *a: jnp.sum(theirs(*a) * weights), (0, 1, 2))(q, k, v)
+        for name, a, w in zip(("dq", "dk", "dv"), g, r):
+            e = max_relative(a, w)
+            if not np.isfinite(e) or e > gtol:
+                bad.append(f"{name} err {e:.3g}")
+    return ("bad" if bad else "ok"), desc, sorted(kw), "; ".join(bad)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("dense", "nn"), default="dense")
+    parser.add_argument("--impl", default=None,
+                        help="flashjax's implementation= (default: the platform's)")
+    parser.add_argument("--dtype", choices=sorted(TOLERANCES), default="float32")
+    parser.add_argument("--large", action="store_true",
+                        help="the GPU kernels' head dims and longer sequences")
+    parser.add_argument("--start", type=int, default=0, help="first seed")
+    parser.add_argument("--count", type=int, default=100, help="how many seeds")
+    args = parser.parse_args(argv)
+    run = run_dense if args.mode == "dense" else run_nn
+    counts = {}
+    for seed in range(args.start, args.start + args.count):
+        result = run(seed, args.impl, args.dtype, args.large)
+        counts[result[0]] = counts.get(result[0], 0) + 1
+        if result[0] != "ok":
+            print(seed, *result, flush=True)
+    print(counts, flush=True)
+    return 1 if counts.get("bad") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
