@@ -104,11 +104,12 @@ def dense_inputs(shape, o, key, dtype):
         ids = lambda s: jnp.sort(jax.random.randint(next(keys), (b, s), 0, 3), axis=1)
         kw["q_segment_ids"], kw["kv_segment_ids"] = ids(sq).astype(jnp.int32), ids(sk).astype(jnp.int32)
     if "offsets" in o:
-        kw["q_offset"], kw["kv_offset"] = rng_offsets(next(keys))
+        kw["q_offset"], kw["kv_offset"] = position_offsets(next(keys))
     return q, k, v, kw
 
 
-def rng_offsets(key):
+def position_offsets(key):
+    """(q_offset, kv_offset): Python ints in [0, 20)."""
     return tuple(int(x) for x in jax.random.randint(key, (2,), 0, 20))
 
 
