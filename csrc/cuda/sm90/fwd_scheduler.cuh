@@ -29,7 +29,6 @@
 #include "flashjax/params.h"
 #include "flashjax/seqlen.h"
 #include "fwd_smem.cuh"
-#include "fwd_smem.cuh"
 #include "fwd_tile_config.h"
 #include "tile_scheduler.cuh"
 #include "work_list.cuh"
@@ -164,7 +163,7 @@ struct ItemKeys<true, kBlockM, kBlockN> {
   static constexpr uint32_t kVisible = 1;  // summary(): some row may see a key,
   static constexpr int kMixedShift = 1;    // consumer r's rows a hidden pair (bit 1 + r)
   const uint8_t* at = nullptr;  // the item's first row tile's summaries (null: no mask)
-  uint32_t stride = 0, rows = 0, cols = 0;  // column tiles a row; the item's row tiles
+  uint32_t cols = 0, rows = 0;  // the mask's column tiles (a row's); the item's row tiles
   int32_t col = 0, end_col = 0;  // the next tile's first column tile (next_tile's
                                  // cursor), the range's end
   int32_t unranged_lo, unranged_hi;  // the first keys of the tiles that need no
@@ -186,7 +185,7 @@ struct ItemKeys<true, kBlockM, kBlockN> {
     if (mask) {
       const int64_t row0 = w.q0 / MaskTiles::kRows, used_rows = w.last_row - w.q0 + 1;
       at = mask.bits + row0 * mask.col_tiles;
-      stride = cols = static_cast<uint32_t>(mask.col_tiles);
+      cols = static_cast<uint32_t>(mask.col_tiles);
       if (used_rows > 0) {  // (else no row: every tile, none mixed)
         rows = static_cast<uint32_t>(
             min(MaskTiles::tiles(w.last_row + 1), mask.row_tiles) - row0);
@@ -218,7 +217,7 @@ struct ItemKeys<true, kBlockM, kBlockN> {
 #pragma unroll
       for (int j = 0; j < kColTiles; ++j) {
         const bool in = r < static_cast<int>(rows) && static_cast<uint32_t>(c + j) < cols;
-        const uint8_t bits = in ? at[r * stride + c + j] : 0;
+        const uint8_t bits = in ? at[r * cols + c + j] : 0;
         out |= (bits & MaskTiles::kAnyAllowed ? kVisible : 0u) |
                (bits & MaskTiles::kAnyHidden ? 1u << (kMixedShift + r) : 0u);
       }
