@@ -94,10 +94,11 @@ struct ForwardMainloop {
       mbar_arrive(&sm.k_empty[(kv + it) % kStages]);
       if (it == n_tiles - 1) mbar_arrive(sm.q_empty);
     };
-    // Kernels with a mask (Keys::kMasked): key tile it's first key and whether the
-    // mask hides some of its pairs from this consumer's rows (then it is read per
-    // element), as the producer published them with the K tile (read once it is
-    // in, before the wait for S_it); the others compute k0 in softmax_step.
+    // Key tile it's first key, whether the mask hides some of its pairs from this
+    // consumer's rows (then it is read per element) and whether positions, windows or
+    // the sequence's end hide some (`ranged`): kernels with a mask (Keys::kMasked)
+    // take them as the producer published them with the K tile (read once it is in,
+    // before the wait for S_it); the others compute them in softmax_step.
     struct TileKeys {
       int64_t k0;
       bool mask_mixed, ranged;
