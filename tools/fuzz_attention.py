@@ -1,21 +1,27 @@
 #!/usr/bin/env python3
 """Randomised differential runs of flashjax against independent definitions.
 
-    python tools/fuzz_attention.py [--mode dense|nn] [--impl cpu|xla|cuda] \
+    python tools/fuzz_attention.py [--mode dense|varlen|kvcache|nn] [--impl cpu|xla|cuda] \
         [--dtype float32|bfloat16|float16] [--large] [--start 0] [--count 100]
 
 dense: `flashjax.flash_attention` with a random combination of its options (GQA, causal,
 windows, softcap, sinks, bias and mask of every broadcast shape, ALiBi, dropout,
 seqused_k, segment ids, position offsets, deterministic, a scale) against
 `flashjax.reference.attention` in float64 on the same (rounded) inputs: out, lse and the
-gradients of q, k, v and bias. nn: `flashjax.nn.dot_product_attention` against
-`jax.nn.dot_product_attention(implementation="xla")` (rank 3 and 4, bias, mask, windows,
-lengths), out and gradients, on the rows jax.nn defines (a row that sees no key is left
-out: jax.nn averages every value there). Each case is a seed: a failure prints its seed,
-shapes and options, and the run exits 1. --large takes the GPU kernels' head dims (64 to
-256) and longer sequences; on the GPU machine run with --impl cuda and a 16-bit dtype.
-(A first run of the CPU path's version found two bugs, in the reference itself:
-benchmarks/NOTES.md, "Nineteenth session".)
+gradients of q, k, v and bias. varlen: `flash_attention_varlen` (packed sequences, some
+empty, padding past the last, seqused_q / seqused_k) against
+`reference.attention_varlen`, likewise. kvcache: `flash_attention_with_kvcache`
+(contiguous, paged, cache_batch_idx, leftpad, appended tokens, rotary, splits, bias,
+mask) against its pure-JAX path (`implementation="xla"`, itself checked against the
+reference by the test suite): out, lse and the updated caches. nn:
+`flashjax.nn.dot_product_attention` against `jax.nn.dot_product_attention(
+implementation="xla")` (rank 3 and 4, bias, mask, windows, lengths), out and gradients,
+on the rows jax.nn defines (a row that sees no key is left out: jax.nn averages every
+value there). Each case is a seed: a failure prints its seed, shapes and options, and
+the run exits 1. --large takes the GPU kernels' head dims (64 to 256) and longer
+sequences; on the GPU machine run with --impl cuda and a 16-bit dtype. (A first run of
+the CPU path's version found two bugs, in the reference itself: benchmarks/NOTES.md,
+"Nineteenth session".)
 """
 
 import argparse
@@ -254,9 +260,152 @@ def run_nn(seed, impl, dtype, large):
     return ("bad" if bad else "ok"), desc, sorted(kw), "; ".join(bad)
 
 
+def run_varlen(seed, impl, dtype, large):
+    rng = random.Random(seed)
+    n, hk, group = rng.choice([1, 2, 4]), rng.choice([1, 2]), rng.choice([1, 2])
+    hq = hk * group
+    if large:
+        d = rng.choice([64, 128, 256])
+        dv = d
+        lq = [rng.choice([0, 1, 70, 129, 200]) for _ in range(n)]
+        lk = [rng.choice([0, 1, 65, 130, 257]) for _ in range(n)]
+    else:
+        d = rng.choice([8, 16, 40])
+        dv = rng.choice([d, 16])
+        lq = [rng.choice([0, 1, 5, 17, 33]) for _ in range(n)]
+        lk = [rng.choice([0, 1, 9, 17, 40]) for _ in range(n)]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk))
+    total_q, total_k = int(cu_q[-1]) + rng.choice([0, 3]), int(cu_k[-1]) + rng.choice([0, 5])
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    normal = lambda s: jax.random.normal(next(keys), s, jnp.float32)
+    q, k, v = (normal(s).astype(dtype) for s in ((total_q, hq, d), (total_k, hk, d), (total_k, hk, dv)))
+    kw = {}
+    if rng.random() < 0.4:
+        kw["causal"] = True
+    if rng.random() < 0.25:
+        kw["window_size"] = (rng.choice([-1, 0, 4]), rng.choice([-1, 0, 3]))
+    if rng.random() < 0.2:
+        kw["softcap"] = 4.0
+    if rng.random() < 0.2:
+        kw["sinks"] = normal((hq,))
+    if rng.random() < 0.2:
+        kw["alibi_slopes"] = jax.random.uniform(next(keys), (hq,), jnp.float32)
+    if rng.random() < 0.2:
+        kw["seqused_k"] = np.array([rng.randint(0, x) for x in lk], np.int32)
+    if rng.random() < 0.2:
+        kw["seqused_q"] = np.array([rng.randint(0, x) for x in lq], np.int32)
+    if rng.random() < 0.2:
+        kw["dropout_rate"], kw["dropout_key"] = 0.2, jax.random.key(3)
+    max_q, max_k = max(lq + [1]), max(lk + [1])
+    desc = dict(n=n, hq=hq, hk=hk, d=d, dv=dv, lq=lq, lk=lk)
+    atol, rtol, gtol = TOLERANCES[dtype]
+    ours_kw = {name: (jnp.asarray(x) if name.startswith("seqused") else x) for name, x in kw.items()}
+    ours = lambda q, k, v, **x: flashjax.flash_attention_varlen(
+        q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), max_q, max_k, implementation=impl,
+        **ours_kw, **x)
+    up = lambda x: x.astype(jnp.float64)
+    ref = lambda q, k, v, **x: reference.attention_varlen(
+        up(q), up(k), up(v), cu_q, cu_k, max_q, max_k, compute_dtype=jnp.float64, **kw, **x)
+    try:
+        out, lse = ours(q, k, v, return_lse=True)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return "raised", desc, sorted(kw), str(e)[:150]
+    rout, rlse = ref(q, k, v, return_lse=True)
+    bad = []
+    for name, got, want in (("out", out, rout), ("lse", lse, rlse)):
+        if np.shape(got) != np.shape(want):
+            bad.append(f"{name} shape {np.shape(got)} vs {np.shape(want)}")
+            continue
+        ok, err = within(got, want, atol, rtol)
+        if not ok:
+            bad.append(f"{name} err {err:.3g}")
+    weights = jax.random.normal(next(keys), out.shape, jnp.float64)
+    g = jax.grad(lambda *a: jnp.sum(ours(*a).astype(jnp.float64) * weights), (0, 1, 2))(q, k, v)
+    r = jax.grad(lambda *a: jnp.sum(ref(*a) * weights), (0, 1, 2))(q, k, v)
+    for name, a, w in zip(("dq", "dk", "dv"), g, r):
+        err = max_relative(a, w)
+        if not np.isfinite(err) or err > gtol:
+            bad.append(f"{name} err {err:.3g}")
+    return ("bad" if bad else "ok"), desc, sorted(kw), "; ".join(bad)
+
+
+def run_kvcache(seed, impl, dtype, large):
+    rng = random.Random(seed)
+    b, hk, group = rng.choice([1, 2, 3]), rng.choice([1, 2]), rng.choice([1, 2, 4])
+    hq = hk * group
+    d = rng.choice([64, 128, 256]) if large else rng.choice([8, 16, 32])
+    dv = d if large else rng.choice([d, 16])
+    sq = rng.choice([1, 1, 2, 4])
+    new = rng.choice([0, 0, 1, sq])
+    page = rng.choice([1, 4, 16]) if rng.random() < 0.4 else 0
+    capacity = rng.choice([300, 1000, 2048]) if large else rng.choice([8, 24, 48])
+    if page:
+        capacity = -(-capacity // page) * page
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    normal = lambda s: jax.random.normal(next(keys), s, jnp.float32).astype(dtype)
+    q = normal((b, sq, hq, d))
+    kw = {}
+    if page:
+        pages = b * capacity // page + rng.choice([0, 2])
+        k_cache, v_cache = normal((pages, page, hk, d)), normal((pages, page, hk, dv))
+        kw["page_table"] = jax.random.permutation(next(keys), pages)[: b * (capacity // page)] \
+            .reshape(b, capacity // page).astype(jnp.int32)
+    else:
+        extra = rng.choice([0, 1])
+        k_cache, v_cache = normal((b + extra, capacity, hk, d)), normal((b + extra, capacity, hk, dv))
+        if extra and rng.random() < 0.5:
+            kw["cache_batch_idx"] = jax.random.permutation(next(keys), b + extra)[:b].astype(jnp.int32)
+    seqlens = jax.random.randint(next(keys), (b,), 0, capacity - new + 1).astype(jnp.int32)
+    if rng.random() < 0.3 and not page:
+        kw["cache_leftpad"] = jnp.minimum(jax.random.randint(next(keys), (b,), 0, 4),
+                                          seqlens).astype(jnp.int32)
+    if new:
+        kw["k"], kw["v"] = normal((b, new, hk, d)), normal((b, new, hk, dv))
+    if rng.random() < 0.4:
+        kw["causal"] = True
+    if rng.random() < 0.2:
+        kw["window_size"] = (rng.choice([-1, 2, 5]), rng.choice([-1, 0, 1]))
+    if rng.random() < 0.2:
+        kw["softcap"] = 5.0
+    if rng.random() < 0.2:
+        kw["sinks"] = jax.random.normal(next(keys), (hq,), jnp.float32)
+    if rng.random() < 0.2:
+        kw["alibi_slopes"] = jax.random.uniform(next(keys), (hq,), jnp.float32)
+    if rng.random() < 0.15:
+        kw["bias"] = jax.random.normal(next(keys), (1, hq, sq, capacity), jnp.float32)
+    if rng.random() < 0.15:
+        kw["mask"] = jax.random.uniform(next(keys), (b, 1, sq, capacity)) < 0.7
+    if rng.random() < 0.2 and new and d >= 32:  # (rotary dims: multiples of 16)
+        rotary_dim = rng.choice([16, d])
+        angles = jax.random.uniform(next(keys), (capacity + 4, rotary_dim // 2), jnp.float32)
+        kw["rotary_cos"], kw["rotary_sin"] = jnp.cos(angles), jnp.sin(angles)
+        kw["rotary_interleaved"] = rng.random() < 0.5
+    if rng.random() < 0.3:
+        kw["num_splits"] = rng.choice([1, 2, 3])
+    desc = dict(b=b, hq=hq, hk=hk, d=d, dv=dv, sq=sq, new=new, page=page, capacity=capacity)
+    call = lambda implementation: flashjax.flash_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, return_lse=True,
+        implementation=implementation, **kw)
+    try:
+        got = call(impl)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return "raised", desc, sorted(kw), str(e)[:150]
+    want = call("xla")
+    atol, rtol, _ = TOLERANCES[dtype]
+    bad = []
+    for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), got, want):
+        ok, err = within(x, y, atol, rtol)
+        if not ok:
+            bad.append(f"{name} err {err:.3g}")
+    return ("bad" if bad else "ok"), desc, sorted(kw), "; ".join(bad)
+
+
+RUNS = {"dense": run_dense, "varlen": run_varlen, "kvcache": run_kvcache, "nn": run_nn}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("dense", "nn"), default="dense")
+    parser.add_argument("--mode", choices=sorted(RUNS), default="dense")
     parser.add_argument("--impl", default=None,
                         help="flashjax's implementation= (default: the platform's)")
     parser.add_argument("--dtype", choices=sorted(TOLERANCES), default="float32")
@@ -265,7 +414,7 @@ def main(argv=None):
     parser.add_argument("--start", type=int, default=0, help="first seed")
     parser.add_argument("--count", type=int, default=100, help="how many seeds")
     args = parser.parse_args(argv)
-    run = run_dense if args.mode == "dense" else run_nn
+    run = RUNS[args.mode]
     counts = {}
     for seed in range(args.start, args.start + args.count):
         result = run(seed, args.impl, args.dtype, args.large)
