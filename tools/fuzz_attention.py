@@ -134,6 +134,21 @@ def within(got, want, atol, rtol):
     return bool(np.all(err <= atol)), float(np.max(err, initial=0.0))
 
 
+def gradient_errors(ours, theirs, args, weights, gtol, names=("dq", "dk", "dv", "dbias")):
+    """The gradients of sum(f(*args) * weights) (in float64) by ours and by theirs that
+    differ by more than gtol, relative to theirs' largest entry: ["dq err ...", ...]."""
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float64) * weights)
+    argnums = tuple(range(len(args)))
+    got = jax.grad(loss(ours), argnums)(*args)
+    want = jax.grad(loss(theirs), argnums)(*args)
+    bad = []
+    for name, a, w in zip(names, got, want):
+        err = max_relative(a, w)
+        if not np.isfinite(err) or err > gtol:
+            bad.append(f"{name} err {err:.3g}")
+    return bad
+
+
 def run_dense(seed, impl, dtype, large):
     rng = random.Random(seed)
     shape, o = dense_case(rng, large)
@@ -154,25 +169,16 @@ def run_dense(seed, impl, dtype, large):
     weights = jax.random.normal(jax.random.key(seed + 1), out.shape, jnp.float64)
     extra = {n: x for n, x in kw.items() if n != "bias"}
     rextra = {n: x for n, x in rkw.items() if n != "bias"}
-    argnums = (0, 1, 2, 3) if "bias" in kw else (0, 1, 2)
-
-    def loss(fn, extra, q, k, v, bias):
-        more = dict(extra) if bias is None else dict(extra, bias=bias)
-        return jnp.sum(fn(q, k, v, **more).astype(jnp.float64) * weights)
-
-    ours = lambda *a, **x: flashjax.flash_attention(*a, implementation=impl, **x)
-    try:
-        grads = jax.grad(lambda *a: loss(ours, extra, *a), argnums)(q, k, v, kw.get("bias"))
-    except (ValueError, TypeError, NotImplementedError) as e:
-        return "bad", shape, o, "gradient raised " + str(e)[:120]
-    # (the reference's gradients in float64: of the same rounded inputs)
+    with_bias = lambda extra, bias: extra if bias is None else dict(extra, bias=bias)
+    ours = lambda q, k, v, bias=None: flashjax.flash_attention(
+        q, k, v, implementation=impl, **with_bias(extra, bias))
     up = lambda x: None if x is None else x.astype(jnp.float64)
-    rgrads = jax.grad(lambda *a: loss(ref, rextra, *a), argnums)(
-        up(q), up(k), up(v), up(kw.get("bias")))
-    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, rgrads):
-        err = max_relative(got, want)
-        if not np.isfinite(err) or err > gtol:
-            bad.append(f"{name} err {err:.3g}")
+    theirs = lambda q, k, v, bias=None: ref(up(q), up(k), up(v), **with_bias(rextra, up(bias)))
+    args = (q, k, v) + ((kw["bias"],) if "bias" in kw else ())
+    try:
+        bad += gradient_errors(ours, theirs, args, weights, gtol)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        bad.append("gradient raised " + str(e)[:120])
     return ("bad" if bad else "ok"), shape, o, "; ".join(bad)
 
 
@@ -251,12 +257,7 @@ def run_nn(seed, impl, dtype, large):
         bad.append(f"out err {err:.3g}")
     if keep.all():  # (gradients where every row is defined)
         weights = jax.random.normal(next(keys), want.shape, jnp.float64)
-        g = jax.grad(lambda *a: jnp.sum(ours(*a).astype(jnp.float64) * weights), (0, 1, 2))(q, k, v)
-        r = jax.grad(lambda *a: jnp.sum(theirs(*a) * weights), (0, 1, 2))(q, k, v)
-        for name, a, w in zip(("dq", "dk", "dv"), g, r):
-            e = max_relative(a, w)
-            if not np.isfinite(e) or e > gtol:
-                bad.append(f"{name} err {e:.3g}")
+        bad += gradient_errors(ours, theirs, (q, k, v), weights, gtol)
     return ("bad" if bad else "ok"), desc, sorted(kw), "; ".join(bad)
 
 
@@ -320,12 +321,7 @@ def run_varlen(seed, impl, dtype, large):
         if not ok:
             bad.append(f"{name} err {err:.3g}")
     weights = jax.random.normal(next(keys), out.shape, jnp.float64)
-    g = jax.grad(lambda *a: jnp.sum(ours(*a).astype(jnp.float64) * weights), (0, 1, 2))(q, k, v)
-    r = jax.grad(lambda *a: jnp.sum(ref(*a) * weights), (0, 1, 2))(q, k, v)
-    for name, a, w in zip(("dq", "dk", "dv"), g, r):
-        err = max_relative(a, w)
-        if not np.isfinite(err) or err > gtol:
-            bad.append(f"{name} err {err:.3g}")
+    bad += gradient_errors(ours, ref, (q, k, v), weights, gtol)
     return ("bad" if bad else "ok"), desc, sorted(kw), "; ".join(bad)
 
 
