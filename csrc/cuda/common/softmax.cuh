@@ -30,6 +30,16 @@ struct RowSoftmax {
     return k0 < key_begin || k0 + n > key_end || k0 < seq.first_key(q_last) ||
            k0 + n - 1 > seq.last_key(q0);
   }
+  // The same test as a range, for a caller that asks it of many tiles k0 >= 0 (the
+  // Hopper forward's producer, which publishes it): tile_needs_mask is false exactly
+  // for lo <= k0 <= hi (int32: clamped, keys are < 2^31; hi < lo: every tile needs it).
+  __device__ static void unmasked_tiles(const SeqlenInfo& seq, int64_t q0, int64_t q_last,
+                                        int n, int64_t key_begin, int64_t key_end,
+                                        int32_t& lo, int32_t& hi) {
+    lo = static_cast<int32_t>(clamp_to(max(key_begin, seq.first_key(q_last)), 0, INT32_MAX));
+    hi = static_cast<int32_t>(
+        clamp_to(min(key_end, seq.last_key(q0) + 1) - n, -1, INT32_MAX));
+  }
 
   // Raw q.k products -> scores in log2 units, -inf where masked.
   template <int kKeyTiles>

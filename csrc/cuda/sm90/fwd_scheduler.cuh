@@ -166,8 +166,7 @@ struct ItemKeys<true, kBlockM, kBlockN> {
   uint32_t cols = 0, rows = 0;  // the mask's column tiles (a row's); the item's row tiles
   int32_t col = 0, end_col = 0;  // the next tile's first column tile (next_tile's
                                  // cursor), the range's end
-  int32_t unranged_lo, unranged_hi;  // the first keys of the tiles that need no
-                                     // RowSoftmax::tile_needs_mask: [lo, hi]
+  int32_t unranged_lo, unranged_hi;  // RowSoftmax::unmasked_tiles of the item
   int64_t count = 0;
   bool dense = true;  // every tile of the range is taken: no walk
 
@@ -175,11 +174,9 @@ struct ItemKeys<true, kBlockM, kBlockN> {
   // rows see (MaskTiles::RowSpan, on the item's tile grid); a dense span's tiles
   // are all taken, the others' counted here and walked by next_tile.
   template <class Item>
-  __device__ ItemKeys(const Item& w, const MaskTiles& mask_tiles)
-      : unranged_lo(static_cast<int32_t>(
-            clamp_to(max(w.keys.key_begin, w.seq.first_key(w.last_row)), 0, INT32_MAX))),
-        unranged_hi(static_cast<int32_t>(
-            clamp_to(min(w.keys.key_end, w.seq.last_key(w.q0) + 1) - kBlockN, -1, INT32_MAX))) {
+  __device__ ItemKeys(const Item& w, const MaskTiles& mask_tiles) {
+    RowSoftmax::unmasked_tiles(w.seq, w.q0, w.last_row, kBlockN, w.keys.key_begin,
+                               w.keys.key_end, unranged_lo, unranged_hi);
     int64_t begin = w.keys.tile_begin, end = begin + w.n_tiles * kBlockN;
     const MaskTiles::Entry mask = mask_tiles.entry(w.b, w.h);
     if (mask) {
