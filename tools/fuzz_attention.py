@@ -119,6 +119,14 @@ def position_offsets(key):
     return tuple(int(x) for x in jax.random.randint(key, (2,), 0, 20))
 
 
+def to_float64(x):
+    """A floating-point array in float64 (the references' inputs); anything else (None,
+    bool masks, integer lengths, Python options) as it is."""
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+        return x.astype(jnp.float64)
+    return x
+
+
 def max_relative(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if not got.size:
@@ -172,8 +180,8 @@ def run_dense(seed, impl, dtype, large):
     with_bias = lambda extra, bias: extra if bias is None else dict(extra, bias=bias)
     ours = lambda q, k, v, bias=None: flashjax.flash_attention(
         q, k, v, implementation=impl, **with_bias(extra, bias))
-    up = lambda x: None if x is None else x.astype(jnp.float64)
-    theirs = lambda q, k, v, bias=None: ref(up(q), up(k), up(v), **with_bias(rextra, up(bias)))
+    theirs = lambda q, k, v, bias=None: ref(*map(to_float64, (q, k, v)),
+                                            **with_bias(rextra, to_float64(bias)))
     args = (q, k, v) + ((kw["bias"],) if "bias" in kw else ())
     try:
         bad += gradient_errors(ours, theirs, args, weights, gtol)
@@ -240,10 +248,9 @@ def run_nn(seed, impl, dtype, large):
               if n not in ("query_seq_lengths", "key_value_seq_lengths")}
     desc = dict(b=b, hq=hq, hk=hk, sq=sq, sk=sk, d=d, rank3=rank3)
     atol, rtol, gtol = TOLERANCES[dtype]
-    up = lambda x: x.astype(jnp.float64) if (hasattr(x, "dtype") and
-                                             jnp.issubdtype(x.dtype, jnp.floating)) else x
     theirs = lambda q, k, v: jax.nn.dot_product_attention(
-        up(q), up(k), up(v), implementation="xla", **{n: up(x) for n, x in kw.items()})
+        *map(to_float64, (q, k, v)), implementation="xla",
+        **{n: to_float64(x) for n, x in kw.items()})
     ours = lambda q, k, v: flashjax.nn.dot_product_attention(q, k, v, implementation=impl, **kw)
     try:
         got = ours(q, k, v)
@@ -304,9 +311,9 @@ def run_varlen(seed, impl, dtype, large):
     ours = lambda q, k, v, **x: flashjax.flash_attention_varlen(
         q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), max_q, max_k, implementation=impl,
         **ours_kw, **x)
-    up = lambda x: x.astype(jnp.float64)
     ref = lambda q, k, v, **x: reference.attention_varlen(
-        up(q), up(k), up(v), cu_q, cu_k, max_q, max_k, compute_dtype=jnp.float64, **kw, **x)
+        *map(to_float64, (q, k, v)), cu_q, cu_k, max_q, max_k, compute_dtype=jnp.float64,
+        **kw, **x)
     try:
         out, lse = ours(q, k, v, return_lse=True)
     except (ValueError, TypeError, NotImplementedError) as e:
