@@ -268,6 +268,23 @@ def run_nn(seed, impl, dtype, large):
     return ("bad" if bad else "ok"), desc, sorted(kw), "; ".join(bad)
 
 
+def position_and_score_options(rng, keys, heads_q):
+    """The options the varlen and KV-cache calls draw alike: causal, a window, softcap,
+    sinks and ALiBi slopes (keys: an iterator of PRNG keys)."""
+    kw = {}
+    if rng.random() < 0.4:
+        kw["causal"] = True
+    if rng.random() < 0.25:
+        kw["window_size"] = (rng.choice([-1, 0, 2, 5]), rng.choice([-1, 0, 1, 3]))
+    if rng.random() < 0.2:
+        kw["softcap"] = rng.choice([4.0, 5.0])
+    if rng.random() < 0.2:
+        kw["sinks"] = jax.random.normal(next(keys), (heads_q,), jnp.float32)
+    if rng.random() < 0.2:
+        kw["alibi_slopes"] = jax.random.uniform(next(keys), (heads_q,), jnp.float32)
+    return kw
+
+
 def run_varlen(seed, impl, dtype, large):
     rng = random.Random(seed)
     n, hk, group = rng.choice([1, 2, 4]), rng.choice([1, 2]), rng.choice([1, 2])
@@ -287,17 +304,7 @@ def run_varlen(seed, impl, dtype, large):
     keys = iter(jax.random.split(jax.random.key(seed), 8))
     normal = lambda s: jax.random.normal(next(keys), s, jnp.float32)
     q, k, v = (normal(s).astype(dtype) for s in ((total_q, hq, d), (total_k, hk, d), (total_k, hk, dv)))
-    kw = {}
-    if rng.random() < 0.4:
-        kw["causal"] = True
-    if rng.random() < 0.25:
-        kw["window_size"] = (rng.choice([-1, 0, 4]), rng.choice([-1, 0, 3]))
-    if rng.random() < 0.2:
-        kw["softcap"] = 4.0
-    if rng.random() < 0.2:
-        kw["sinks"] = normal((hq,))
-    if rng.random() < 0.2:
-        kw["alibi_slopes"] = jax.random.uniform(next(keys), (hq,), jnp.float32)
+    kw = position_and_score_options(rng, keys, hq)
     if rng.random() < 0.2:
         kw["seqused_k"] = np.array([rng.randint(0, x) for x in lk], np.int32)
     if rng.random() < 0.2:
@@ -364,16 +371,7 @@ def run_kvcache(seed, impl, dtype, large):
                                           seqlens).astype(jnp.int32)
     if new:
         kw["k"], kw["v"] = normal((b, new, hk, d)), normal((b, new, hk, dv))
-    if rng.random() < 0.4:
-        kw["causal"] = True
-    if rng.random() < 0.2:
-        kw["window_size"] = (rng.choice([-1, 2, 5]), rng.choice([-1, 0, 1]))
-    if rng.random() < 0.2:
-        kw["softcap"] = 5.0
-    if rng.random() < 0.2:
-        kw["sinks"] = jax.random.normal(next(keys), (hq,), jnp.float32)
-    if rng.random() < 0.2:
-        kw["alibi_slopes"] = jax.random.uniform(next(keys), (hq,), jnp.float32)
+    kw.update(position_and_score_options(rng, keys, hq))
     if rng.random() < 0.15:
         kw["bias"] = jax.random.normal(next(keys), (1, hq, sq, capacity), jnp.float32)
     if rng.random() < 0.15:
