@@ -162,24 +162,26 @@ PYEOF
       grep -v "profiler.py\|contextlib\|api.py:\|Pjit\|PjRt\|PJRT" "$OUT/trace${TRACE_TAG:-}.log" ;;
     ncu)
       # Nsight Compute on the split-KV kernel of one decode case (NCU_CASE: "BATCH CACHE
-      # PAGE SPLITS"): every section, and the SASS with its stall samples as csv.
+      # PAGE SPLITS"; NCU_IMPL: flashjax or flashjax-fp8, whose tag ends the file names):
+      # every section, and the SASS with its stall samples as csv.
       read -r b n pg sp <<< "${NCU_CASE:-1 1024 0 1}"
+      impl=${NCU_IMPL:-flashjax}
       ncu --clock-control none --set full --import-source no -k regex:split_kv --launch-skip 2 \
-        -c 1 -f -o /tmp/split $PY - "$b" "$n" "$pg" "$sp" > "$OUT/ncu_run.log" 2>&1 <<'PYEOF'
+        -c 1 -f -o /tmp/split $PY - "$b" "$n" "$pg" "$sp" "$impl" > "$OUT/ncu_run.log" 2>&1 <<'PYEOF'
 import sys, jax
 from flashjax import bench_decode
-b, n, page, splits = map(int, sys.argv[1:])
+b, n, page, splits = map(int, sys.argv[1:5])
 case = bench_decode.DecodeCase(b, n, 32, 8, 128, page, "bfloat16")
-step, q, k, v = bench_decode.attend("flashjax", case, num_splits=splits)
+step, q, k, v = bench_decode.attend(sys.argv[5], case, num_splits=splits)
 f = jax.jit(step)
 for _ in range(4):
     q = f(q, k, v).astype(q.dtype)
 jax.block_until_ready(q)
 PYEOF
       tail -3 "$OUT/ncu_run.log"
-      ncu -i /tmp/split.ncu-rep --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
-      ncu -i /tmp/split.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_sass.csv" 2>&1
-      grep -E "Duration|Memory Throughput|Registers|Achieved Occupancy|Warp Cycles Per Issued" "$OUT/ncu_details.txt" | head -12 ;;
+      ncu -i /tmp/split.ncu-rep --page details --print-details all > "$OUT/ncu_details_$impl.txt" 2>&1
+      ncu -i /tmp/split.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_sass_$impl.csv" 2>&1
+      grep -E "Duration|Memory Throughput|Registers|Achieved Occupancy|Warp Cycles Per Issued|Executed Ipc|Issue Slots Busy" "$OUT/ncu_details_$impl.txt" | head -14 ;;
     ring)
       # benchmarks/ring_bench.py on the GPUs there are (one GPU: a smoke test; RING_ARGS).
       timeout 300 $PY benchmarks/ring_bench.py ${RING_ARGS:---seqlen 32k} > "$OUT/ring.log" 2>&1

@@ -2,8 +2,11 @@
 paged e4m3 / e5m2 caches with k_descale / v_descale per (sequence, kv head), new tokens
 quantised into them (bit-exact to jnp.asarray(x * (1 / descale), cache dtype)), the
 attention against the float64 reference of the dequantised cache (kvcache_helpers.py),
-descale broadcasting and argument errors. Today every platform runs the exact fallback
-(gathered, dequantised rows on the kernels of q's dtype)."""
+descale broadcasting and argument errors. On the CPU (and for prefill blocks, score terms,
+float32 q) the exact fallback runs (gathered, dequantised rows on the kernels of q's
+dtype); on a GPU the split-KV kernel reads decoding blocks' float8 caches itself (the
+`gpu` tests below: every layout and option, forced splits, a 64k-key cache, the
+accuracy bound against q's dtype, out-of-range new rows)."""
 
 from __future__ import annotations
 
@@ -53,24 +56,56 @@ def quantised(x, descale, dtype):
     return jnp.asarray(x.astype(jnp.float32) * (1 / descale)[:, None, :, None], dtype)
 
 
-@pytest.mark.parametrize("case,cache_dtype", CASES, ids=[f"{c}-{d}" for c, d in CASES])
-@pytest.mark.parametrize("implementation", [None, "xla"])
-def test_fp8_cache(case, cache_dtype, implementation):
-    q, k_cache, v_cache, new, extra, descales, (deq_k, deq_v) = fp8_inputs(case, cache_dtype)
-    call = jax.jit(lambda q, kc, vc, new, extra, descales: flashjax.flash_attention_with_kvcache(
-        q, kc, vc, **new, **extra, **descales, cache_seqlens=jnp.asarray(case.seqlens, jnp.int32),
-        causal=case.causal, return_lse=True, implementation=implementation))
-    out, lse, kc, vc = call(q, k_cache, v_cache, new, extra, descales)
-    assert out.dtype == q.dtype and kc.dtype == k_cache.dtype
+def run_fp8(case: KVCase, cache_dtype: str, **options):
+    """The case's call on float8 caches (options: the call's keyword arguments), jitted:
+    ((out, lse, k_cache, v_cache), inputs, the float64 (out, lse) of the dequantised
+    inputs, the new rows as the cache stores them (name -> array))."""
+    inputs = fp8_inputs(case, cache_dtype)
+    q, k_cache, v_cache, new, extra, descales, (deq_k, deq_v) = inputs
+    named = dict(new, **extra, **descales)
+    arrays = {n: x for n, x in named.items() if isinstance(x, jax.Array)}
+    static = {n: x for n, x in named.items() if n not in arrays}
+    call = jax.jit(lambda q, kc, vc, arrays: flashjax.flash_attention_with_kvcache(
+        q, kc, vc, cache_seqlens=jnp.asarray(case.seqlens, jnp.int32), causal=case.causal,
+        window_size=case.window_size, softcap=case.softcap, return_lse=True, **static,
+        **arrays, **options))
+    result = call(q, k_cache, v_cache, arrays)
     # the new rows, quantised as the cache stores them, then read at the descales
-    stored = {n: quantised(new[n], descales[f"{n}_descale"], cache_dtype) for n in ("k", "v")}
+    stored = {n: quantised(new[n], descales[f"{n}_descale"], cache_dtype) for n in new}
     back = {n: np.asarray(stored[n].astype(jnp.float32), np.float64)
             * np.asarray(descales[f"{n}_descale"], np.float64)[:, None, :, None]
-            for n in ("k", "v")}
+            for n in stored}
     want_out, want_lse, _, _ = expected(case, q, deq_k, deq_v, back, extra)
+    return result, inputs, (want_out, want_lse), stored, call.lower(q, k_cache, v_cache, arrays)
+
+
+def kernel_reads_fp8(lowered) -> bool:
+    """Whether the compiled call hands the float8 caches to the flashjax_kvcache kernel
+    (rather than rows the fallback dequantised in JAX)."""
+    return any("flashjax_kvcache" in line and "f8e" in line
+               for line in lowered.compile().as_text().splitlines() if "custom-call" in line)
+
+
+def assert_same_fp8(got, want_bytes, dtype, err_msg=""):
+    """got holds want_bytes (uint8 of float8 dtype), bit for bit but for which NaN
+    (e5m2 has several; XLA's CPU copies of a float8 array may change them)."""
+    got_bytes = np.asarray(got).view(np.uint8)
+    nan = np.isnan(got_bytes.view(dtype).astype(np.float32))
+    np.testing.assert_array_equal(nan, np.isnan(want_bytes.view(dtype).astype(np.float32)),
+                                  err_msg=err_msg)
+    np.testing.assert_array_equal(np.where(nan, 0, got_bytes), np.where(nan, 0, want_bytes),
+                                  err_msg=err_msg)
+
+
+def check_fp8_cache(case: KVCase, cache_dtype: str, **options):
+    """run_fp8, checked: out and lse against the float64 reference of the dequantised
+    inputs, the appended rows bit-exact, every other cache row unchanged; returns
+    run_fp8's result."""
+    ran = run_fp8(case, cache_dtype, **options)
+    (out, lse, kc, vc), (q, k_cache, v_cache, _, extra, _, _), (want_out, want_lse), stored, _ = ran
+    assert out.dtype == q.dtype and kc.dtype == k_cache.dtype
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=3e-2, atol=3e-2)
     np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=3e-2, atol=3e-2)
-    # the caches: appended rows bit-exact, every other row unchanged
     want_k, want_v = (np.array(c).view(np.uint8) for c in (k_cache, v_cache))
     for i in range(case.batch):
         for j in range(case.seqlen_new):
@@ -79,8 +114,15 @@ def test_fp8_cache(case, cache_dtype, implementation):
                 slot = cache_location(case, extra, i, r)
                 want_k[slot] = np.asarray(stored["k"][i, j]).view(np.uint8)
                 want_v[slot] = np.asarray(stored["v"][i, j]).view(np.uint8)
-    np.testing.assert_array_equal(np.asarray(kc).view(np.uint8), want_k)
-    np.testing.assert_array_equal(np.asarray(vc).view(np.uint8), want_v)
+    assert_same_fp8(kc, want_k, cache_dtype, "k_cache")
+    assert_same_fp8(vc, want_v, cache_dtype, "v_cache")
+    return ran
+
+
+@pytest.mark.parametrize("case,cache_dtype", CASES, ids=[f"{c}-{d}" for c, d in CASES])
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_fp8_cache(case, cache_dtype, implementation):
+    check_fp8_cache(case, cache_dtype, implementation=implementation)
 
 
 def test_fp8_descales_broadcast():
@@ -201,3 +243,87 @@ def test_fp8_query_errors():
         call(q, k_cache, q_descale=jnp.ones((), jnp.float32), **descales)
     with pytest.raises(TypeError, match="must have q's dtype"):
         call(q, k_cache, k=new["k"].astype(jnp.float8_e5m2), v=new["v"].astype(jnp.float8_e5m2))
+
+
+# The split-KV kernel's float8 path (tests/test_gpu_kvcache.py has the same layouts in
+# q's dtype); head dims that are not multiples of 16 take the fallback.
+D128 = dict(head_dim=128, head_dim_v=128)
+GPU_CASES = [
+    (KVCase(batch=2, heads_q=32, heads_kv=8, seqlens=(700, 1000), capacity=1024, seqlen_new=1,
+            causal=True, dtype="bfloat16", **D128), "float8_e4m3fn"),
+    (KVCase(seqlen_q=3, heads_q=8, heads_kv=1, seqlens=(300, 5, 509), capacity=512, seqlen_new=3,
+            causal=True, dtype="float16", head_dim=64, head_dim_v=64), "float8_e5m2"),
+    (KVCase(page_size=16, num_pages=110, capacity=512, seqlens=(400, 17, 0), seqlen_new=2,
+            window_size=(100, 0), sinks=True, dtype="bfloat16", **D128), "float8_e4m3fn"),
+    (KVCase(page_size=64, num_pages=40, capacity=640, seqlens=(600, 64, 1), seqlen_new=1,
+            leftpad=(70, 0, 0), softcap=10.0, dtype="bfloat16", poison=True, head_dim=256,
+            head_dim_v=256), "float8_e4m3fn"),
+    (KVCase(batch_cache=5, capacity=300, seqlens=(250, 0, 299), seqlen_new=2, leftpad=(5, 0, 100),
+            sinks=True, causal=True, dtype="bfloat16", poison=True, **D128), "float8_e5m2"),
+    (KVCase(heads_q=4, heads_kv=4, head_dim=96, head_dim_v=64, capacity=256,
+            seqlens=(255, 7, 128), seqlen_new=1, dtype="float16"), "float8_e4m3fn"),
+    (KVCase(heads_q=6, heads_kv=2, head_dim=40, head_dim_v=40, capacity=200,
+            seqlens=(150, 3, 199), seqlen_new=1, dtype="bfloat16"), "float8_e4m3fn"),  # fallback
+]
+
+
+def frobenius_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,cache_dtype", GPU_CASES, ids=[f"{c}-{d}" for c, d in GPU_CASES])
+def test_gpu_fp8_cache_kernel(case, cache_dtype):
+    """The kernel's answer and appended rows (check_fp8_cache), and its accuracy: a
+    relative error against the float64 reference of the dequantised inputs at most 1.5x
+    that of the same call on caches of q's dtype holding the dequantised values."""
+    ran = check_fp8_cache(case, cache_dtype)
+    (out, *_), inputs, (want_out, _), stored, lowered = ran
+    q, _, _, _, extra, descales, (deq_k, deq_v) = inputs
+    assert kernel_reads_fp8(lowered) == (case.head_dim % 16 == 0 and case.head_dim_v % 16 == 0)
+    named = dict(extra, **{n: (stored[n].astype(jnp.float32) * descales[f"{n}_descale"][
+        :, None, :, None]).astype(q.dtype) for n in stored})
+    static = {n: x for n, x in named.items() if not isinstance(x, jax.Array)}
+    arrays = {n: x for n, x in named.items() if n not in static}
+    same_dtype = jax.jit(lambda q, kc, vc, arrays: flashjax.flash_attention_with_kvcache(
+        q, kc, vc, cache_seqlens=jnp.asarray(case.seqlens, jnp.int32), causal=case.causal,
+        window_size=case.window_size, softcap=case.softcap, **static, **arrays))(
+        q, jnp.asarray(deq_k, q.dtype), jnp.asarray(deq_v, q.dtype), arrays)[0]
+    assert frobenius_error(out, want_out) <= 1.5 * frobenius_error(same_dtype, want_out) + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+@pytest.mark.parametrize("index", [0, 2])
+def test_gpu_fp8_forced_splits(index, num_splits):
+    check_fp8_cache(*GPU_CASES[index], num_splits=num_splits)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_long_cache():
+    """64k cached keys of one sequence in e4m3, the automatic split count."""
+    check_fp8_cache(KVCase(batch=1, heads_q=8, heads_kv=1, seqlens=(65000,), capacity=65536,
+                           seqlen_new=1, causal=True, dtype="bfloat16", **D128), "float8_e4m3fn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_gpu_fp8_append_out_of_range(cache_dtype):
+    """New rows past the float8 range (and inf, NaN, tiny values) are stored as
+    jnp.asarray(x * (1 / descale), cache dtype) stores them on the same device (bit for
+    bit, but for which of e5m2's NaNs)."""
+    case = KVCase(batch=2, heads_q=4, heads_kv=2, head_dim=64, head_dim_v=64, seqlens=(3, 10),
+                  capacity=16, seqlen_new=1, dtype="bfloat16")
+    q, k_cache, v_cache, new, _, descales, _ = fp8_inputs(case, cache_dtype)
+    special = jnp.asarray([1e3, -1e4, 500.0, 460.0, 449.0, 6e4, 7e4, np.inf, -np.inf, np.nan,
+                           1e-9, -3e-3, 0.0, -0.0, 2.0 ** -9, 65504.0], jnp.float32)
+    k = jnp.resize(special, new["k"].size).reshape(new["k"].shape).astype(q.dtype)
+    v = (new["v"].astype(jnp.float32) * 1e3).astype(q.dtype)
+    _, kc, vc = jax.jit(flashjax.flash_attention_with_kvcache)(
+        q, k_cache, v_cache, k, v, cache_seqlens=jnp.asarray(case.seqlens, jnp.int32),
+        **descales)
+    for got, x, name in ((kc, k, "k"), (vc, v, "v")):
+        want = np.asarray(quantised(x, descales[f"{name}_descale"], cache_dtype)).view(np.uint8)
+        rows = np.asarray(got)[np.arange(case.batch), np.asarray(case.seqlens)]
+        assert_same_fp8(rows, want[:, 0], cache_dtype, name)

@@ -16,6 +16,9 @@ struct CpuPlatform {
     return ffi::Error::Success();
   }
   static ffi::Error kvcache(const flashjax::AttentionParams& p, int, void*, size_t) {
+    if (p.cache.float8())  // (flashjax.flash_attention_with_kvcache dequantises them in JAX)
+      return ffi::Error::InvalidArgument(
+          "flashjax: the CPU KV-cache kernel takes caches of q's dtype, not float8");
     if (p.cache.new_rows > 0) flashjax::cpu::append_to_cache(p);
     flashjax::cpu::kvcache_forward(p);
     return ffi::Error::Success();

@@ -54,6 +54,12 @@ struct CudaPlatform {
   static ffi::Error kvcache(int32_t device, cudaStream_t stream, const AttentionParams& p,
                             int splits, void* workspace, size_t workspace_bytes) {
     if (ffi::Error e = use_device(device); e.failure()) return e;
+    if (p.cache.float8() &&
+        flashjax::cuda::forward_kernel(p) != flashjax::cuda::Kernel::kSplitKv)
+      return ffi::Error::InvalidArgument(
+          "flashjax: float8 caches need the split-KV kernel: float16 / bfloat16 q, head dims "
+          "multiples of 16 up to 256, tensor cores allowed (not implementation='cuda:simt'), "
+          "compute capability >= 8.0");
     if (workspace_bytes < flashjax::cuda::kvcache_workspace_bytes(p, splits))
       return ffi::Error::InvalidArgument("flashjax: the KV-cache workspace is too small for " +
                                          std::to_string(splits) + " splits");

@@ -28,6 +28,14 @@ bool to_dtype(ffi::DataType type, DType& dtype) {
   }
 }
 
+bool to_cache_element(ffi::DataType type, CacheElement& element) {
+  switch (type) {
+    case ffi::DataType::F8E4M3FN: element = CacheElement::kFloat8E4M3; return true;
+    case ffi::DataType::F8E5M2: element = CacheElement::kFloat8E5M2; return true;
+    default: return false;
+  }
+}
+
 // Product of all but the last `trailing` dims: the (vmapped) batch.
 int64_t leading_product(ffi::Span<const int64_t> dims, size_t trailing) {
   int64_t n = 1;
@@ -61,15 +69,23 @@ ffi::Error set_shared_options(AttentionParams& p, const TargetOptions& options) 
   return ffi::Error::Success();
 }
 
-// The checks every call shares once shapes are read.
+// The checks every call shares once shapes are read. A KV-cache call
+// (p.cache.active()) may also read float8 caches with float16 / bfloat16 q.
 template <class TargetOptions>
 ffi::Error check_and_set_common(AttentionParams& p, const ffi::AnyBuffer& q,
                                 const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                 const TargetOptions& options) {
   if (!to_dtype(q.element_type(), p.dtype))
     return invalid("q must be float16, bfloat16 or float32");
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
-    return invalid("q, k and v must share one dtype");
+  const bool float8_cache = p.cache.active() && p.dtype != DType::kFloat32 &&
+                            k.element_type() == v.element_type() &&
+                            to_cache_element(k.element_type(), p.cache.element);
+  if (!float8_cache && (k.element_type() != q.element_type() ||
+                        v.element_type() != q.element_type()))
+    return invalid(p.cache.active() ? "k_cache and v_cache must have q's dtype, or one float8 "
+                                      "dtype (float8_e4m3fn, float8_e5m2) with float16 / "
+                                      "bfloat16 q"
+                                    : "q, k and v must share one dtype");
   if (p.heads_kv < 1 || p.heads_q < 1) return invalid("heads must be >= 1");
   if (p.heads_q % p.heads_kv != 0) return invalid("heads_q must be a multiple of heads_kv");
   if (p.head_dim < 1 || p.head_dim > kMaxHeadDim || p.head_dim_v < 1 ||
@@ -102,6 +118,14 @@ ffi::Error check_input(const char* name, InputKind kind, const ffi::AnyBuffer& b
   switch (kind) {
     case InputKind::kPerHead:
       return expect_per_head(name, buffer, p);
+    case InputKind::kPerKvHead: {
+      auto d = buffer.dimensions();
+      if (buffer.element_type() == ffi::DataType::F32 && d.size() == 2 && d[0] == p.batch &&
+          d[1] == p.heads_kv)
+        return ffi::Error::Success();
+      return invalid(std::string(name) + " must be float32 (batch, heads_kv); got " +
+                     shape_string(d));
+    }
     case InputKind::kPerSequence:
       if (is_int32_array(buffer, p.batch, {})) return ffi::Error::Success();
       return expected("(batch,)");
@@ -355,6 +379,8 @@ ffi::Error fill_kvcache_inputs(AttentionParams& p, const KvcacheInputs& in,
   if (ffi::Error e = check_and_set_common(p, in.q, in.k_cache, in.v_cache, options); e.failure())
     return e;
   if (options.num_splits < 1) return invalid("num_splits must be >= 1");
+  if (c.float8() != options.has_descales)
+    return invalid("k_descale and v_descale come with float8 caches, and only with them");
   p.k = TensorRef::rows_heads_dim(in.k_cache_data, c.slot_rows, p.heads_kv, p.head_dim);
   p.v = TensorRef::rows_heads_dim(in.v_cache_data, c.slot_rows, p.heads_kv, p.head_dim_v);
   c.k_new = TensorRef::rows_heads_dim(in.k_new.untyped_data(), c.new_rows, p.heads_kv, p.head_dim);

@@ -31,6 +31,7 @@ struct KvcacheOptions {
 // The shapes of optional inputs (the `kind` of the operands.h lists).
 enum class InputKind {
   kPerHead,       // float32 [batch.., heads_q] (sinks: one row per sequence)
+  kPerKvHead,     // float32 [batch, heads_kv] (a float8 cache's descales)
   kPerSequence,   // int32 [batch..]
   kQueryRows,     // int32 [batch.., seqlen_q] (dense layout only)
   kKeyRows,       // int32 [batch.., seqlen_k] (dense layout only)

@@ -44,7 +44,7 @@ class Operand:
     dtype: "float32" / "int32", or None: q's dtype (k's, v's for their kind).
     shape: its shape kind ("rows": (batch, rows, heads, dim) like q, k or v;
       "row_stats": lse-like; for optional inputs the C++ InputKind: "per_head",
-      "per_sequence", "query_rows", "key_rows", "page_table", "scores": (batch or 1,
+      "per_kv_head", "per_sequence", "query_rows", "key_rows", "page_table", "scores": (batch or 1,
       heads_q, heads_kv or 1, seqlen_q, seqlen_k), broadcast by the kernels, dense
       layout only; "dropout": uint32 (sequences, heads_q, 4)).
     dims / packed_dims: its dims in dense / packed (varlen) calls as factors of the
@@ -209,7 +209,10 @@ KVCACHE = Target(
     (Operand("cache_leftpad", "int32", "per_sequence", "b", flag="has_leftpad"),
      Operand("cache_batch_idx", "int32", "per_sequence", "b", flag="has_batch_idx"),
      Operand("page_table", "int32", "page_table", "b p", flag="has_page_table"),
-     SINKS),
+     SINKS,
+     # float8 caches: element x of sequence b, kv head h stands for x * descale[b, h]
+     Operand("k_descale", "float32", "per_kv_head", "b h", flag="has_descales"),
+     Operand("v_descale", "float32", "per_kv_head", "b h", flag="has_descales")),
     # the workspace holds the split-KV partials, per (sequence, head) so that it shards
     # like q; when new rows are appended the caches follow (aliased to inputs 1 and 2)
     (OUT, LSE, Operand("workspace", "float32", "workspace", "b H z")),

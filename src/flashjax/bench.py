@@ -59,7 +59,8 @@ import jax.numpy as jnp
 
 IMPLS = ("flashjax", "flashjax-xla", "xla", "cudnn")
 VARLEN_IMPLS = ("varlen", "segments", "padded", "cudnn-padded", "dense-mean")  # --varlen
-DECODE_IMPLS = ("flashjax", "xla", "cudnn", "pallas", "torch-flash", "torch-cudnn")  # --decode
+DECODE_IMPLS = ("flashjax", "flashjax-fp8", "xla", "cudnn", "pallas", "torch-flash",
+                "torch-cudnn")  # --decode
 TERMS = ("mask", "bias", "alibi", "dropout", "nn")  # --terms (bench_terms' groups)
 MODES = ("fwd", "fwdbwd", "bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}

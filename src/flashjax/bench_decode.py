@@ -10,6 +10,8 @@ kernel); the time is per step, the median of ``--iters`` runs after warm-up.
 Implementations, one process:
 
 - ``flashjax``: ``flashjax.flash_attention_with_kvcache`` (no new tokens);
+- ``flashjax-fp8``: the same call on the cache in float8_e4m3fn (descales per sequence
+  and kv head), half the bytes (its GB/s counts the float8 bytes);
 - ``xla``, ``cudnn``: ``jax.nn.dot_product_attention`` on the cache as a dense key
   sequence (cuDNN on a GPU only);
 - ``pallas``: ``jax.experimental.pallas.ops.gpu.decode_attention.gqa`` (GPU, contiguous),
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 from . import bench
 
 IMPLS = bench.DECODE_IMPLS
+FP8_IMPL, FP8_CACHE_DTYPE = "flashjax-fp8", jnp.float8_e4m3fn
 GPU_BATCHES, CPU_BATCHES = (1, 16, 128), (1, 4)
 GPU_CACHES, CPU_CACHES = (1024, 8192, 65536), (1024, 4096)
 GPU_HEADS, CPU_HEADS = ("32/8",), ("8/2",)
@@ -54,8 +57,11 @@ class DecodeCase:
 
     @property
     def kv_bytes(self) -> int:
+        return self.kv_bytes_of(self.dtype)
+
+    def kv_bytes_of(self, dtype) -> int:
         return 2 * self.batch * self.cache * self.heads_kv * self.head_dim * \
-            jnp.dtype(self.dtype).itemsize
+            jnp.dtype(dtype).itemsize
 
     def label(self) -> str:
         layout = (f"paged {self.page_size}{'' if self.shuffled else ' in order'}"
@@ -86,10 +92,14 @@ def attend(impl: str, case: DecodeCase, num_splits: int | None = None):
     """(step(q, k_cache, v_cache) -> out like q, k_cache, v_cache); num_splits: flashjax's
     (None: its heuristic)."""
     q, k_cache, v_cache, extra = _cache(case, jax.random.key(0))
-    if impl == "flashjax":
+    if impl in ("flashjax", FP8_IMPL):
         import flashjax
 
         seqlens = jnp.full((case.batch,), case.cache, jnp.int32)
+        if impl == FP8_IMPL:
+            k_cache, v_cache = (c.astype(FP8_CACHE_DTYPE) for c in (k_cache, v_cache))
+            descale = jnp.full((case.batch, case.heads_kv), 0.5, jnp.float32)
+            extra = dict(extra, k_descale=descale, v_descale=descale)
         return (lambda q, k, v: flashjax.flash_attention_with_kvcache(
             q, k, v, cache_seqlens=seqlens, num_splits=num_splits or 0, **extra)), \
             q, k_cache, v_cache
@@ -175,8 +185,9 @@ def torch_median_ms(impl: str, case: DecodeCase, warmup: int, iters: int, loop: 
 
 
 def measure(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int) -> dict:
+    kv_bytes = case.kv_bytes_of(FP8_CACHE_DTYPE if impl == FP8_IMPL else case.dtype)
     record = {**dataclasses.asdict(case), "impl": impl, "us": None, "gbps": None, "error": None,
-              "kv_bytes": case.kv_bytes}
+              "kv_bytes": kv_bytes}
     try:
         if impl in TORCH_BACKENDS:
             ms = torch_median_ms(impl, case, warmup, iters, loop) / loop
@@ -186,7 +197,7 @@ def measure(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int) -> 
             def steps(q, k, v):
                 return jax.lax.fori_loop(0, loop, lambda _, q: step(q, k, v).astype(q.dtype), q)
             ms = bench.median_ms(jax.jit(steps), (q, k_cache, v_cache), warmup, iters) / loop
-        record.update(us=ms * 1e3, gbps=case.kv_bytes / (ms * 1e-3) / 1e9)
+        record.update(us=ms * 1e3, gbps=kv_bytes / (ms * 1e-3) / 1e9)
     except Exception as e:  # noqa: BLE001 -- a failure becomes an "n/a" cell
         record["error"] = bench.short_reason(e)
     return record

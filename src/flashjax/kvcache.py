@@ -19,6 +19,7 @@ flash_attention sees (`_terms_on_keys`).
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import jax
@@ -410,9 +411,16 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
     in_jax = functools.partial(_kvcache_in_jax, call, static_seqlens, options)
     if terms:  # the KV-cache target takes none: flash_attention over the cache
         on_cpu = on_cuda = dense
-    if descales is not None:  # float8 caches: the exact fallback on every platform
-        on_cpu = on_cuda = functools.partial(_fp8_cache, call, static_seqlens, options,
-                                             descales)
+    if descales is not None:
+        # Float8 caches: decoding blocks on the GPU are read by the split-KV kernel; the
+        # rest (the CPU, prefill blocks, score terms, other dtypes) take the exact
+        # fallback, which dequantises the sequences' rows in JAX.
+        fallback = functools.partial(_fp8_cache, call, static_seqlens, options, descales)
+        decoding = on_cuda is not dense
+        on_cpu = on_cuda = fallback
+        if decoding and _split_kv_reads_fp8(cfg, q, v_cache, k):
+            on_cuda = functools.partial(_attend_in_kernel, call.with_descales(*descales),
+                                        num_splits)
         in_jax = functools.partial(_fp8_cache, call, static_seqlens,
                                    dict(options, implementation="xla"), descales)
     out, lse, k_cache, v_cache = _route.run(cfg, (q, k_cache, v_cache, k, v, seqlens),
@@ -431,6 +439,7 @@ SPLIT_KV_ROWS = 16
 SPLIT_KV_KEYS = 64
 SPLIT_KV_STAGES = 3
 SPLIT_KV_HEAD_DIMS = (64, 128, 256)  # the kernel's head-dim buckets
+SPLIT_KV_FP8_DIM_MULTIPLE = 16  # float8 rows load in 16-byte chunks
 SPLIT_KV_MAX_ROWS = 64
 MAX_SPLITS = 128
 MIN_TILES_PER_SPLIT = 2    # each split streams at least this many key tiles
@@ -446,14 +455,29 @@ def _multiprocessors() -> int:
         return DEFAULT_MULTIPROCESSORS
 
 
-def _resident_ctas_per_sm(head_dim: int) -> int:
+def _resident_ctas_per_sm(head_dim: int, cache_bytes: int = 2) -> int:
+    """As SplitSmem (kvcache_attention.cu): a 16-bit query tile, the stages of cache
+    elements and, for float8 caches, each warp's widened 16-bit K and V tiles."""
     bucket = next((b for b in SPLIT_KV_HEAD_DIMS if head_dim <= b), SPLIT_KV_HEAD_DIMS[-1])
-    smem = 2 * bucket * (SPLIT_KV_ROWS + SPLIT_KV_STAGES * 2 * SPLIT_KV_KEYS)  # 16-bit elements
+    smem = 2 * bucket * SPLIT_KV_ROWS + cache_bytes * bucket * SPLIT_KV_STAGES * 2 * SPLIT_KV_KEYS
+    if cache_bytes == 1:
+        smem += 2 * bucket * 2 * SPLIT_KV_KEYS  # kKeysPerWarp keys a warp, K and V
     return max(1, SHARED_MEMORY_PER_SM // smem)
 
 
+def _split_kv_reads_fp8(cfg, q, v_cache, k) -> bool:
+    """Whether the split-KV kernel reads a float8 cache itself (dequantising on chip):
+    float16 / bfloat16 q, new rows (if any) in q's dtype, head dims multiples of 16 of
+    its buckets, and the kernel not excluded by implementation="cuda:simt"."""
+    dims = (q.shape[3], v_cache.shape[3])
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and (k is None or k.dtype == q.dtype)
+            and all(d % SPLIT_KV_FP8_DIM_MULTIPLE == 0 and d <= SPLIT_KV_HEAD_DIMS[-1]
+                    for d in dims)
+            and cfg.kernel_cap != _route.IMPLEMENTATIONS["cuda:simt"][1])
+
+
 def split_count(batch: int, kv_heads: int, packed_rows: int, capacity: int, head_dim: int,
-                num_splits: int = 0) -> int:
+                num_splits: int = 0, cache_bytes: int = 2) -> int:
     """Splits of each sequence's keys: num_splits when given, else as many as one wave of
     resident CTAs holds (batch x kv heads x row tiles x splits <= the GPU's resident
     CTAs: a second, partial wave would leave most SMs idle), each split keeping
@@ -461,7 +485,7 @@ def split_count(batch: int, kv_heads: int, packed_rows: int, capacity: int, head
     if num_splits:
         return min(num_splits, MAX_SPLITS)
     ctas = batch * kv_heads * -(-packed_rows // SPLIT_KV_ROWS)
-    resident = _resident_ctas_per_sm(head_dim) * _multiprocessors()
+    resident = _resident_ctas_per_sm(head_dim, cache_bytes) * _multiprocessors()
     tiles = -(-capacity // SPLIT_KV_KEYS)
     return max(1, min(resident // max(ctas, 1), tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
@@ -475,6 +499,12 @@ class _KvcacheCall:
         self.leftpad, self.batch_idx, self.page_table = leftpad, batch_idx, page_table
         self.optional = dict(cache_leftpad=leftpad, cache_batch_idx=batch_idx,
                              page_table=page_table, sinks=sinks)
+
+    def with_descales(self, k_descale, v_descale) -> "_KvcacheCall":
+        """This call over float8 caches read by the kernel: descales (batch, heads_kv)."""
+        call = copy.copy(self)
+        call.optional = dict(self.optional, k_descale=k_descale, v_descale=v_descale)
+        return call
 
     def __call__(self, q, k_cache, v_cache, k, v, seqlens, splits):
         """(out, lse, k_cache, v_cache): k, v (None: nothing) appended, the caches
@@ -510,7 +540,7 @@ def _attend_in_kernel(call, num_splits, q, k_cache, v_cache, k, v, seqlens):
     heads_kv = k_cache.shape[2]
     splits = split_count(batch, heads_kv, seqlen_q * (heads_q // heads_kv),
                          cache_capacity(k_cache, call.page_table),
-                         max(q.shape[3], v_cache.shape[3]), num_splits)
+                         max(q.shape[3], v_cache.shape[3]), num_splits, k_cache.dtype.itemsize)
     return call(q, k_cache, v_cache, k, v, seqlens, splits)
 
 

@@ -7,11 +7,16 @@
 // page table alike), row by row, so any page size works; a tile's rows are
 // located one iteration before its loads are issued. (Paged caches still
 // decode 1.2-1.4x slower than contiguous ones; benchmarks/NOTES.md has what
-// was measured and tried.)
+// was measured and tried.) Float8 caches load as they are stored (half the
+// bytes) and each warp widens its 16 keys into a 16-bit tile before its mma
+// loads read them; the descales scale the scores and the output.
 #include "kvcache_attention.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <type_traits>
 
 #include "../common/block.cuh"
 #include "../common/device.cuh"
@@ -50,15 +55,34 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #endif
 }
 
-// Shared memory: the query tile, then kStages (K, V) tiles; the warps' merge
-// of their softmax states reuses the stages.
-template <int kHeadDim>
+// The cache's element C: q's 16-bit T, or float8 (KvCache's descales).
+template <class C>
+inline constexpr bool kFloat8 = sizeof(C) == 1;
+
+// Calls fn(C{}) with the cache element type of p (T: the cache holds q's dtype).
+template <class T, class Fn>
+cudaError_t with_cache_element(const AttentionParams& p, Fn&& fn) {
+  switch (p.cache.element) {
+    case CacheElement::kAsQuery: return fn(T{});
+    case CacheElement::kFloat8E4M3: return fn(__nv_fp8_e4m3{});
+    case CacheElement::kFloat8E5M2: return fn(__nv_fp8_e5m2{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Shared memory: the query tile (16-bit), then kStages (K, V) tiles of cache
+// elements C; float8 stages are widened warp by warp into 16-bit (K, V) tiles
+// of each warp's kKeysPerWarp keys. The warps' merge of their softmax states
+// reuses everything past the query.
+template <int kHeadDim, class C>
 struct SplitSmem {
-  static constexpr int kQuery = kRows * kHeadDim;         // 16-bit elements
-  static constexpr int kStage = 2 * kBlockN * kHeadDim;   // K then V
-  static constexpr int kBytes = (kQuery + kStages * kStage) * 2;
+  static constexpr int kQueryBytes = kRows * kHeadDim * 2;
+  static constexpr int kStage = 2 * kBlockN * kHeadDim;  // K then V, elements
+  static constexpr int kWarpWide = 2 * kKeysPerWarp * kHeadDim;  // K then V, 16-bit
+  static constexpr int kWideOffset = kQueryBytes + kStages * kStage * int{sizeof(C)};
+  static constexpr int kBytes = kWideOffset + (kFloat8<C> ? kWarps * kWarpWide * 2 : 0);
   static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;  // o, m, l
-  static_assert(kMergeBytes <= kStages * kStage * 2, "the merge must fit in the stages");
+  static_assert(kMergeBytes <= kBytes - kQueryBytes, "the merge must fit past the query");
 };
 
 // The packed query rows of one kv head: row R is query R % seqlen_q of the
@@ -114,7 +138,9 @@ __device__ void write_output(const AttentionParams& p, int64_t b, int64_t i, int
 }
 
 // A thread's share of a key tile's loads: 16-byte chunk threadIdx.x % kChunks
-// of tile rows threadIdx.x / kChunks + kRowStep * i, for K and V alike.
+// of tile rows threadIdx.x / kChunks + kRowStep * i, for K and V alike, of
+// cache elements C (16-bit tiles swizzled for ldmatrix; float8 rows as they
+// are, read once by widen_rows).
 // locate() finds the rows in the cache pool (page-table reads for a paged
 // cache); issue() starts their copies into a swizzled tile (zero past the
 // sequence's keys and past the cache's columns). A row is kept as its index
@@ -123,9 +149,10 @@ __device__ void write_output(const AttentionParams& p, int64_t b, int64_t i, int
 // address is one multiply-add from the thread's base pointer: the 64-bit
 // (slot, row, head) arithmetic per row and per cache made up most of the
 // instructions of a tile.
-template <int kHeadDim>
+template <int kHeadDim, class C>
 struct KeyTileRows {
-  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kChunkElements = 16 / int{sizeof(C)};
+  static constexpr int kChunks = kHeadDim / kChunkElements;
   static constexpr int kRowStep = kThreads / kChunks;
   static constexpr int kRowsPerThread = kBlockN / kRowStep;
   static_assert(kBlockN % kRowStep == 0, "whole rows per thread");
@@ -154,30 +181,74 @@ struct KeyTileRows {
   // base: this thread's chunk of (slot 0, row 0, the kv head) of a cache;
   // in_dim: whether that chunk is within the cache's head dim. (An unsigned
   // 32 x 32 -> 64-bit product: one wide multiply-add per row.)
-  template <class T>
-  __device__ void issue(T* tile, const T* base, uint32_t row_bytes, bool in_dim) const {
+  __device__ void issue(C* tile, const C* base, uint32_t row_bytes, bool in_dim) const {
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const bool valid = pool_row[i] >= 0 && in_dim;
       const void* src = reinterpret_cast<const char*>(base) +
                         static_cast<uint64_t>(static_cast<uint32_t>(pool_row[i])) * row_bytes;
-      cp_async_16(tile + swizzled<kHeadDim>(threadIdx.x / kChunks + kRowStep * i,
-                                            threadIdx.x % kChunks),
+      const int row = threadIdx.x / kChunks + kRowStep * i, chunk = threadIdx.x % kChunks;
+      cp_async_16(tile + (kFloat8<C> ? row * kHeadDim + chunk * kChunkElements
+                                     : swizzled<kHeadDim>(row, chunk)),
                   valid ? src : base, valid);
+    }
+  }
+};
+
+// Two float8 values (the low and high byte of `pair`) as a pair of T, exactly:
+// every e4m3 and e5m2 value is a half, and a bfloat16 too.
+template <class T, class C>
+__device__ __forceinline__ uint32_t widen_pair(uint16_t pair) {
+  constexpr __nv_fp8_interpretation_t kKind =
+      std::is_same_v<C, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
+  const __half2 h(__nv_cvt_fp8x2_to_halfraw2(pair, kKind));
+  if constexpr (std::is_same_v<T, __half>) {
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(h));
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
+
+// A warp's kKeysPerWarp float8 rows (kHeadDim bytes each, as loaded) widened
+// into a swizzled 16-bit tile of T, as the mma loads read it: a lane takes 8
+// elements (8 bytes in, one 16-byte chunk out), so that 8 lanes store a whole
+// 128-byte row segment (no bank conflicts).
+template <class T, class C, int kHeadDim>
+__device__ __forceinline__ void widen_rows(T* wide, const C* rows, int lane) {
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll
+  for (int i = lane; i < kKeysPerWarp * kChunks; i += 32) {
+    const uint2 x = reinterpret_cast<const uint2*>(rows)[i];
+    const uint4 y = make_uint4(widen_pair<T, C>(x.x & 0xffffu), widen_pair<T, C>(x.x >> 16),
+                               widen_pair<T, C>(x.y & 0xffffu), widen_pair<T, C>(x.y >> 16));
+    *reinterpret_cast<uint4*>(wide + swizzled<kHeadDim>(i / kChunks, i % kChunks)) = y;
+  }
+}
+
+// The descales of a float8 cache for sequence b, kv head hk, by which the
+// scores and the output are scaled (1 at compile time for other caches).
+template <class C>
+struct Descales {
+  float k = 1.0f, v = 1.0f;
+  __device__ Descales(const KvCache& c, int64_t b, int64_t hk, int64_t heads_kv) {
+    if constexpr (kFloat8<C>) {
+      k = c.k_descale[b * heads_kv + hk];
+      v = c.v_descale[b * heads_kv + hk];
     }
   }
 };
 
 // CTA (b, kv head, 16-row tile, split): attention of the tile's packed query
 // rows over the split's share of the 64-key tiles the rows see.
-template <class T, int kHeadDim>
+template <class T, class C, int kHeadDim>
 __global__ void __launch_bounds__(kThreads)
     split_kv_kernel(const __grid_constant__ AttentionParams p, int splits,
                     const __grid_constant__ Partials partials) {
-  using Smem = SplitSmem<kHeadDim>;
+  using Smem = SplitSmem<kHeadDim, C>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* stages = sQ + Smem::kQuery;
+  C* stages = reinterpret_cast<C*>(smem_raw + Smem::kQueryBytes);
 
   const PackedRows rows(p);
   const int row_tiles = (rows.count + kRows - 1) / kRows;
@@ -189,6 +260,7 @@ __global__ void __launch_bounds__(kThreads)
   const int heads_kv = static_cast<int>(p.heads_kv);
   const int64_t hk = block % heads_kv, b = block / heads_kv, h0 = hk * p.group_size();
   const SeqlenInfo seq(p, b);
+  const Descales<C> descales(p.cache, b, hk, heads_kv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // The queries of the tile's rows: a range, or all of them when it wraps.
@@ -202,9 +274,9 @@ __global__ void __launch_bounds__(kThreads)
   const int tile_first = min(tiles, split * per_split);
   const int tile_end = min(tiles, tile_first + per_split);
 
-  constexpr int kChunks = kHeadDim / 8;
-  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, chunk = idx % kChunks;
+  constexpr int kQueryChunks = kHeadDim / 8;
+  for (int idx = threadIdx.x; idx < kRows * kQueryChunks; idx += kThreads) {
+    const int r = idx / kQueryChunks, chunk = idx % kQueryChunks;
     const int row = row0 + r;
     const bool valid = row < rows.count && chunk * 8 < p.head_dim;
     const T* src = valid ? seq.q_at<const T>(p.q, rows.query(row), h0 + rows.head(row)) + chunk * 8
@@ -215,17 +287,18 @@ __global__ void __launch_bounds__(kThreads)
   // commits one group (empty past the end), so that wait<kStages - 1> leaves
   // exactly the two later tiles in flight. Rows of tile t + 3 are located
   // while tile t is computed on.
-  KeyTileRows<kHeadDim> next_rows;
+  using Rows = KeyTileRows<kHeadDim, C>;
+  Rows next_rows;
   const int32_t slot_rows = static_cast<int32_t>(p.cache.slot_rows);
-  const int column = threadIdx.x % kChunks * 8;
-  const T* k_base = p.k.at<const T>(0, 0, hk) + column;
-  const T* v_base = p.v.at<const T>(0, 0, hk) + column;
-  const uint32_t k_row_bytes = static_cast<uint32_t>(p.k.row_stride * sizeof(T));
-  const uint32_t v_row_bytes = static_cast<uint32_t>(p.v.row_stride * sizeof(T));
+  const int column = threadIdx.x % Rows::kChunks * Rows::kChunkElements;
+  const C* k_base = p.k.at<const C>(0, 0, hk) + column;
+  const C* v_base = p.v.at<const C>(0, 0, hk) + column;
+  const uint32_t k_row_bytes = static_cast<uint32_t>(p.k.row_stride * sizeof(C));
+  const uint32_t v_row_bytes = static_cast<uint32_t>(p.v.row_stride * sizeof(C));
   const auto tile_k0 = [&](int tile) { return keys.tile_begin + tile * kBlockN; };
   const auto load_next = [&](int tile) {  // tile's rows are in next_rows
     if (tile < tile_end) {
-      T* sK = stages + tile % kStages * Smem::kStage;
+      C* sK = stages + tile % kStages * Smem::kStage;
       next_rows.issue(sK, k_base, k_row_bytes, column < p.head_dim);
       next_rows.issue(sK + kBlockN * kHeadDim, v_base, v_row_bytes, column < p.head_dim_v);
       if (tile + 1 < tile_end) next_rows.locate(seq, tile_k0(tile + 1), slot_rows);
@@ -242,12 +315,29 @@ __global__ void __launch_bounds__(kThreads)
     load_next(tile + kStages - 1);  // into the stage tile - 1 freed
     cp_async_wait<kStages - 1>();
     __syncthreads();  // tile landed for every thread
-    const T* sK = stages + tile % kStages * Smem::kStage + warp * kKeysPerWarp * kHeadDim;
-    const T* sV = sK + kBlockN * kHeadDim;
+    const C* stage_k = stages + tile % kStages * Smem::kStage + warp * kKeysPerWarp * kHeadDim;
+    const C* stage_v = stage_k + kBlockN * kHeadDim;
     const int64_t k0 = keys.tile_begin + tile * kBlockN + warp * kKeysPerWarp;
     if (k0 < keys.key_end && k0 + kKeysPerWarp > keys.key_begin) {
+      const T* sK;
+      const T* sV;
+      if constexpr (kFloat8<C>) {
+        T* wide = reinterpret_cast<T*>(smem_raw + Smem::kWideOffset) + warp * Smem::kWarpWide;
+        widen_rows<T, C, kHeadDim>(wide, stage_k, lane);
+        widen_rows<T, C, kHeadDim>(wide + kKeysPerWarp * kHeadDim, stage_v, lane);
+        __syncwarp();  // (the previous tile's reads of `wide` ended at its __syncthreads)
+        sK = wide;
+        sV = wide + kKeysPerWarp * kHeadDim;
+      } else {
+        sK = stage_k;
+        sV = stage_v;
+      }
       float s[kKeyTiles * 4];
       gemm_abt<T, kHeadDim, kKeysPerWarp>(s, sQ, 0, sK);
+      if constexpr (kFloat8<C>) {
+#pragma unroll
+        for (int i = 0; i < kKeyTiles * 4; ++i) s[i] *= descales.k;  // q . (k * k_descale)
+      }
       const bool masked = RowSoftmax::tile_needs_mask(seq, q_first, q_last, k0, kKeysPerWarp,
                                                       keys.key_begin, keys.key_end);
       softmax.scores<kKeyTiles>(s, p, seq, k0, masked);
@@ -268,7 +358,7 @@ __global__ void __launch_bounds__(kThreads)
   cp_async_wait<0>();
   allow_dependent_grid_launch();
 
-  // Merge the warps' softmax states through shared memory (the stages).
+  // Merge the warps' softmax states through shared memory (past the query).
   float* merge_o = reinterpret_cast<float*>(stages);  // [warp][row][kHeadDim]
   float* merge_m = merge_o + kWarps * kRows * kHeadDim;  // [warp][row], log2 units
   float* merge_l = merge_m + kWarps * kRows;
@@ -310,7 +400,7 @@ __global__ void __launch_bounds__(kThreads)
     // l == 0: no key (out 0, lse -inf); a NaN l (a NaN score) makes the row NaN.
     const bool seen = l != 0.0f;
     const float lse2 = seen ? base + __log2f(l) : kNegInf;
-    const float inv = seen ? 1.0f / l : 0.0f;
+    const float inv = seen ? descales.v / l : 0.0f;  // (v * v_descale: 1 unless float8)
     const int64_t i = rows.query(packed_row), h = h0 + rows.head(packed_row);
     if (splits == 1) {
       write_output<T>(p, b, i, h, col, lse2, o0 * inv, o1 * inv);
@@ -402,9 +492,26 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
+// New element x (of q's dtype T) as a cache of elements C stores it: as it is,
+// or x * (1 / descales[at]) rounded to the nearest float8 (out of range: e4m3's
+// NaN, e5m2's inf; as jnp.asarray(x * (1 / descale), float8 dtype)).
+template <class C, class T>
+__device__ __forceinline__ C cache_element(T x, const float* descales, int64_t at) {
+  if constexpr (kFloat8<C>) {
+    constexpr __nv_fp8_interpretation_t kKind =
+        std::is_same_v<C, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
+    C y;
+    y.__x = __nv_cvt_float_to_fp8(static_cast<float>(x) * (1.0f / descales[at]), __NV_NOSAT,
+                                  kKind);
+    return y;
+  } else {
+    return x;
+  }
+}
+
 // A CTA row (blockIdx.y, striding) per new row (b, j); threads over its kv
 // heads' elements, k's then v's (32-bit index arithmetic within a row).
-template <class T>
+template <class T, class C>
 __global__ void append_kernel(const __grid_constant__ AttentionParams p) {
   const KvCache& c = p.cache;
   const int per_head = static_cast<int>(p.head_dim + p.head_dim_v);
@@ -415,22 +522,24 @@ __global__ void append_kernel(const __grid_constant__ AttentionParams p) {
     const int64_t b = new_row / c.new_rows, j = new_row % c.new_rows;
     int64_t slot, row;
     if (!c.append_location(b, j, slot, row)) continue;
+    const int64_t at = b * p.heads_kv + hk;  // (descales: float8 caches only)
     if (element < p.head_dim)
-      p.k.at<T>(slot, row, hk)[element] = c.k_new.at<const T>(b, j, hk)[element];
+      p.k.at<C>(slot, row, hk)[element] =
+          cache_element<C>(c.k_new.at<const T>(b, j, hk)[element], c.k_descale, at);
     else
-      p.v.at<T>(slot, row, hk)[element - p.head_dim] =
-          c.v_new.at<const T>(b, j, hk)[element - p.head_dim];
+      p.v.at<C>(slot, row, hk)[element - p.head_dim] = cache_element<C>(
+          c.v_new.at<const T>(b, j, hk)[element - p.head_dim], c.v_descale, at);
   }
 }
 
-template <class T, int kHeadDim>
+template <class T, class C, int kHeadDim>
 cudaError_t launch_split_kv(const AttentionParams& p, int splits, void* workspace,
                             cudaStream_t stream) {
+  using Smem = SplitSmem<kHeadDim, C>;
   static DeviceOnce configured;
   if (cudaError_t e = configured([] {
-        return cudaFuncSetAttribute(split_kv_kernel<T, kHeadDim>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    SplitSmem<kHeadDim>::kBytes);
+        return cudaFuncSetAttribute(split_kv_kernel<T, C, kHeadDim>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kBytes);
       });
       e != cudaSuccess)
     return e;
@@ -439,8 +548,8 @@ cudaError_t launch_split_kv(const AttentionParams& p, int splits, void* workspac
   const int64_t row_tiles = (p.seqlen_q * p.group_size() + kRows - 1) / kRows;
   const int64_t blocks = p.batch * p.heads_kv * row_tiles * splits;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  split_kv_kernel<T, kHeadDim><<<static_cast<unsigned>(blocks), kThreads,
-                                 SplitSmem<kHeadDim>::kBytes, stream>>>(p, splits, partials);
+  split_kv_kernel<T, C, kHeadDim><<<static_cast<unsigned>(blocks), kThreads, Smem::kBytes,
+                                    stream>>>(p, splits, partials);
   if (splits == 1) return cudaGetLastError();
   if (partials.rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t config = {};
@@ -466,8 +575,17 @@ cudaError_t append_to_cache(const AttentionParams& p, cudaStream_t stream) {
   if (per_row > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>((per_row + kAppendThreads - 1) / kAppendThreads),
                   static_cast<unsigned>(rows < kMaxGridY ? rows : kMaxGridY));  // y strides
+  if (p.cache.float8()) {
+    return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      return with_cache_element<T>(p, [&](auto cache_tag) {
+        append_kernel<T, decltype(cache_tag)><<<grid, kAppendThreads, 0, stream>>>(p);
+        return cudaGetLastError();
+      });
+    });
+  }
   return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
-    append_kernel<decltype(tag)><<<grid, kAppendThreads, 0, stream>>>(p);
+    append_kernel<decltype(tag), decltype(tag)><<<grid, kAppendThreads, 0, stream>>>(p);
     return cudaGetLastError();
   });
 }
@@ -483,7 +601,9 @@ bool pool_rows_fit_32_bits(const AttentionParams& p) {
 }
 
 bool split_kv_supports(const AttentionParams& p) {
-  return p.cache.active() && tensor_core_shapes(p) && pool_rows_fit_32_bits(p) &&
+  // (float8 rows load in 16-byte chunks of 16 elements)
+  const bool whole_chunks = !p.cache.float8() || (p.head_dim % 16 == 0 && p.head_dim_v % 16 == 0);
+  return p.cache.active() && tensor_core_shapes(p) && whole_chunks && pool_rows_fit_32_bits(p) &&
          p.seqlen_q * p.group_size() <= INT32_MAX && compute_capability() >= 80;
 }
 
@@ -496,8 +616,12 @@ cudaError_t split_kv_forward(const AttentionParams& p, int splits, void* workspa
   if (splits < 1 || splits > kMaxSplits || !p.cache.active()) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.seqlen_q == 0) return cudaSuccess;  // (an append only)
   return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
-    return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
-      return launch_split_kv<decltype(tag), decltype(dim)::value>(p, splits, workspace, stream);
+    using T = decltype(tag);
+    return with_cache_element<T>(p, [&](auto cache_tag) {
+      return with_bucket(kTensorCoreBuckets, p, [&](auto dim) {
+        return launch_split_kv<T, decltype(cache_tag), decltype(dim)::value>(p, splits,
+                                                                            workspace, stream);
+      });
     });
   });
 }

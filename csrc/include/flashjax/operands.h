@@ -66,10 +66,14 @@
   X(has_leftpad)                  \
   X(has_batch_idx)                \
   X(has_page_table)               \
-  X(has_sinks)
+  X(has_sinks)                    \
+  X(has_descales)
 
 #define FLASHJAX_KVCACHE_INPUTS(X)                                    \
   X(cache_leftpad, has_leftpad, kPerSequence, cache.leftpad)          \
   X(cache_batch_idx, has_batch_idx, kPerSequence, cache.batch_idx)    \
   X(page_table, has_page_table, kPageTable, cache.page_table)         \
-  X(sinks, has_sinks, kPerHead, sinks)
+  X(sinks, has_sinks, kPerHead, sinks)                                \
+  /* float8 caches (params.h KvCache): float32 (sequences, heads_kv) */ \
+  X(k_descale, has_descales, kPerKvHead, cache.k_descale)             \
+  X(v_descale, has_descales, kPerKvHead, cache.v_descale)

@@ -20,6 +20,9 @@ namespace flashjax {
 
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// The elements of a KV cache: q's dtype, or float8 (KvCache's descales).
+enum class CacheElement : int32_t { kAsQuery = 0, kFloat8E4M3 = 1, kFloat8E5M2 = 2 };
+
 // The GPU kernels a call may use: the fastest the device and call allow (kAny),
 // at most the mma.sync tensor-core kernels, or the SIMT kernels only. Python's
 // implementation="cuda:mma" / "cuda:simt" (a static option of the call); the CPU
@@ -98,9 +101,16 @@ struct KvCache {
   int64_t slot_rows = 0;  // rows of an entry (seqlen_cache), or page_size
   int64_t new_rows = 0;   // seqlen_new (0: nothing appended)
   TensorRef k_new, v_new; // [batch, new_rows, heads_kv, dim]
+  // Float8 caches (q and the new rows in q's dtype): element x of sequence b, kv
+  // head h stands for x * descale[b * heads_kv + h]; a new row x is stored as
+  // x * (1 / descale) rounded to the cache's float8 type.
+  CacheElement element = CacheElement::kAsQuery;
+  const float* k_descale = nullptr;  // [batch, heads_kv]
+  const float* v_descale = nullptr;
 
   FJ_HOST_DEVICE bool active() const { return seqlens != nullptr; }
   FJ_HOST_DEVICE bool paged() const { return page_table != nullptr; }
+  FJ_HOST_DEVICE bool float8() const { return element != CacheElement::kAsQuery; }
   // Logical rows a sequence can hold.
   FJ_HOST_DEVICE int64_t capacity() const { return paged() ? max_pages * slot_rows : slot_rows; }
   FJ_HOST_DEVICE PageRow page_row(int64_t b) const {
