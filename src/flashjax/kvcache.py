@@ -457,11 +457,12 @@ def _multiprocessors() -> int:
 
 def _resident_ctas_per_sm(head_dim: int, cache_bytes: int = 2) -> int:
     """As SplitSmem (kvcache_attention.cu): a 16-bit query tile, the stages of cache
-    elements and, for float8 caches, each warp's widened 16-bit K and V tiles."""
+    elements and, for float8 caches, each warp's widened 16-bit tile of its keys and
+    the query rows' float32 score scales."""
     bucket = next((b for b in SPLIT_KV_HEAD_DIMS if head_dim <= b), SPLIT_KV_HEAD_DIMS[-1])
     smem = 2 * bucket * SPLIT_KV_ROWS + cache_bytes * bucket * SPLIT_KV_STAGES * 2 * SPLIT_KV_KEYS
     if cache_bytes == 1:
-        smem += 2 * bucket * 2 * SPLIT_KV_KEYS  # kKeysPerWarp keys a warp, K and V
+        smem += 2 * bucket * SPLIT_KV_KEYS + 4 * SPLIT_KV_ROWS
     return max(1, SHARED_MEMORY_PER_SM // smem)
 
 

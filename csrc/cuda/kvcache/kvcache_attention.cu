@@ -8,8 +8,10 @@
 // located one iteration before its loads are issued. (Paged caches still
 // decode 1.2-1.4x slower than contiguous ones; benchmarks/NOTES.md has what
 // was measured and tried.) Float8 caches load as they are stored (half the
-// bytes) and each warp widens its 16 keys into a 16-bit tile before its mma
-// loads read them; the descales scale the scores and the output.
+// bytes) and each warp widens its 16 keys' K, then V, into a half tile of its
+// own before its mma loads read them (one conversion a pair of values: every
+// e4m3 and e5m2 value is a half; bfloat16 queries are rescaled into halves once
+// per CTA, query_to_half); the descales scale the scores and the output.
 #include "kvcache_attention.h"
 
 #include <cuda_bf16.h>
@@ -59,6 +61,10 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 template <class C>
 inline constexpr bool kFloat8 = sizeof(C) == 1;
 
+// The 16-bit type the mma computes in: q's, or half over float8 caches.
+template <class T, class C>
+using ComputeType = std::conditional_t<kFloat8<C>, __half, T>;
+
 // Calls fn(C{}) with the cache element type of p (T: the cache holds q's dtype).
 template <class T, class Fn>
 cudaError_t with_cache_element(const AttentionParams& p, Fn&& fn) {
@@ -71,16 +77,19 @@ cudaError_t with_cache_element(const AttentionParams& p, Fn&& fn) {
 }
 
 // Shared memory: the query tile (16-bit), then kStages (K, V) tiles of cache
-// elements C; float8 stages are widened warp by warp into 16-bit (K, V) tiles
-// of each warp's kKeysPerWarp keys. The warps' merge of their softmax states
-// reuses everything past the query.
+// elements C; a float8 stage's kKeysPerWarp keys of a warp are widened into a
+// half tile of that warp's (K, then V once the scores are computed: 3 CTAs an
+// SM at d128), and the query rows' score scales follow. The warps' merge of
+// their softmax states reuses everything past the query.
 template <int kHeadDim, class C>
 struct SplitSmem {
   static constexpr int kQueryBytes = kRows * kHeadDim * 2;
   static constexpr int kStage = 2 * kBlockN * kHeadDim;  // K then V, elements
-  static constexpr int kWarpWide = 2 * kKeysPerWarp * kHeadDim;  // K then V, 16-bit
+  static constexpr int kWarpWide = kKeysPerWarp * kHeadDim;  // 16-bit elements
   static constexpr int kWideOffset = kQueryBytes + kStages * kStage * int{sizeof(C)};
-  static constexpr int kBytes = kWideOffset + (kFloat8<C> ? kWarps * kWarpWide * 2 : 0);
+  static constexpr int kRowScaleOffset = kWideOffset + kWarps * kWarpWide * 2;  // float8 only
+  static constexpr int kBytes =
+      kFloat8<C> ? kRowScaleOffset + kRows * int{sizeof(float)} : kWideOffset;
   static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;  // o, m, l
   static_assert(kMergeBytes <= kBytes - kQueryBytes, "the merge must fit past the query");
 };
@@ -211,19 +220,82 @@ __device__ __forceinline__ uint32_t widen_pair(uint16_t pair) {
 }
 
 // A warp's kKeysPerWarp float8 rows (kHeadDim bytes each, as loaded) widened
-// into a swizzled 16-bit tile of T, as the mma loads read it: a lane takes 8
-// elements (8 bytes in, one 16-byte chunk out), so that 8 lanes store a whole
-// 128-byte row segment (no bank conflicts).
+// into a swizzled 16-bit tile of T, as the mma loads read it, then __syncwarp.
+// A lane takes 8 elements at a time (8 bytes in, one 16-byte chunk out: 8
+// lanes store a whole 128-byte row segment, no bank conflicts); every read is
+// issued before the first conversion, up to kWidenBatch chunks at a time (one
+// shared-memory latency, not one per chunk: the stores could alias the reads
+// for all the compiler knows; a batch at d256 would spill).
+constexpr int kWidenBatch = 8;
 template <class T, class C, int kHeadDim>
 __device__ __forceinline__ void widen_rows(T* wide, const C* rows, int lane) {
-  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kChunks = kHeadDim / 8, kPerLane = kKeysPerWarp * kChunks / 32;
+  constexpr int kBatch = kPerLane < kWidenBatch ? kPerLane : kWidenBatch;
+  static_assert(kKeysPerWarp * kChunks % 32 == 0 && kPerLane % kBatch == 0, "whole batches");
 #pragma unroll
-  for (int i = lane; i < kKeysPerWarp * kChunks; i += 32) {
-    const uint2 x = reinterpret_cast<const uint2*>(rows)[i];
-    const uint4 y = make_uint4(widen_pair<T, C>(x.x & 0xffffu), widen_pair<T, C>(x.x >> 16),
-                               widen_pair<T, C>(x.y & 0xffffu), widen_pair<T, C>(x.y >> 16));
-    *reinterpret_cast<uint4*>(wide + swizzled<kHeadDim>(i / kChunks, i % kChunks)) = y;
+  for (int first = 0; first < kPerLane; first += kBatch) {
+    uint2 x[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i)
+      x[i] = reinterpret_cast<const uint2*>(rows)[lane + 32 * (first + i)];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int chunk = lane + 32 * (first + i);
+      const uint4 y = make_uint4(
+          widen_pair<T, C>(x[i].x & 0xffffu), widen_pair<T, C>(x[i].x >> 16),
+          widen_pair<T, C>(x[i].y & 0xffffu), widen_pair<T, C>(x[i].y >> 16));
+      *reinterpret_cast<uint4*>(wide + swizzled<kHeadDim>(chunk / kChunks, chunk % kChunks)) = y;
+    }
   }
+  __syncwarp();
+}
+
+// Float8 caches under bfloat16 queries compute in half: each query row of the
+// tile (in place, swizzled) is multiplied by the power of two 2^shift that
+// brings its largest magnitude into [2^14, 2^15), exactly (a bfloat16's 8
+// significant bits fit a half's 11 wherever a value is within 2^-28 of its
+// row's largest; smaller ones round at 2^-39 of it), and unscale[row] =
+// 2^-shift. kLanesPerRow threads share a row. (A row with inf keeps inf, and
+// its scores are inf or NaN as in bfloat16; a NaN stays NaN.)
+template <int kHeadDim>
+__device__ void query_to_half(void* tile, float* unscale) {
+  constexpr int kLanesPerRow = kThreads / kRows, kChunks = kHeadDim / 8;
+  constexpr int kPerLane = kChunks / kLanesPerRow;
+  constexpr int kTopShift = 141, kMaxShift = 126;  // 2^(141 - 127 - e): [2^14, 2^15)
+  static_assert(kChunks % kLanesPerRow == 0 && 32 % kLanesPerRow == 0, "a row's lanes");
+  const int row = threadIdx.x / kLanesPerRow, first = threadIdx.x % kLanesPerRow;
+  uint4* chunks = static_cast<uint4*>(tile);
+  uint4 x[kPerLane];
+  float largest = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    x[i] = chunks[swizzled<kHeadDim>(row, first + kLanesPerRow * i) / 8];
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&x[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(pairs[j]);
+      largest = fmaxf(largest, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+#pragma unroll
+  for (int offset = 1; offset < kLanesPerRow; offset <<= 1)
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+  const int exponent = static_cast<int>(__float_as_uint(largest) >> 23);  // (largest >= 0)
+  const int shift = min(kMaxShift, kTopShift - exponent);
+  const float scale = __uint_as_float(static_cast<uint32_t>(127 + shift) << 23);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&x[i]);
+    uint4 y;
+    __half2* halves = reinterpret_cast<__half2*>(&y);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(pairs[j]);
+      halves[j] = __floats2half2_rn(f.x * scale, f.y * scale);
+    }
+    chunks[swizzled<kHeadDim>(row, first + kLanesPerRow * i) / 8] = y;
+  }
+  if (first == 0) unscale[row] = __uint_as_float(static_cast<uint32_t>(127 - shift) << 23);
 }
 
 // The descales of a float8 cache for sequence b, kv head hk, by which the
@@ -241,11 +313,18 @@ struct Descales {
 
 // CTA (b, kv head, 16-row tile, split): attention of the tile's packed query
 // rows over the split's share of the 64-key tiles the rows see.
+// Float8 caches at d <= 128 keep 3 CTAs an SM (shared memory allows it; the
+// widening's instructions need the warps); 0: no bound (ptxas' own choice).
+template <class C, int kHeadDim>
+inline constexpr int kMinCtasPerSm = kFloat8<C> && kHeadDim <= 128 ? 3 : 0;
+
 template <class T, class C, int kHeadDim>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<C, kHeadDim>))
     split_kv_kernel(const __grid_constant__ AttentionParams p, int splits,
                     const __grid_constant__ Partials partials) {
   using Smem = SplitSmem<kHeadDim, C>;
+  using U = ComputeType<T, C>;
+  constexpr bool kRescaledQuery = !std::is_same_v<U, T>;  // (query_to_half)
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   C* stages = reinterpret_cast<C*>(smem_raw + Smem::kQueryBytes);
@@ -283,6 +362,7 @@ __global__ void __launch_bounds__(kThreads)
                          : static_cast<const T*>(p.q.data);
     cp_async_16(sQ + swizzled<kHeadDim>(r, chunk), src, valid);
   }
+  if constexpr (kRescaledQuery) cp_async_commit();  // (its own group: converted first)
   // Tiles t + 1 and t + 2 load while tile t is computed on; every iteration
   // commits one group (empty past the end), so that wait<kStages - 1> leaves
   // exactly the two later tiles in flight. Rows of tile t + 3 are located
@@ -309,6 +389,18 @@ __global__ void __launch_bounds__(kThreads)
   for (int s = 0; s < kStages - 1; ++s) load_next(tile_first + s);  // (the first with the query)
 
   constexpr int kDimTiles = kHeadDim / 8, kKeyTiles = kKeysPerWarp / 8;
+  // Float8 caches: the raw scores' scale per row of the thread (k_descale, and
+  // the inverse of query_to_half's rescaling).
+  float score_scale[2] = {descales.k, descales.k};
+  if constexpr (kRescaledQuery) {
+    float* unscale = reinterpret_cast<float*>(smem_raw + Smem::kRowScaleOffset);
+    cp_async_wait<kStages - 1>();  // the query's group
+    __syncthreads();
+    query_to_half<kHeadDim>(sQ, unscale);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) score_scale[r] *= unscale[lane / 4 + 8 * r];
+  }
   RowSoftmax softmax{row0 + lane / 4, static_cast<int>(p.seqlen_q)};
   float o[kDimTiles * 4] = {};
   for (int tile = tile_first; tile < tile_end; ++tile) {
@@ -319,24 +411,22 @@ __global__ void __launch_bounds__(kThreads)
     const C* stage_v = stage_k + kBlockN * kHeadDim;
     const int64_t k0 = keys.tile_begin + tile * kBlockN + warp * kKeysPerWarp;
     if (k0 < keys.key_end && k0 + kKeysPerWarp > keys.key_begin) {
-      const T* sK;
-      const T* sV;
+      // The 16-bit K and V tiles: the stage's, or (float8) the warp's widened tile,
+      // K's and then V's (the previous tile's reads of it ended at its __syncthreads).
+      const U* sK = reinterpret_cast<const U*>(stage_k);
+      const U* sV = reinterpret_cast<const U*>(stage_v);
+      U* wide = reinterpret_cast<U*>(smem_raw + Smem::kWideOffset) + warp * Smem::kWarpWide;
       if constexpr (kFloat8<C>) {
-        T* wide = reinterpret_cast<T*>(smem_raw + Smem::kWideOffset) + warp * Smem::kWarpWide;
-        widen_rows<T, C, kHeadDim>(wide, stage_k, lane);
-        widen_rows<T, C, kHeadDim>(wide + kKeysPerWarp * kHeadDim, stage_v, lane);
-        __syncwarp();  // (the previous tile's reads of `wide` ended at its __syncthreads)
-        sK = wide;
-        sV = wide + kKeysPerWarp * kHeadDim;
-      } else {
-        sK = stage_k;
-        sV = stage_v;
+        widen_rows<U, C, kHeadDim>(wide, stage_k, lane);
+        sK = sV = wide;
       }
       float s[kKeyTiles * 4];
-      gemm_abt<T, kHeadDim, kKeysPerWarp>(s, sQ, 0, sK);
+      gemm_abt<U, kHeadDim, kKeysPerWarp>(s, reinterpret_cast<const U*>(sQ), 0, sK);
       if constexpr (kFloat8<C>) {
 #pragma unroll
-        for (int i = 0; i < kKeyTiles * 4; ++i) s[i] *= descales.k;  // q . (k * k_descale)
+        for (int i = 0; i < kKeyTiles * 4; ++i) s[i] *= score_scale[i / 2 % 2];  // (row i/2 % 2)
+        __syncwarp();  // every lane's K reads are done
+        widen_rows<U, C, kHeadDim>(wide, stage_v, lane);
       }
       const bool masked = RowSoftmax::tile_needs_mask(seq, q_first, q_last, k0, kKeysPerWarp,
                                                       keys.key_begin, keys.key_end);
@@ -344,13 +434,13 @@ __global__ void __launch_bounds__(kThreads)
       softmax.update<kKeyTiles, kDimTiles>(s, o);
       // A masked slice whose V holds NaN or inf takes the exact product
       // (common/nonfinite.cuh says why); the check costs masked slices only.
-      if (masked && __any_sync(0xffffffffu, tile_has_nonfinite<T>(sV, kKeysPerWarp * kHeadDim,
+      if (masked && __any_sync(0xffffffffu, tile_has_nonfinite<U>(sV, kKeysPerWarp * kHeadDim,
                                                                   lane, 32))) {
         float hidden[kKeyTiles * 4] = {};
         softmax.mask<kKeyTiles>(hidden, seq, k0);
-        gemm_ab_masked<T, kHeadDim, kKeysPerWarp>(o, s, hidden, SwizzledRows<T, kHeadDim>{sV});
+        gemm_ab_masked<U, kHeadDim, kKeysPerWarp>(o, s, hidden, SwizzledRows<U, kHeadDim>{sV});
       } else {
-        gemm_ab<T, kHeadDim, kKeysPerWarp>(o, s, sV);
+        gemm_ab<U, kHeadDim, kKeysPerWarp>(o, s, sV);
       }
     }
     __syncthreads();  // every warp is done with the stage before it is refilled
