@@ -401,6 +401,7 @@ def run_kvcache(seed, impl, dtype, large):
     return ("bad" if bad else "ok"), desc, sorted(kw), "; ".join(bad)
 
 
+PROGRESS_EVERY = 5  # seeds between progress lines
 RUNS = {"dense": run_dense, "varlen": run_varlen, "kvcache": run_kvcache, "nn": run_nn}
 
 
@@ -417,11 +418,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     run = RUNS[args.mode]
     counts = {}
-    for seed in range(args.start, args.start + args.count):
+    for done, seed in enumerate(range(args.start, args.start + args.count), 1):
         result = run(seed, args.impl, args.dtype, args.large)
         counts[result[0]] = counts.get(result[0], 0) + 1
         if result[0] != "ok":
             print(seed, *result, flush=True)
+        if done % PROGRESS_EVERY == 0:  # (a run cut short by a time limit still reports)
+            print(f"after seed {seed}: {counts}", flush=True)
     print(counts, flush=True)
     return 1 if counts.get("bad") else 0
 
