@@ -49,12 +49,14 @@ def test_bench_decode_mode_writes_json(tmp_path):
     assert status == 0
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert {(r["impl"], r["page_size"]) for r in records} == {
-        ("flashjax", 0), ("flashjax", 16), ("xla", 0), ("xla", 16)}
+        (impl, page) for impl in ("flashjax", "flashjax-fp8", "xla") for page in (0, 16)}
     for r in records:
         if (r["impl"], r["page_size"]) == ("xla", 16):
             assert r["error"] == "contiguous caches only"
-        else:
-            assert r["error"] is None and r["us"] > 0 and r["kv_bytes"] == 2 * 2 * 96 * 2 * 16 * 4
+        else:  # (K and V of float32, or of one byte for the float8 cache)
+            element_bytes = 1 if r["impl"] == "flashjax-fp8" else 4
+            assert r["error"] is None and r["us"] > 0
+            assert r["kv_bytes"] == 2 * 2 * 96 * 2 * 16 * element_bytes
 
 
 def test_bench_terms_mode_writes_json(tmp_path):

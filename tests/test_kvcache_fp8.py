@@ -27,6 +27,7 @@ CASES = [
             dtype="bfloat16"), "float8_e4m3fn"),
     (KVCase(heads_q=8, heads_kv=2, seqlens=(23, 0, 12), seqlen_new=1, batch_cache=4,
             dtype="float16"), "float8_e5m2"),
+    (KVCase(seqlens=(20, 3, 24), seqlen_new=2, causal=True, dtype="float32"), "float8_e4m3fn"),
 ]
 
 
@@ -122,7 +123,11 @@ def check_fp8_cache(case: KVCase, cache_dtype: str, **options):
 @pytest.mark.parametrize("case,cache_dtype", CASES, ids=[f"{c}-{d}" for c, d in CASES])
 @pytest.mark.parametrize("implementation", [None, "xla"])
 def test_fp8_cache(case, cache_dtype, implementation):
-    check_fp8_cache(case, cache_dtype, implementation=implementation)
+    """The kernels read these decoding blocks' float8 caches themselves (the CPU's
+    decode path; the GPU's split-KV kernel under 16-bit q); "xla" takes the fallback."""
+    *_, lowered = check_fp8_cache(case, cache_dtype, implementation=implementation)
+    in_kernel = jax.default_backend() == "cpu" or case.dtype != "float32"
+    assert kernel_reads_fp8(lowered) == (implementation is None and in_kernel)
 
 
 def test_fp8_descales_broadcast():
@@ -307,22 +312,24 @@ def test_gpu_fp8_long_cache():
                            seqlen_new=1, causal=True, dtype="bfloat16", **D128), "float8_e4m3fn")
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_gpu_fp8_append_out_of_range(cache_dtype):
-    """New rows past the float8 range (and inf, NaN, tiny values) are stored as
+def test_fp8_append_out_of_range(cache_dtype):
+    """New rows past the float8 range (and inf, NaN, ties, tiny values) are stored as
     jnp.asarray(x * (1 / descale), cache dtype) stores them on the same device (bit for
-    bit, but for which of e5m2's NaNs)."""
+    bit, but for which of e5m2's NaNs), by the kernels' own rounding."""
     case = KVCase(batch=2, heads_q=4, heads_kv=2, head_dim=64, head_dim_v=64, seqlens=(3, 10),
                   capacity=16, seqlen_new=1, dtype="bfloat16")
     q, k_cache, v_cache, new, _, descales, _ = fp8_inputs(case, cache_dtype)
-    special = jnp.asarray([1e3, -1e4, 500.0, 460.0, 449.0, 6e4, 7e4, np.inf, -np.inf, np.nan,
-                           1e-9, -3e-3, 0.0, -0.0, 2.0 ** -9, 65504.0], jnp.float32)
+    descales["k_descale"] = jnp.ones_like(descales["k_descale"])  # (k's ties stay ties)
+    special = jnp.asarray([1e3, -1e4, 500.0, 464.0, 449.0, 6e4, 61440.0, np.inf, -np.inf, np.nan,
+                           1e-9, -3e-3, 0.0, -0.0, 1.5 * 2.0 ** -9, 65504.0], jnp.float32)
     k = jnp.resize(special, new["k"].size).reshape(new["k"].shape).astype(q.dtype)
     v = (new["v"].astype(jnp.float32) * 1e3).astype(q.dtype)
-    _, kc, vc = jax.jit(flashjax.flash_attention_with_kvcache)(
-        q, k_cache, v_cache, k, v, cache_seqlens=jnp.asarray(case.seqlens, jnp.int32),
-        **descales)
+    call = jax.jit(flashjax.flash_attention_with_kvcache)
+    seqlens = jnp.asarray(case.seqlens, jnp.int32)
+    assert kernel_reads_fp8(call.lower(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                       **descales))
+    _, kc, vc = call(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, **descales)
     for got, x, name in ((kc, k, "k"), (vc, v, "v")):
         want = np.asarray(quantised(x, descales[f"{name}_descale"], cache_dtype)).view(np.uint8)
         rows = np.asarray(got)[np.arange(case.batch), np.asarray(case.seqlens)]

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "element.h"
+#include "float8.h"
 #include "flashjax/score_terms.h"
 #include "flashjax/seqlen.h"
 #include "thread_pool.h"
@@ -874,17 +875,31 @@ void append_to_cache(const AttentionParams& p) {
   const KvCache& c = p.cache;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t j = 0; j < c.new_rows; ++j) {
-        int64_t slot, row;
-        if (!c.append_location(b, j, slot, row)) continue;
-        for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
-          std::memcpy(p.k.at<T>(slot, row, hk), c.k_new.at<const T>(b, j, hk),
-                      sizeof(T) * p.head_dim);
-          std::memcpy(p.v.at<T>(slot, row, hk), c.v_new.at<const T>(b, j, hk),
-                      sizeof(T) * p.head_dim_v);
+    dispatch_cache_element<T>(c.element, [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      // A new row as the cache stores it: as it is, or (float8) x * (1 / descale)
+      // rounded, as jnp.asarray(x * (1 / descale), dtype) does.
+      const auto store = [&](C* dst, const T* src, int64_t dim, const float* descales,
+                             int64_t at) {
+        if constexpr (kIsFloat8<C>) {
+          const float inverse = 1.0f / descales[at];
+          for (int64_t e = 0; e < dim; ++e) dst[e] = C::from(to_float(src[e]) * inverse);
+        } else {
+          std::memcpy(dst, src, sizeof(T) * dim);
         }
-      }
+      };
+      for (int64_t b = 0; b < p.batch; ++b)
+        for (int64_t j = 0; j < c.new_rows; ++j) {
+          int64_t slot, row;
+          if (!c.append_location(b, j, slot, row)) continue;
+          for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
+            store(p.k.at<C>(slot, row, hk), c.k_new.at<const T>(b, j, hk), p.head_dim,
+                  c.k_descale, b * p.heads_kv + hk);
+            store(p.v.at<C>(slot, row, hk), c.v_new.at<const T>(b, j, hk), p.head_dim_v,
+                  c.v_descale, b * p.heads_kv + hk);
+          }
+        }
+    });
   });
 }
 

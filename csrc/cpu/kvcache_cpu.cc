@@ -7,7 +7,8 @@
 // paged: SeqlenInfo::k_at), an online softmax per row into a partial (O, m, l);
 // the last split of each (sequence, kv head) to finish combines them into out and lse.
 // Caches whose head dims fill whole vector lines are read in place (the tile kernels
-// widen 16-bit elements in registers); others convert the rows of the tile in use.
+// widen 16-bit elements in registers); others, and float8 caches (scaled by their
+// descales as they are converted: float8.h), convert the rows of the tile in use.
 // Larger query blocks (prefill) take the dense forward (attention_forward), which
 // reads the cache through k_at too.
 #include <algorithm>
@@ -20,6 +21,7 @@
 
 #include "attention_cpu.h"
 #include "element.h"
+#include "float8.h"
 #include "flashjax/seqlen.h"
 #include "thread_pool.h"
 #include "tile_math.h"
@@ -27,10 +29,6 @@
 namespace flashjax::cpu {
 namespace {
 
-// Packed query rows (group * seqlen_q) the decode path takes; more go to the dense
-// forward, whose GEMMs reuse each key tile over up to 256 rows (the score kernel
-// here re-reads a tile from L1 per row).
-constexpr int64_t kMaxPackedRows = 32;
 constexpr int64_t kKeyTile = 128;  // keys per tile (multiple of kRowAlign)
 // Split tasks per thread, so that sequences of unequal lengths still balance...
 constexpr int64_t kTasksPerThread = 4;
@@ -82,7 +80,7 @@ struct Decode {
         dp(round_up(p.head_dim, kRowAlign)),
         dvp(round_up(p.head_dim_v, kRowAlign)),
         splits(split_count(p)),
-        in_place(dp == p.head_dim && dvp == p.head_dim_v),
+        in_place(dp == p.head_dim && dvp == p.head_dim_v && !p.cache.float8()),
         prefetches(in_place && p.k.row_stride > kDenseRowStride * p.head_dim),
         row_type(in_place ? p.dtype : DType::kFloat32),
         partial_floats(pad_rows * (dvp + 3)) {}
@@ -98,6 +96,8 @@ struct Partial {
 
 // Where a key tile's K and V rows are: the cache's own (in place, Decode::row_type) or
 // this tile's float copies; columns past the tile's keys point at zeros (of either).
+// T: the cache's storage type (float8: converted by k_values / v_values, the codes'
+// values times the sequence's descales).
 template <class T>
 struct KeyTile {
   const Decode& d;
@@ -108,6 +108,7 @@ struct KeyTile {
   const void** v_rows;
   float *k_copy, *v_copy;  // kKeyTile rows of dp / dvp floats (converted caches)
   const float* zeros;      // max(dp, dvp) zeros
+  const float *k_values, *v_values;  // float8: 256 floats each (else null)
 
   // Points columns [lo, hi) at keys k0 + lo.. (those < cols; the rest at zeros).
   void locate(int64_t k0, int64_t cols, int64_t lo, int64_t hi) const {
@@ -123,8 +124,8 @@ struct KeyTile {
         k_rows[j] = k, v_rows[j] = v;
         continue;
       }
-      k_rows[j] = convert(k_copy + j * d.dp, k, p.head_dim, d.dp);
-      v_rows[j] = convert(v_copy + j * d.dvp, v, p.head_dim_v, d.dvp);
+      k_rows[j] = convert(k_copy + j * d.dp, k, p.head_dim, d.dp, k_values);
+      v_rows[j] = convert(v_copy + j * d.dvp, v, p.head_dim_v, d.dvp, v_values);
     }
   }
 
@@ -147,8 +148,8 @@ struct KeyTile {
     if (d.row_type != DType::kFloat32)
       for (int64_t j = lo; j < hi; ++j)
         if (v_rows[j] != zeros)
-          v_rows[j] =
-              convert(v_copy + j * d.dvp, static_cast<const T*>(v_rows[j]), p.head_dim_v, d.dvp);
+          v_rows[j] = convert(v_copy + j * d.dvp, static_cast<const T*>(v_rows[j]), p.head_dim_v,
+                              d.dvp, v_values);
     return reinterpret_cast<const float* const*>(v_rows);
   }
 
@@ -166,16 +167,20 @@ struct KeyTile {
     for (int64_t b = 0; b < dim * int64_t{sizeof(T)}; b += kCacheLine)
       __builtin_prefetch(bytes + b);
   }
-  static const float* convert(float* dst, const T* src, int64_t dim, int64_t padded) {
-    to_float_row(dst, src, dim);
+  static const float* convert(float* dst, const T* src, int64_t dim, int64_t padded,
+                              const float* values) {
+    if constexpr (kIsFloat8<T>)
+      tile_kernels().float8_to_float(dst, &src->bits, dim, values);
+    else
+      to_float_row(dst, src, dim);
     std::fill(dst + dim, dst + padded, 0.0f);
     return dst;
   }
 };
 
 // One split: the packed rows against key tiles [first, last) of the sequence's
-// visible keys, into its partial.
-template <class T>
+// visible keys, into its partial. T: q's storage type; C: the cache's.
+template <class T, class C>
 void split_task(const AttentionParams& p, const Decode& d, float* partials, int64_t task) {
   const int64_t split = task % d.splits, pair = task / d.splits;
   const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
@@ -205,7 +210,19 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
   thread_local std::vector<const void*> row_storage;
   row_storage.resize(2 * kKeyTile);
   const void** k_rows = row_storage.data();
-  const KeyTile<T> tile{d, p, seq, hk, k_rows, k_rows + kKeyTile, k_copy, v_copy, zeros};
+  // Float8 caches: their codes' values times this sequence and kv head's descales.
+  thread_local std::vector<float> scaled_values(2 * kFloat8Codes);
+  float* k_values = nullptr;
+  float* v_values = nullptr;
+  if constexpr (kIsFloat8<C>) {
+    k_values = scaled_values.data(), v_values = k_values + kFloat8Codes;
+    const float *values = C::table(), k_descale = p.cache.k_descale[b * p.heads_kv + hk],
+                v_descale = p.cache.v_descale[b * p.heads_kv + hk];
+    for (int code = 0; code < kFloat8Codes; ++code)
+      k_values[code] = values[code] * k_descale, v_values[code] = values[code] * v_descale;
+  }
+  const KeyTile<C> tile{d,      p,      seq,      hk,      k_rows, k_rows + kKeyTile, k_copy,
+                        v_copy, zeros, k_values, v_values};
 
   const TileKernels& kernels = tile_kernels();
   // bf16 caches on CPUs with bf16 pair products: the scores from q's own bf16 rows
@@ -330,17 +347,17 @@ void combine(const AttentionParams& p, const Decode& d, float* partials, int64_t
   }
 }
 
+}  // namespace
+
 // The decode path reads none of these (the KV-cache target passes none today).
-bool decodes(const AttentionParams& p) {
-  return p.group_size() * p.seqlen_q <= kMaxPackedRows && !p.has_score_terms() && !p.dropout &&
+bool kvcache_decodes(const AttentionParams& p) {
+  return p.group_size() * p.seqlen_q <= kKvcacheDecodeMaxRows && !p.has_score_terms() && !p.dropout &&
          !p.has_segments() && !p.packed() && !p.seqused_q && !p.diagonal_offset;
 }
 
-}  // namespace
-
 void kvcache_forward(const AttentionParams& p) {
   if (p.seqlen_q == 0) return;  // append only
-  if (!decodes(p)) return attention_forward(p);
+  if (!kvcache_decodes(p)) return attention_forward(p);  // (caches of q's dtype: the FFI checks)
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const Decode d(p);
@@ -352,7 +369,9 @@ void kvcache_forward(const AttentionParams& p) {
     // process). Its acquire sees the other splits' partials, which their releases publish.
     std::vector<std::atomic<int64_t>> finished(pairs);
     parallel_for(pairs * d.splits, [&](int64_t task) {
-      split_task<T>(p, d, partials, task);
+      dispatch_cache_element<T>(p.cache.element, [&](auto cache_tag) {
+        split_task<T, decltype(cache_tag)>(p, d, partials, task);
+      });
       const int64_t pair = task / d.splits;
       if (finished[pair].fetch_add(1, std::memory_order_acq_rel) == d.splits - 1)
         combine<T>(p, d, partials, pair);

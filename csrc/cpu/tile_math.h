@@ -54,6 +54,9 @@ struct TileKernels {
   // where they are used).
   void (*bf16_to_float)(float* dst, const uint16_t* src, int64_t n);
   void (*f16_to_float)(float* dst, const uint16_t* src, int64_t n);
+  // dst[i] = table[src[i]], i < n: float8 codes by a table of their 256 values (a
+  // float8 cache's, times its descale: float8.h).
+  void (*float8_to_float)(float* dst, const uint8_t* src, int64_t n, const float* table);
   // No inf or NaN among x[0, n), n % kRowAlign == 0.
   bool (*all_finite)(const float* x, int64_t n);
   // row_dots for bfloat16 query rows (Q: bf16 bits, unscaled) against bfloat16 rows,

@@ -1,4 +1,6 @@
 // XLA FFI handlers for platform "cpu": the C++ CPU implementation.
+#include <string>
+
 #include "cpu/attention_cpu.h"
 #include "handlers.h"
 
@@ -16,9 +18,12 @@ struct CpuPlatform {
     return ffi::Error::Success();
   }
   static ffi::Error kvcache(const flashjax::AttentionParams& p, int, void*, size_t) {
-    if (p.cache.float8())  // (flashjax.flash_attention_with_kvcache dequantises them in JAX)
+    if (p.cache.float8() && !flashjax::cpu::kvcache_decodes(p))
       return ffi::Error::InvalidArgument(
-          "flashjax: the CPU KV-cache kernel takes caches of q's dtype, not float8");
+          "flashjax: the CPU KV-cache kernel reads float8 caches for decoding blocks only "
+          "(at most " + std::to_string(flashjax::cpu::kKvcacheDecodeMaxRows) +
+          " query rows per kv head; flash_attention_with_kvcache dequantises the others in "
+          "JAX)");
     if (p.cache.new_rows > 0) flashjax::cpu::append_to_cache(p);
     flashjax::cpu::kvcache_forward(p);
     return ffi::Error::Success();

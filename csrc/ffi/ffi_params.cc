@@ -70,21 +70,19 @@ ffi::Error set_shared_options(AttentionParams& p, const TargetOptions& options) 
 }
 
 // The checks every call shares once shapes are read. A KV-cache call
-// (p.cache.active()) may also read float8 caches with float16 / bfloat16 q.
+// (p.cache.active()) may also read float8 caches (the platforms say which calls).
 template <class TargetOptions>
 ffi::Error check_and_set_common(AttentionParams& p, const ffi::AnyBuffer& q,
                                 const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                 const TargetOptions& options) {
   if (!to_dtype(q.element_type(), p.dtype))
     return invalid("q must be float16, bfloat16 or float32");
-  const bool float8_cache = p.cache.active() && p.dtype != DType::kFloat32 &&
-                            k.element_type() == v.element_type() &&
+  const bool float8_cache = p.cache.active() && k.element_type() == v.element_type() &&
                             to_cache_element(k.element_type(), p.cache.element);
   if (!float8_cache && (k.element_type() != q.element_type() ||
                         v.element_type() != q.element_type()))
     return invalid(p.cache.active() ? "k_cache and v_cache must have q's dtype, or one float8 "
-                                      "dtype (float8_e4m3fn, float8_e5m2) with float16 / "
-                                      "bfloat16 q"
+                                      "dtype (float8_e4m3fn, float8_e5m2)"
                                     : "q, k and v must share one dtype");
   if (p.heads_kv < 1 || p.heads_q < 1) return invalid("heads must be >= 1");
   if (p.heads_q % p.heads_kv != 0) return invalid("heads_q must be a multiple of heads_kv");

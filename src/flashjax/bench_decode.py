@@ -295,7 +295,7 @@ def main(args) -> int:
     head_dims = args.head_dim or [128 if gpu else 64]
     pages = args.page_size or [0]
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    impls = [i for i in (args.impl or IMPLS) if gpu or i in ("flashjax", "xla")]
+    impls = [i for i in (args.impl or IMPLS) if gpu or i in ("flashjax", FP8_IMPL, "xla")]
     iters = args.iters or (20 if gpu else 3)
     loop = args.loop if args.loop > 1 else (DEFAULT_LOOP if gpu else 2)
     info = bench.device_info()

@@ -414,15 +414,19 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
     if terms:  # the KV-cache target takes none: flash_attention over the cache
         on_cpu = on_cuda = dense
     if descales is not None:
-        # Float8 caches: decoding blocks on the GPU are read by the split-KV kernel; the
-        # rest (the CPU, prefill blocks, score terms, other dtypes) take the exact
-        # fallback, which dequantises the sequences' rows in JAX.
+        # Float8 caches: decoding blocks are read by the kernels themselves (the GPU's
+        # split-KV kernel, the CPU's decode path); the rest (prefill blocks, score
+        # terms, float8 new rows, ...) take the exact fallback, which dequantises the
+        # sequences' rows in JAX.
         fallback = functools.partial(_fp8_cache, call, static_seqlens, options, descales)
-        decoding = on_cuda is not dense
-        on_cpu = on_cuda = fallback
-        if decoding and _split_kv_reads_fp8(cfg, q, v_cache, k):
-            on_cuda = functools.partial(_attend_in_kernel, call.with_descales(*descales),
-                                        num_splits)
+        in_kernel = functools.partial(_attend_in_kernel, call.with_descales(*descales),
+                                      num_splits)
+        rows = seqlen_q * (heads_q // kv_heads)
+        new_rows_as_q = k is None or k.dtype == q.dtype
+        on_cuda = (in_kernel if on_cuda is not dense and new_rows_as_q
+                   and _split_kv_reads_fp8(cfg, q, v_cache) else fallback)
+        on_cpu = (in_kernel if not terms and new_rows_as_q and rows <= CPU_DECODE_MAX_ROWS
+                  else fallback)
         in_jax = functools.partial(_fp8_cache, call, static_seqlens,
                                    dict(options, implementation="xla"), descales)
     out, lse, k_cache, v_cache = _route.run(cfg, (q, k_cache, v_cache, k, v, seqlens),
@@ -444,6 +448,7 @@ SPLIT_KV_HEAD_DIMS = (64, 128, 256)  # the kernel's head-dim buckets
 SPLIT_KV_FP8_DIM_MULTIPLE = 16  # float8 rows load in 16-byte chunks
 SPLIT_KV_MAX_ROWS = 64
 MAX_SPLITS = 128
+CPU_DECODE_MAX_ROWS = 32  # csrc/cpu/attention_cpu.h kKvcacheDecodeMaxRows: more, dense forward
 MIN_TILES_PER_SPLIT = 2    # each split streams at least this many key tiles
 SHARED_MEMORY_PER_SM = 227 * 1024  # Hopper (an A100's 163 KB gives fewer resident CTAs)
 DEFAULT_MULTIPROCESSORS = 132
@@ -468,12 +473,12 @@ def _resident_ctas_per_sm(head_dim: int, cache_bytes: int = 2) -> int:
     return max(1, SHARED_MEMORY_PER_SM // smem)
 
 
-def _split_kv_reads_fp8(cfg, q, v_cache, k) -> bool:
-    """Whether the split-KV kernel reads a float8 cache itself (dequantising on chip):
-    float16 / bfloat16 q, new rows (if any) in q's dtype, head dims multiples of 16 of
-    its buckets, and the kernel not excluded by implementation="cuda:simt"."""
+def _split_kv_reads_fp8(cfg, q, v_cache) -> bool:
+    """Whether the split-KV kernel can read a decoding block's float8 cache itself
+    (dequantising on chip): float16 / bfloat16 q, head dims multiples of 16 of its
+    buckets, and the kernel not excluded by implementation="cuda:simt"."""
     dims = (q.shape[3], v_cache.shape[3])
-    return (q.dtype in (jnp.bfloat16, jnp.float16) and (k is None or k.dtype == q.dtype)
+    return (q.dtype in (jnp.bfloat16, jnp.float16)
             and all(d % SPLIT_KV_FP8_DIM_MULTIPLE == 0 and d <= SPLIT_KV_HEAD_DIMS[-1]
                     for d in dims)
             and cfg.kernel_cap != _route.IMPLEMENTATIONS["cuda:simt"][1])
