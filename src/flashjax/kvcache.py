@@ -302,11 +302,11 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         row x of sequence i, kv head h stands for x * descale[i, h]; shapes (), (1, 1),
         (batch, 1), (1, heads_kv) or (batch, heads_kv) (None: 1.0, as FlashAttention
         3). New tokens are quantised into the cache as x * (1 / descale) rounded to the
-        cache's dtype (after rotary). On a CUDA GPU decoding blocks (<= 64 query rows
-        per kv head, bfloat16 / float16 q, head dims multiples of 16) run the split-KV
-        kernel on the float8 cache itself (docs/api.md); elsewhere the exact fallback:
-        the new rows scattered and each sequence's rows gathered and dequantised in
-        JAX, then flash_attention's kernels of q's dtype.
+        cache's dtype (after rotary). Decoding blocks are read from the float8 cache
+        by the kernels themselves (GPU: <= 64 query rows per kv head, bfloat16 /
+        float16 q, head dims multiples of 16; CPU: <= 32 rows; docs/api.md);
+        elsewhere the exact fallback: the new rows scattered and each sequence's rows
+        gathered and dequantised in JAX, then flash_attention's kernels of q's dtype.
       q_descale, out_dtype: float8 q (the caches' float8 dtype, FlashAttention 3's
         fp8 call): q_descale per (batch, kv head) of the shapes above (q's heads use
         their kv head's), out in out_dtype (bfloat16 by default, the compute dtype);
