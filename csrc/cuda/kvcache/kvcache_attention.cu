@@ -204,31 +204,26 @@ struct KeyTileRows {
   }
 };
 
-// Two float8 values (the low and high byte of `pair`) as a pair of T, exactly:
-// every e4m3 and e5m2 value is a half, and a bfloat16 too.
-template <class T, class C>
+// Two float8 values (the low and high byte of `pair`) as a pair of halves, in
+// one instruction and exactly: every e4m3 and e5m2 value is a half.
+template <class C>
 __device__ __forceinline__ uint32_t widen_pair(uint16_t pair) {
   constexpr __nv_fp8_interpretation_t kKind =
       std::is_same_v<C, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
-  const __half2 h(__nv_cvt_fp8x2_to_halfraw2(pair, kKind));
-  if constexpr (std::is_same_v<T, __half>) {
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(h));
-    return *reinterpret_cast<const uint32_t*>(&b);
-  }
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, kKind);
+  return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
 }
 
 // A warp's kKeysPerWarp float8 rows (kHeadDim bytes each, as loaded) widened
-// into a swizzled 16-bit tile of T, as the mma loads read it, then __syncwarp.
+// into a swizzled half tile, as the mma loads read it, then __syncwarp.
 // A lane takes 8 elements at a time (8 bytes in, one 16-byte chunk out: 8
 // lanes store a whole 128-byte row segment, no bank conflicts); every read is
 // issued before the first conversion, up to kWidenBatch chunks at a time (one
 // shared-memory latency, not one per chunk: the stores could alias the reads
 // for all the compiler knows; a batch at d256 would spill).
 constexpr int kWidenBatch = 8;
-template <class T, class C, int kHeadDim>
-__device__ __forceinline__ void widen_rows(T* wide, const C* rows, int lane) {
+template <class C, int kHeadDim>
+__device__ __forceinline__ void widen_rows(__half* wide, const C* rows, int lane) {
   constexpr int kChunks = kHeadDim / 8, kPerLane = kKeysPerWarp * kChunks / 32;
   constexpr int kBatch = kPerLane < kWidenBatch ? kPerLane : kWidenBatch;
   static_assert(kKeysPerWarp * kChunks % 32 == 0 && kPerLane % kBatch == 0, "whole batches");
@@ -241,9 +236,8 @@ __device__ __forceinline__ void widen_rows(T* wide, const C* rows, int lane) {
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
       const int chunk = lane + 32 * (first + i);
-      const uint4 y = make_uint4(
-          widen_pair<T, C>(x[i].x & 0xffffu), widen_pair<T, C>(x[i].x >> 16),
-          widen_pair<T, C>(x[i].y & 0xffffu), widen_pair<T, C>(x[i].y >> 16));
+      const uint4 y = make_uint4(widen_pair<C>(x[i].x & 0xffffu), widen_pair<C>(x[i].x >> 16),
+                                 widen_pair<C>(x[i].y & 0xffffu), widen_pair<C>(x[i].y >> 16));
       *reinterpret_cast<uint4*>(wide + swizzled<kHeadDim>(chunk / kChunks, chunk % kChunks)) = y;
     }
   }
@@ -417,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<C, kHeadDim>))
       const U* sV = reinterpret_cast<const U*>(stage_v);
       U* wide = reinterpret_cast<U*>(smem_raw + Smem::kWideOffset) + warp * Smem::kWarpWide;
       if constexpr (kFloat8<C>) {
-        widen_rows<U, C, kHeadDim>(wide, stage_k, lane);
+        widen_rows<C, kHeadDim>(wide, stage_k, lane);
         sK = sV = wide;
       }
       float s[kKeyTiles * 4];
@@ -426,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<C, kHeadDim>))
 #pragma unroll
         for (int i = 0; i < kKeyTiles * 4; ++i) s[i] *= score_scale[i / 2 % 2];  // (row i/2 % 2)
         __syncwarp();  // every lane's K reads are done
-        widen_rows<U, C, kHeadDim>(wide, stage_v, lane);
+        widen_rows<C, kHeadDim>(wide, stage_v, lane);
       }
       const bool masked = RowSoftmax::tile_needs_mask(seq, q_first, q_last, k0, kKeysPerWarp,
                                                       keys.key_begin, keys.key_end);
