@@ -12,8 +12,9 @@ gradients of q, k, v and bias. varlen: `flash_attention_varlen` (packed sequence
 empty, padding past the last, seqused_q / seqused_k) against
 `reference.attention_varlen`, likewise. kvcache: `flash_attention_with_kvcache`
 (contiguous, paged, cache_batch_idx, leftpad, appended tokens, rotary, splits, bias,
-mask) against its pure-JAX path (`implementation="xla"`, itself checked against the
-reference by the test suite): out, lse and the updated caches. nn:
+mask, float8 caches with descales) against its pure-JAX path (`implementation="xla"`,
+itself checked against the reference by the test suite): out, lse and the updated
+caches. nn:
 `flashjax.nn.dot_product_attention` against `jax.nn.dot_product_attention(
 implementation="xla")` (rank 3 and 4, bias, mask, windows, lengths), out and gradients,
 on the rows jax.nn defines (a row that sees no key is left out: jax.nn averages every
@@ -351,10 +352,11 @@ def run_kvcache(seed, impl, dtype, large):
     capacity = rng.choice([300, 1000, 2048]) if large else rng.choice([8, 24, 48])
     if page:
         capacity = -(-capacity // page) * page
-    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    keys = iter(jax.random.split(jax.random.key(seed), 24))
     normal = lambda s: jax.random.normal(next(keys), s, jnp.float32).astype(dtype)
     q = normal((b, sq, hq, d))
     kw = {}
+    cache_dtype = rng.choice(FLOAT8_CACHES) if rng.random() < FLOAT8_CACHE_CHANCE else None
     if page:
         pages = b * capacity // page + rng.choice([0, 2])
         k_cache, v_cache = normal((pages, page, hk, d)), normal((pages, page, hk, dv))
@@ -365,6 +367,11 @@ def run_kvcache(seed, impl, dtype, large):
         k_cache, v_cache = normal((b + extra, capacity, hk, d)), normal((b + extra, capacity, hk, dv))
         if extra and rng.random() < 0.5:
             kw["cache_batch_idx"] = jax.random.permutation(next(keys), b + extra)[:b].astype(jnp.int32)
+    if cache_dtype is not None:  # descales of every broadcast shape
+        k_cache, v_cache = k_cache.astype(cache_dtype), v_cache.astype(cache_dtype)
+        for name in ("k_descale", "v_descale"):
+            kw[name] = jax.random.uniform(next(keys), rng.choice([(), (b, 1), (1, hk), (b, hk)]),
+                                          jnp.float32, 0.25, 2.0)
     seqlens = jax.random.randint(next(keys), (b,), 0, capacity - new + 1).astype(jnp.int32)
     if rng.random() < 0.3 and not page:
         kw["cache_leftpad"] = jnp.minimum(jax.random.randint(next(keys), (b,), 0, 4),
@@ -383,7 +390,8 @@ def run_kvcache(seed, impl, dtype, large):
         kw["rotary_interleaved"] = rng.random() < 0.5
     if rng.random() < 0.3:
         kw["num_splits"] = rng.choice([1, 2, 3])
-    desc = dict(b=b, hq=hq, hk=hk, d=d, dv=dv, sq=sq, new=new, page=page, capacity=capacity)
+    desc = dict(b=b, hq=hq, hk=hk, d=d, dv=dv, sq=sq, new=new, page=page, capacity=capacity,
+                cache=jnp.dtype(cache_dtype or dtype).name)
     call = lambda implementation: flashjax.flash_attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=seqlens, return_lse=True,
         implementation=implementation, **kw)
@@ -402,6 +410,9 @@ def run_kvcache(seed, impl, dtype, large):
 
 
 PROGRESS_EVERY = 5  # seeds between progress lines
+# kvcache mode: float8 caches (read by the kernels themselves where they can) this often
+FLOAT8_CACHE_CHANCE = 0.3
+FLOAT8_CACHES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 RUNS = {"dense": run_dense, "varlen": run_varlen, "kvcache": run_kvcache, "nn": run_nn}
 
 
