@@ -215,14 +215,18 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
   float* k_values = nullptr;
   float* v_values = nullptr;
   if constexpr (kIsFloat8<C>) {
-    k_values = scaled_values.data(), v_values = k_values + kFloat8Codes;
-    const float *values = C::table(), k_descale = p.cache.k_descale[b * p.heads_kv + hk],
-                v_descale = p.cache.v_descale[b * p.heads_kv + hk];
-    for (int code = 0; code < kFloat8Codes; ++code)
-      k_values[code] = values[code] * k_descale, v_values[code] = values[code] * v_descale;
+    k_values = scaled_values.data();
+    v_values = k_values + kFloat8Codes;
+    const float* values = C::table();
+    const float k_descale = p.cache.k_descale[b * p.heads_kv + hk];
+    const float v_descale = p.cache.v_descale[b * p.heads_kv + hk];
+    for (int code = 0; code < kFloat8Codes; ++code) {
+      k_values[code] = values[code] * k_descale;
+      v_values[code] = values[code] * v_descale;
+    }
   }
-  const KeyTile<C> tile{d,      p,      seq,      hk,      k_rows, k_rows + kKeyTile, k_copy,
-                        v_copy, zeros, k_values, v_values};
+  const KeyTile<C> tile{d,     p,        seq,     hk,     k_rows, k_rows + kKeyTile,
+                        k_copy, v_copy, zeros, k_values, v_values};
 
   const TileKernels& kernels = tile_kernels();
   // bf16 caches on CPUs with bf16 pair products: the scores from q's own bf16 rows
@@ -351,13 +355,14 @@ void combine(const AttentionParams& p, const Decode& d, float* partials, int64_t
 
 // The decode path reads none of these (the KV-cache target passes none today).
 bool kvcache_decodes(const AttentionParams& p) {
-  return p.group_size() * p.seqlen_q <= kKvcacheDecodeMaxRows && !p.has_score_terms() && !p.dropout &&
-         !p.has_segments() && !p.packed() && !p.seqused_q && !p.diagonal_offset;
+  return p.group_size() * p.seqlen_q <= kKvcacheDecodeMaxRows && !p.has_score_terms() &&
+         !p.dropout && !p.has_segments() && !p.packed() && !p.seqused_q && !p.diagonal_offset;
 }
 
 void kvcache_forward(const AttentionParams& p) {
   if (p.seqlen_q == 0) return;  // append only
-  if (!kvcache_decodes(p)) return attention_forward(p);  // (caches of q's dtype: the FFI checks)
+  // (never float8 caches: the FFI refuses them on the dense forward)
+  if (!kvcache_decodes(p)) return attention_forward(p);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const Decode d(p);
