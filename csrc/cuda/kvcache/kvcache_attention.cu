@@ -659,18 +659,12 @@ cudaError_t append_to_cache(const AttentionParams& p, cudaStream_t stream) {
   if (per_row > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>((per_row + kAppendThreads - 1) / kAppendThreads),
                   static_cast<unsigned>(rows < kMaxGridY ? rows : kMaxGridY));  // y strides
-  if (p.cache.float8()) {
-    return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
-      using T = decltype(tag);
-      return with_cache_element<T>(p, [&](auto cache_tag) {
-        append_kernel<T, decltype(cache_tag)><<<grid, kAppendThreads, 0, stream>>>(p);
-        return cudaGetLastError();
-      });
-    });
-  }
   return with_dtype(kAllTypes, p.dtype, [&](auto tag) {
-    append_kernel<decltype(tag), decltype(tag)><<<grid, kAppendThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    using T = decltype(tag);
+    return with_cache_element<T>(p, [&](auto cache_tag) {
+      append_kernel<T, decltype(cache_tag)><<<grid, kAppendThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    });
   });
 }
 
