@@ -2,11 +2,12 @@
 paged e4m3 / e5m2 caches with k_descale / v_descale per (sequence, kv head), new tokens
 quantised into them (bit-exact to jnp.asarray(x * (1 / descale), cache dtype)), the
 attention against the float64 reference of the dequantised cache (kvcache_helpers.py),
-descale broadcasting and argument errors. On the CPU (and for prefill blocks, score terms,
-float32 q) the exact fallback runs (gathered, dequantised rows on the kernels of q's
-dtype); on a GPU the split-KV kernel reads decoding blocks' float8 caches itself (the
-`gpu` tests below: every layout and option, forced splits, a 64k-key cache, the
-accuracy bound against q's dtype, out-of-range new rows)."""
+descale broadcasting and argument errors. Decoding blocks' float8 caches are read by the
+kernels themselves: the CPU's decode path, and on a GPU the split-KV kernel (the `gpu`
+tests below: every layout and option, forced splits, a 64k-key cache, the accuracy bound
+against q's dtype); out-of-range new rows on both. Prefill blocks, score terms, float32
+q on a GPU and "xla" take the exact fallback (gathered, dequantised rows on the kernels
+of q's dtype)."""
 
 from __future__ import annotations
 
@@ -57,27 +58,34 @@ def quantised(x, descale, dtype):
     return jnp.asarray(x.astype(jnp.float32) * (1 / descale)[:, None, :, None], dtype)
 
 
-def run_fp8(case: KVCase, cache_dtype: str, **options):
-    """The case's call on float8 caches (options: the call's keyword arguments), jitted:
-    ((out, lse, k_cache, v_cache), inputs, the float64 (out, lse) of the dequantised
-    inputs, the new rows as the cache stores them (name -> array))."""
-    inputs = fp8_inputs(case, cache_dtype)
-    q, k_cache, v_cache, new, extra, descales, (deq_k, deq_v) = inputs
-    named = dict(new, **extra, **descales)
+def call_case(case: KVCase, q, k_cache, v_cache, named: dict, **options):
+    """The case's call with the keyword arguments `named` (arrays as the jitted
+    function's arguments, Python values static) and `options`: ((out, lse, k_cache,
+    v_cache), the lowered call)."""
     arrays = {n: x for n, x in named.items() if isinstance(x, jax.Array)}
     static = {n: x for n, x in named.items() if n not in arrays}
     call = jax.jit(lambda q, kc, vc, arrays: flashjax.flash_attention_with_kvcache(
         q, kc, vc, cache_seqlens=jnp.asarray(case.seqlens, jnp.int32), causal=case.causal,
         window_size=case.window_size, softcap=case.softcap, return_lse=True, **static,
         **arrays, **options))
-    result = call(q, k_cache, v_cache, arrays)
+    return call(q, k_cache, v_cache, arrays), call.lower(q, k_cache, v_cache, arrays)
+
+
+def run_fp8(case: KVCase, cache_dtype: str, **options):
+    """The case's call on float8 caches (options: the call's keyword arguments), jitted:
+    ((out, lse, k_cache, v_cache), inputs, the float64 (out, lse) of the dequantised
+    inputs, the new rows as the cache stores them (name -> array), the lowered call)."""
+    inputs = fp8_inputs(case, cache_dtype)
+    q, k_cache, v_cache, new, extra, descales, (deq_k, deq_v) = inputs
+    result, lowered = call_case(case, q, k_cache, v_cache, dict(new, **extra, **descales),
+                                **options)
     # the new rows, quantised as the cache stores them, then read at the descales
     stored = {n: quantised(new[n], descales[f"{n}_descale"], cache_dtype) for n in new}
     back = {n: np.asarray(stored[n].astype(jnp.float32), np.float64)
             * np.asarray(descales[f"{n}_descale"], np.float64)[:, None, :, None]
             for n in stored}
     want_out, want_lse, _, _ = expected(case, q, deq_k, deq_v, back, extra)
-    return result, inputs, (want_out, want_lse), stored, call.lower(q, k_cache, v_cache, arrays)
+    return result, inputs, (want_out, want_lse), stored, lowered
 
 
 def kernel_reads_fp8(lowered) -> bool:
@@ -289,12 +297,8 @@ def test_gpu_fp8_cache_kernel(case, cache_dtype):
     assert kernel_reads_fp8(lowered) == (case.head_dim % 16 == 0 and case.head_dim_v % 16 == 0)
     named = dict(extra, **{n: (stored[n].astype(jnp.float32) * descales[f"{n}_descale"][
         :, None, :, None]).astype(q.dtype) for n in stored})
-    static = {n: x for n, x in named.items() if not isinstance(x, jax.Array)}
-    arrays = {n: x for n, x in named.items() if n not in static}
-    same_dtype = jax.jit(lambda q, kc, vc, arrays: flashjax.flash_attention_with_kvcache(
-        q, kc, vc, cache_seqlens=jnp.asarray(case.seqlens, jnp.int32), causal=case.causal,
-        window_size=case.window_size, softcap=case.softcap, **static, **arrays))(
-        q, jnp.asarray(deq_k, q.dtype), jnp.asarray(deq_v, q.dtype), arrays)[0]
+    (same_dtype, *_), _ = call_case(case, q, jnp.asarray(deq_k, q.dtype),
+                                    jnp.asarray(deq_v, q.dtype), named)
     assert frobenius_error(out, want_out) <= 1.5 * frobenius_error(same_dtype, want_out) + 1e-6
 
 

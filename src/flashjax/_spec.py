@@ -44,9 +44,9 @@ class Operand:
     dtype: "float32" / "int32", or None: q's dtype (k's, v's for their kind).
     shape: its shape kind ("rows": (batch, rows, heads, dim) like q, k or v;
       "row_stats": lse-like; for optional inputs the C++ InputKind: "per_head",
-      "per_kv_head", "per_sequence", "query_rows", "key_rows", "page_table", "scores": (batch or 1,
-      heads_q, heads_kv or 1, seqlen_q, seqlen_k), broadcast by the kernels, dense
-      layout only; "dropout": uint32 (sequences, heads_q, 4)).
+      "per_kv_head", "per_sequence", "query_rows", "key_rows", "page_table",
+      "scores": (batch or 1, heads_q, heads_kv or 1, seqlen_q, seqlen_k), broadcast by
+      the kernels, dense layout only; "dropout": uint32 (sequences, heads_q, 4)).
     dims / packed_dims: its dims in dense / packed (varlen) calls as factors of the
       sharding rule (_partitioning: b batch, s query rows, t key rows, H query heads,
       h kv heads, d, e head dims; T, U packed query / key rows, m sequences, n =
