@@ -438,10 +438,13 @@ def _kvcache(cfg, rotary_interleaved, options, num_splits, return_lse, static_se
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
-# The split-KV kernel's shape (csrc/cuda/kvcache/kvcache_attention.cu): 16 packed query rows
-# per CTA, 64-key tiles in a 3-stage pipeline; packed rows past SPLIT_KV_MAX_ROWS
-# attend on the dense kernels.
+# The split-KV kernels' shape (csrc/cuda/kvcache/): 16 packed query rows per CTA over
+# caches of q's dtype, 8 over float8 caches (split_kv_float8.cuh: keys as the mma's rows),
+# 64-key tiles in a 3-stage pipeline; packed rows past SPLIT_KV_MAX_ROWS attend on the
+# dense kernels.
 SPLIT_KV_ROWS = 16
+SPLIT_KV_FP8_ROWS = 8
+SPLIT_KV_FP8_MAX_CTAS_PER_SM = 4  # the float8 kernel's launch bounds (registers) at d <= 128
 SPLIT_KV_KEYS = 64
 SPLIT_KV_STAGES = 3
 SPLIT_KV_HEAD_DIMS = (64, 128, 256)  # the kernel's head-dim buckets
@@ -462,14 +465,21 @@ def _multiprocessors() -> int:
         return DEFAULT_MULTIPROCESSORS
 
 
+def _split_kv_rows(cache_bytes: int) -> int:
+    """Packed query rows per CTA of the split-KV kernel of caches of cache_bytes elements."""
+    return SPLIT_KV_FP8_ROWS if cache_bytes == 1 else SPLIT_KV_ROWS
+
+
 def _resident_ctas_per_sm(head_dim: int, cache_bytes: int = 2) -> int:
-    """As SplitSmem (kvcache_attention.cu): a 16-bit query tile, the stages of cache
-    elements and, for float8 caches, each warp's widened 16-bit tile of its keys and
-    the query rows' float32 score scales."""
+    """As SplitSmem / Float8Smem (csrc/cuda/kvcache/): a 16-bit query tile and the stages
+    of cache elements; float8 caches also the query rows' float32 score scales, and at
+    most SPLIT_KV_FP8_MAX_CTAS_PER_SM (registers)."""
     bucket = next((b for b in SPLIT_KV_HEAD_DIMS if head_dim <= b), SPLIT_KV_HEAD_DIMS[-1])
-    smem = 2 * bucket * SPLIT_KV_ROWS + cache_bytes * bucket * SPLIT_KV_STAGES * 2 * SPLIT_KV_KEYS
+    rows = _split_kv_rows(cache_bytes)
+    smem = 2 * bucket * rows + cache_bytes * bucket * SPLIT_KV_STAGES * 2 * SPLIT_KV_KEYS
     if cache_bytes == 1:
-        smem += 2 * bucket * SPLIT_KV_KEYS + 4 * SPLIT_KV_ROWS
+        smem += 4 * rows
+        return max(1, min(SHARED_MEMORY_PER_SM // smem, SPLIT_KV_FP8_MAX_CTAS_PER_SM))
     return max(1, SHARED_MEMORY_PER_SM // smem)
 
 
@@ -492,7 +502,7 @@ def split_count(batch: int, kv_heads: int, packed_rows: int, capacity: int, head
     MIN_TILES_PER_SPLIT key tiles of the capacity."""
     if num_splits:
         return min(num_splits, MAX_SPLITS)
-    ctas = batch * kv_heads * -(-packed_rows // SPLIT_KV_ROWS)
+    ctas = batch * kv_heads * -(-packed_rows // _split_kv_rows(cache_bytes))
     resident = _resident_ctas_per_sm(head_dim, cache_bytes) * _multiprocessors()
     tiles = -(-capacity // SPLIT_KV_KEYS)
     return max(1, min(resident // max(ctas, 1), tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
