@@ -338,3 +338,35 @@ def test_fp8_append_out_of_range(cache_dtype):
         want = np.asarray(quantised(x, descales[f"{name}_descale"], cache_dtype)).view(np.uint8)
         rows = np.asarray(got)[np.arange(case.batch), np.asarray(case.seqlens)]
         assert_same_fp8(rows, want[:, 0], cache_dtype, name)
+
+
+@pytest.mark.parametrize("head_dim", [16, 40])  # rows read in place; rows converted
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_every_code(cache_dtype, head_dim):
+    """Every float8 code, read by the decode path, is its value times the descale (one
+    rounding of the product): a (0, 0) window shows each query its own key only, so
+    with a one-hot float32 q and softmax_scale 1 each out row is that key's V row and
+    each lse that key's first K value, exactly (K's non-finite codes, which would make
+    the whole row NaN, are left to V)."""
+    heads, rows = 8, 32
+    codes = np.arange(256, dtype=np.uint8)
+    values = codes.view(cache_dtype).astype(np.float32)
+    k_codes = np.where(np.isfinite(values), codes, 0).reshape(heads, rows)  # (head, key)
+    k_bytes = np.broadcast_to(k_codes.T[None, :, :, None], (1, rows, heads, head_dim))
+    v_bytes = ((np.arange(heads)[None, None, :, None] * rows + np.arange(rows)[None, :, None, None])
+               * head_dim + np.arange(head_dim)) % 256
+    k_cache, v_cache = (jnp.asarray(np.ascontiguousarray(x).astype(np.uint8).view(cache_dtype))
+                        for x in (k_bytes, v_bytes))
+    rng = np.random.default_rng(4)
+    k_descale, v_descale = (rng.uniform(0.25, 2.0, (1, heads)).astype(np.float32)
+                            for _ in range(2))
+    q = np.zeros((1, rows, heads, head_dim), np.float32)
+    q[..., 0] = 1.0
+    out, lse = flashjax.flash_attention_with_kvcache(
+        jnp.asarray(q), k_cache, v_cache, cache_seqlens=jnp.asarray([rows], jnp.int32),
+        softmax_scale=1.0, window_size=(0, 0), return_lse=True, k_descale=jnp.asarray(k_descale),
+        v_descale=jnp.asarray(v_descale))
+    want_out = values[v_bytes] * v_descale[:, None, :, None]
+    want_lse = values[k_codes] * k_descale[0][:, None]  # (head, key): lse is (b, h, query)
+    np.testing.assert_array_equal(np.asarray(out), want_out)
+    np.testing.assert_array_equal(np.asarray(lse)[0], want_lse)

@@ -3,6 +3,8 @@
 // end to end: tools/cpu_kernels_ab.sh REV builds this with REV's tile_kernels.inc
 // ("before", namespace before) and the working tree's ("after"), AVX-512 copies, the
 // flags of csrc/CMakeLists.txt, and prints the best of many runs of each, alternated.
+// (REV at or after the commit that typed the rows RowType: both copies share the working
+// tree's tile_math.h.)
 // Args: kv heads (the cache's row stride), head dim, packed query rows (the group;
 // gemm_b_rows gets them rounded up to 4 before, to 2 after: what the decode path
 // passed before 2-row blocks, and passes now).
@@ -67,11 +69,11 @@ int main(int argc, char** argv) {
       const auto t0 = clock::now();
       for (int64_t j = 0; j < kKeys; j += kTile)
         kernels[w]->row_dots(s.data(), kTile, q.data(), d, rows, key_rows.data() + j,
-                             flashjax::DType::kBFloat16, kTile, d);
+                             RowType::kBFloat16, kTile, d);
       const auto t1 = clock::now();
       for (int64_t j = 0; j < kKeys; j += kTile)
         kernels[w]->gemm_b_rows(o.data(), d, s.data(), kTile, key_rows.data() + j,
-                                flashjax::DType::kBFloat16, w ? gemm_rows : pad_rows, d, kTile);
+                                RowType::kBFloat16, w ? gemm_rows : pad_rows, d, kTile);
       const auto t2 = clock::now();
       dots[w] = std::min(dots[w], us(t0, t1));
       pv[w] = std::min(pv[w], us(t1, t2));

@@ -19,6 +19,9 @@ inline constexpr int kFloat8Codes = 256;
 template <int kExponentBits, int kMantissaBits, bool kIeeeSpecials>
 struct Float8 {
   static constexpr int kExponent = kExponentBits, kMantissa = kMantissaBits;
+  // (the tile kernels' name of the format: TileKernels::float8_to_float)
+  static constexpr CacheElement kElement =
+      kIeeeSpecials ? CacheElement::kFloat8E5M2 : CacheElement::kFloat8E4M3;
   static constexpr int kBias = (1 << (kExponent - 1)) - 1;
   static constexpr int kSign = 0x80;
   static constexpr int kMaxExponent = (1 << kExponent) - 1;

@@ -7,8 +7,9 @@
 // paged: SeqlenInfo::k_at), an online softmax per row into a partial (O, m, l);
 // the last split of each (sequence, kv head) to finish combines them into out and lse.
 // Caches whose head dims fill whole vector lines are read in place (the tile kernels
-// widen 16-bit elements in registers); others, and float8 caches (scaled by their
-// descales as they are converted: float8.h), convert the rows of the tile in use.
+// widen 16-bit and float8 elements in registers; a float8 cache's descales scale the
+// query rows and the output instead); others convert the rows of the tile in use
+// (float8: times their descales).
 // Larger query blocks (prefill) take the dense forward (attention_forward), which
 // reads the cache through k_at too.
 #include <algorithm>
@@ -64,12 +65,13 @@ struct Decode {
   int64_t dp, dvp;                // head dims padded to whole vector lines
   int64_t splits;
   bool in_place;   // rows of whole vector lines: the kernels read the cache itself
+  bool float8_in_place;  // ...of float8 codes: the descales scale q and the output
   // In place, and a kv head's rows far apart (many kv heads): the hardware's stride
   // prefetch leaves each row a miss, so split_task prefetches them (KeyTile). Rows
   // close together stream well without (bf16 4/2 d64: 4-5% slower with it; 32/8 d128:
   // 6-12% faster; 2-core EPYC, same process, 2026-11-28).
   bool prefetches;
-  DType row_type;  // the element type of the rows the kernels read
+  RowType row_type;  // the element type of the rows the kernels read
   int64_t partial_floats;
 
   explicit Decode(const AttentionParams& p)
@@ -80,9 +82,12 @@ struct Decode {
         dp(round_up(p.head_dim, kRowAlign)),
         dvp(round_up(p.head_dim_v, kRowAlign)),
         splits(split_count(p)),
-        in_place(dp == p.head_dim && dvp == p.head_dim_v && !p.cache.float8()),
+        in_place(dp == p.head_dim && dvp == p.head_dim_v),
+        float8_in_place(in_place && p.cache.float8()),
         prefetches(in_place && p.k.row_stride > kDenseRowStride * p.head_dim),
-        row_type(in_place ? p.dtype : DType::kFloat32),
+        row_type(!in_place          ? RowType::kFloat32
+                 : float8_in_place ? cpu::row_type(p.cache.element)
+                                   : cpu::row_type(p.dtype)),
         partial_floats(pad_rows * (dvp + 3)) {}
   int64_t query(int64_t r) const { return r / group; }
   int64_t head(int64_t hk, int64_t r) const { return hk * group + r % group; }
@@ -96,8 +101,8 @@ struct Partial {
 
 // Where a key tile's K and V rows are: the cache's own (in place, Decode::row_type) or
 // this tile's float copies; columns past the tile's keys point at zeros (of either).
-// T: the cache's storage type (float8: converted by k_values / v_values, the codes'
-// values times the sequence's descales).
+// T: the cache's storage type (float8: converted to the codes' values times k_scale /
+// v_scale: the sequence's descales, or 1 where q and the output carry them).
 template <class T>
 struct KeyTile {
   const Decode& d;
@@ -108,7 +113,7 @@ struct KeyTile {
   const void** v_rows;
   float *k_copy, *v_copy;  // kKeyTile rows of dp / dvp floats (converted caches)
   const float* zeros;      // max(dp, dvp) zeros
-  const float *k_values, *v_values;  // float8: 256 floats each (else null)
+  float k_scale, v_scale;  // float8 caches' conversions (else unused)
 
   // Points columns [lo, hi) at keys k0 + lo.. (those < cols; the rest at zeros).
   void locate(int64_t k0, int64_t cols, int64_t lo, int64_t hi) const {
@@ -124,8 +129,8 @@ struct KeyTile {
         k_rows[j] = k, v_rows[j] = v;
         continue;
       }
-      k_rows[j] = convert(k_copy + j * d.dp, k, p.head_dim, d.dp, k_values);
-      v_rows[j] = convert(v_copy + j * d.dvp, v, p.head_dim_v, d.dvp, v_values);
+      k_rows[j] = convert(k_copy + j * d.dp, k, p.head_dim, d.dp, k_scale);
+      v_rows[j] = convert(v_copy + j * d.dvp, v, p.head_dim_v, d.dvp, v_scale);
     }
   }
 
@@ -145,11 +150,11 @@ struct KeyTile {
   // v_rows as float rows over columns [lo, hi) (16-bit rows read in place converted
   // to the tile's copies), indexed by column.
   const float* const* values_as_float(int64_t lo, int64_t hi) const {
-    if (d.row_type != DType::kFloat32)
+    if (d.row_type != RowType::kFloat32)
       for (int64_t j = lo; j < hi; ++j)
         if (v_rows[j] != zeros)
           v_rows[j] = convert(v_copy + j * d.dvp, static_cast<const T*>(v_rows[j]), p.head_dim_v,
-                              d.dvp, v_values);
+                              d.dvp, v_scale);
     return reinterpret_cast<const float* const*>(v_rows);
   }
 
@@ -168,9 +173,9 @@ struct KeyTile {
       __builtin_prefetch(bytes + b);
   }
   static const float* convert(float* dst, const T* src, int64_t dim, int64_t padded,
-                              const float* values) {
+                              float scale) {
     if constexpr (kIsFloat8<T>)
-      tile_kernels().float8_to_float(dst, &src->bits, dim, values);
+      tile_kernels().float8_to_float(dst, &src->bits, dim, T::kElement, scale);
     else
       to_float_row(dst, src, dim);
     std::fill(dst + dim, dst + padded, 0.0f);
@@ -210,30 +215,22 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
   thread_local std::vector<const void*> row_storage;
   row_storage.resize(2 * kKeyTile);
   const void** k_rows = row_storage.data();
-  // Float8 caches: their codes' values times this sequence and kv head's descales.
-  thread_local std::vector<float> scaled_values(2 * kFloat8Codes);
-  float* k_values = nullptr;
-  float* v_values = nullptr;
-  if constexpr (kIsFloat8<C>) {
-    k_values = scaled_values.data();
-    v_values = k_values + kFloat8Codes;
-    const float* values = C::table();
-    const float k_descale = p.cache.k_descale[b * p.heads_kv + hk];
-    const float v_descale = p.cache.v_descale[b * p.heads_kv + hk];
-    for (int code = 0; code < kFloat8Codes; ++code) {
-      k_values[code] = values[code] * k_descale;
-      v_values[code] = values[code] * v_descale;
-    }
-  }
-  const KeyTile<C> tile{d,     p,        seq,     hk,     k_rows, k_rows + kKeyTile,
-                        k_copy, v_copy, zeros, k_values, v_values};
+  // Float8 caches: this sequence and kv head's descales scale the converted rows, or,
+  // read in place, q's rows (k) and the output (v).
+  const float k_descale = kIsFloat8<C> ? p.cache.k_descale[b * p.heads_kv + hk] : 1.0f;
+  const float v_descale = kIsFloat8<C> ? p.cache.v_descale[b * p.heads_kv + hk] : 1.0f;
+  const float k_scale = d.float8_in_place ? 1.0f : k_descale;
+  const float v_scale = d.float8_in_place ? 1.0f : v_descale;
+  const float q_scale = p.softmax_scale * (d.float8_in_place ? k_descale : 1.0f);
+  const KeyTile<C> tile{d,      p,      seq,   hk,      k_rows,  k_rows + kKeyTile,
+                        k_copy, v_copy, zeros, k_scale, v_scale};
 
   const TileKernels& kernels = tile_kernels();
   // bf16 caches on CPUs with bf16 pair products: the scores from q's own bf16 rows
   // (unscaled: exact), the scale after (row_dots_bf16; ~half row_dots' instructions).
   // Else Q in float, pre-scaled; padding rows zero.
-  const bool bf16_pairs = std::is_same_v<T, BFloat16> && kernels.row_dots_bf16 && d.in_place &&
-                          d.dp % kBf16PairsDim == 0;
+  const bool bf16_pairs = std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> &&
+                          kernels.row_dots_bf16 && d.in_place && d.dp % kBf16PairsDim == 0;
   thread_local std::vector<uint16_t> q_bf16;
   if (bf16_pairs) {
     q_bf16.resize(d.rows * d.dp);  // (in place: dp == head_dim, every element written)
@@ -245,7 +242,7 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
     for (int64_t r = 0; r < d.rows; ++r) {
       const T* q = seq.q_at<const T>(p.q, d.query(r), d.head(hk, r));
       for (int64_t c = 0; c < p.head_dim; ++c)
-        Q[r * d.dp + c] = to_float(q[c]) * p.softmax_scale;
+        Q[r * d.dp + c] = to_float(q[c]) * q_scale;
     }
   }
   std::vector<int64_t> lo(d.rows), hi(d.rows);  // each row's visible columns of the tile
@@ -298,7 +295,7 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
       finite = kernels.all_finite(v_rows[j], d.dvp);
     if (finite) {
       kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile,
-                          reinterpret_cast<const void* const*>(v_rows + lo_all), DType::kFloat32,
+                          reinterpret_cast<const void* const*>(v_rows + lo_all), RowType::kFloat32,
                           d.value_rows, d.dvp, hi_all - lo_all);
       continue;
     }
@@ -308,6 +305,8 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
         for (int64_t c = 0; c < d.dvp; ++c) part.O[r * d.dvp + c] += pj * v_rows[j][c];
       }
   }
+  if (d.float8_in_place)  // (v's descale, which the rows read in place do not carry)
+    for (int64_t i = 0; i < d.pad_rows * d.dvp; ++i) part.O[i] *= v_descale;
 }
 
 // out and lse of one (sequence, kv head)'s packed rows from its splits' partials,

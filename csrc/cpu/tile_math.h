@@ -23,21 +23,34 @@ inline constexpr int64_t kRowAlign = 16;  // floats: one 64-byte line (an AVX-51
 inline constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline constexpr float kNegInfinity = -std::numeric_limits<float>::infinity();
 
+// The element types of rows the tile kernels read where they lie (a KV cache's, read in
+// place, widened to float in registers): q's dtypes, and float8 caches' codes.
+enum class RowType : int32_t { kFloat32, kFloat16, kBFloat16, kFloat8E4M3, kFloat8E5M2 };
+inline RowType row_type(DType t) {
+  return t == DType::kBFloat16 ? RowType::kBFloat16
+         : t == DType::kFloat16 ? RowType::kFloat16
+                                : RowType::kFloat32;
+}
+inline RowType row_type(CacheElement e) {
+  return e == CacheElement::kFloat8E4M3 ? RowType::kFloat8E4M3 : RowType::kFloat8E5M2;
+}
+
 struct TileKernels {
   // C[M][N] (+)= A B with A[M][K] row-major, or A given transposed (A[K][M],
   // trans_a) so that P^T and dS^T need no copy. M % 4 == 0, N % kRowAlign == 0.
   void (*gemm)(float* C, int64_t ldc, const float* A, int64_t lda, bool trans_a, const float* B,
                int64_t ldb, int64_t M, int64_t N, int64_t K, bool accumulate);
   // C[M][N] += A B with B's row k at B_rows[k], elements of `type` (rows anywhere, e.g.
-  // a KV cache's read in place, widened to float in registers). M % 2 == 0 (a last
-  // block of 2 rows: the decode path's GQA pairs), N % kRowAlign == 0.
+  // a KV cache's read in place, widened to float in registers; float8 codes as their
+  // values, unscaled). M % 2 == 0 (a last block of 2 rows: the decode path's GQA
+  // pairs), N % kRowAlign == 0.
   void (*gemm_b_rows)(float* C, int64_t ldc, const float* A, int64_t lda,
-                      const void* const* B_rows, DType type, int64_t M, int64_t N, int64_t K);
+                      const void* const* B_rows, RowType type, int64_t M, int64_t N, int64_t K);
   // S[r][j] = Q[r] . rows[j] over d elements (rows of `type`), r < M, j < n: the scores
   // of a few query rows against keys read in place (no K^T to build). n, d % kRowAlign
   // == 0.
   void (*row_dots)(float* S, int64_t lds, const float* Q, int64_t ldq, int64_t M,
-                   const void* const* rows, DType type, int64_t n, int64_t d);
+                   const void* const* rows, RowType type, int64_t n, int64_t d);
   // One online-softmax step over n scores per row (n % kRowAlign == 0): S
   // becomes P = exp(S - m_new), m and l are updated and O's rows rescaled by
   // exp(m_old - m_new). NaN scores make the row NaN. Rows in [rows, pad_rows)
@@ -54,9 +67,10 @@ struct TileKernels {
   // where they are used).
   void (*bf16_to_float)(float* dst, const uint16_t* src, int64_t n);
   void (*f16_to_float)(float* dst, const uint16_t* src, int64_t n);
-  // dst[i] = table[src[i]], i < n: float8 codes by a table of their 256 values (a
-  // float8 cache's, times its descale: float8.h).
-  void (*float8_to_float)(float* dst, const uint8_t* src, int64_t n, const float* table);
+  // dst[i] = value(src[i]) * scale, i < n: float8 codes of `format` (a float8 cache's,
+  // scale its descale) as float8.h's table has their values, one rounding of the product.
+  void (*float8_to_float)(float* dst, const uint8_t* src, int64_t n, CacheElement format,
+                          float scale);
   // No inf or NaN among x[0, n), n % kRowAlign == 0.
   bool (*all_finite)(const float* x, int64_t n);
   // row_dots for bfloat16 query rows (Q: bf16 bits, unscaled) against bfloat16 rows,
