@@ -1,9 +1,10 @@
 // Attention over a KV cache (flash_attention_with_kvcache): the append of the
 // new rows into the cache, and split-KV decoding. A CTA takes 16 packed query
-// rows (every query row of the group's heads of one kv head, GQA-packed) and
-// one split of the sequence's keys; the four warps take 16 keys each of a
-// 64-key tile, merge their softmax states at the end, and write either the
-// final rows or float32 partials (out, lse) that combine_splits merges.
+// rows (8 over a float8 cache; every query row of the group's heads of one kv
+// head, GQA-packed) and one split of the sequence's keys; the four warps take
+// 16 keys each of a 64-key tile, merge their softmax states at the end, and
+// write either the final rows or float32 partials (out, lse) that a combine
+// kernel merges.
 #pragma once
 
 #include <cuda_runtime.h>
