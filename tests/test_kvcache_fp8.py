@@ -370,3 +370,49 @@ def test_fp8_every_code(cache_dtype, head_dim):
     want_lse = values[k_codes] * k_descale[0][:, None]  # (head, key): lse is (b, h, query)
     np.testing.assert_array_equal(np.asarray(out), want_out)
     np.testing.assert_array_equal(np.asarray(lse)[0], want_lse)
+
+
+def check_fp8_nonfinite(cache_dtype, device=None):
+    """NaN codes in float8 caches: rows past cache_seqlens are never read; a NaN value in
+    entry 1's keys reaches its column of entry 1 only, and one in entry 1's last key,
+    which only its last query row sees (causal), that row's column only: the other rows'
+    hidden pairs take the exact product and stay finite (nonfinite_helpers' KV-cache
+    case, on float8 caches)."""
+    from helpers import jitted_reference
+    from nonfinite_helpers import assert_same_nonfinite
+
+    batch, cache, heads_q, heads_kv, dim, seqlen_q = 2, 64, 4, 2, 64, 3
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((batch, seqlen_q, heads_q, dim)), jnp.bfloat16)
+    k8, v8 = (np.asarray(jnp.asarray(rng.standard_normal((batch, cache, heads_kv, dim)),
+                                     cache_dtype)).view(np.uint8).copy() for _ in range(2))
+    nan = 0x7f  # (a NaN code of either format)
+    k8[0, 50] = nan           # past entry 0's length: never read
+    v8[0, 45, 1, 2] = nan     # likewise
+    v8[1, 10, 0, 5] = nan     # read by entry 1, heads 0-1, column 5
+    v8[1, 63, 1, 7] = nan     # entry 1's last key: its last query row, heads 2-3, column 7
+    k_cache, v_cache = (jnp.asarray(x.view(cache_dtype)) for x in (k8, v8))
+    seqlens = jnp.asarray([40, 64], jnp.int32)
+    q, k_cache, v_cache = jax.device_put((q, k_cache, v_cache), device)
+    out, lse = flashjax.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                     causal=True, return_lse=True)
+    hi = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k_cache, v_cache)]
+    want_out, want_lse = jitted_reference(*hi, seqused_k=seqlens, causal=True, return_lse=True,
+                                          compute_dtype=jnp.float64)
+    assert_same_nonfinite(out.astype(jnp.float32), want_out, jnp.bfloat16, "out")
+    assert_same_nonfinite(lse, want_lse, jnp.float32, "lse")
+    want_out = np.asarray(want_out)
+    assert np.isnan(want_out[1, -1, 2:, 7]).all() and np.isfinite(want_out[1, :-1, :, 7]).all()
+    assert np.isfinite(want_out[0]).all()
+
+
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_nonfinite(cache_dtype):
+    check_fp8_nonfinite(cache_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_gpu_fp8_nonfinite(cache_dtype):
+    """The float8 split kernel's exact product for masked slices (key_major_masked_product)."""
+    check_fp8_nonfinite(cache_dtype, jax.devices("gpu")[0])
