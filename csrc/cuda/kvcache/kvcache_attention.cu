@@ -217,11 +217,9 @@ __global__ void __launch_bounds__(kCombineThreads)
 template <class C, class T>
 __device__ __forceinline__ C cache_element(T x, const float* descales, int64_t at) {
   if constexpr (kFloat8<C>) {
-    constexpr __nv_fp8_interpretation_t kKind =
-        std::is_same_v<C, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
     C y;
     y.__x = __nv_cvt_float_to_fp8(static_cast<float>(x) * (1.0f / descales[at]), __NV_NOSAT,
-                                  kKind);
+                                  kFloat8Format<C>);
     return y;
   } else {
     return x;

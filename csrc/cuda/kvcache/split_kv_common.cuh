@@ -12,6 +12,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/block.cuh"
 #include "../common/device.cuh"
@@ -32,6 +33,10 @@ constexpr int kMaxSplits = 128;  // (kvcache.py's MAX_SPLITS)
 // The cache's element C: q's 16-bit T, or float8 (KvCache's descales).
 template <class C>
 inline constexpr bool kFloat8 = sizeof(C) == 1;
+// A float8 element's format, as cuda_fp8.h's conversions name it.
+template <class C>
+inline constexpr __nv_fp8_interpretation_t kFloat8Format =
+    std::is_same_v<C, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
 
 // Programmatic dependent launch (Hopper): the combine kernel is launched
 // once every split CTA is past its key loop (its launch latency hidden behind

@@ -55,16 +55,12 @@ inline constexpr int kFloat8MinCtasPerSm = kHeadDim <= 128 ? 4 : 2;
 // one instruction and exactly.
 template <class C>
 __device__ __forceinline__ uint32_t widen_pair(uint16_t pair) {
-  constexpr __nv_fp8_interpretation_t kKind =
-      std::is_same_v<C, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, kKind);
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, kFloat8Format<C>);
   return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
 }
 template <class C>
 __device__ __forceinline__ float float8_value(uint8_t x) {
-  constexpr __nv_fp8_interpretation_t kKind =
-      std::is_same_v<C, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x, kKind)));
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x, kFloat8Format<C>)));
 }
 
 // The 8x8 16-bit matrix of a warp's fragment (row lane / 4, columns
