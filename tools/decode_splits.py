@@ -4,7 +4,7 @@
         [--heads 32/8] [--head-dim 128] [--page-size 0] [--splits 0 16 32 64]
 
 Each split count (0: kvcache.split_count's choice) of each implementation of
-``python -m flashjax.bench --decode`` is timed as that benchmark times a step (a
+``python -m flashjax.bench --decode`` is timed by that benchmark's own measure (a
 jitted loop of dependent steps, the median of runs after warm-up), so a change of the
 automatic choice can be checked against its neighbours in the same process.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 
-import jax
-
 from flashjax import bench, bench_decode
+
+WARMUP = 3  # untimed runs after compilation (as the benchmark's default)
 
 
 def main() -> None:
@@ -36,14 +36,9 @@ def main() -> None:
     print(case.label(), flush=True)
     for impl in args.impl:
         for splits in args.splits:
-            step, q, k, v = bench_decode.attend(impl, case, num_splits=splits)
-
-            def steps(q, k, v, step=step):
-                return jax.lax.fori_loop(0, args.loop,
-                                         lambda _, q: step(q, k, v).astype(q.dtype), q)
-
-            ms = bench.median_ms(jax.jit(steps), (q, k, v), 3, args.iters) / args.loop
-            print(f"  {impl:13s} splits {splits or 'auto':>4}: {ms * 1e3:8.1f} us", flush=True)
+            r = bench_decode.measure(impl, case, WARMUP, args.iters, args.loop, splits)
+            cell = f"{r['us']:8.1f} us" if r["us"] else f"n/a ({r['error']})"
+            print(f"  {impl:13s} splits {splits or 'auto':>4}: {cell}", flush=True)
 
 
 if __name__ == "__main__":

@@ -184,7 +184,10 @@ def torch_median_ms(impl: str, case: DecodeCase, warmup: int, iters: int, loop: 
     return statistics.median(times[warmup:])
 
 
-def measure(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int) -> dict:
+def measure(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int,
+            num_splits: int | None = None) -> dict:
+    """One implementation's step time on case; num_splits: flashjax's (None: its
+    heuristic; the other implementations ignore it)."""
     kv_bytes = case.kv_bytes_of(FP8_CACHE_DTYPE if impl == FP8_IMPL else case.dtype)
     record = {**dataclasses.asdict(case), "impl": impl, "us": None, "gbps": None, "error": None,
               "kv_bytes": kv_bytes}
@@ -192,7 +195,7 @@ def measure(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int) -> 
         if impl in TORCH_BACKENDS:
             ms = torch_median_ms(impl, case, warmup, iters, loop) / loop
         else:
-            step, q, k_cache, v_cache = attend(impl, case)
+            step, q, k_cache, v_cache = attend(impl, case, num_splits)
 
             def steps(q, k, v):
                 return jax.lax.fori_loop(0, loop, lambda _, q: step(q, k, v).astype(q.dtype), q)
