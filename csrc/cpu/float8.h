@@ -85,16 +85,6 @@ struct Float8 {
 using Float8E4M3 = Float8<4, 3, false>;
 using Float8E5M2 = Float8<5, 2, true>;
 
-template <int kE, int kM, bool kI>
-inline float to_float(Float8<kE, kM, kI> x) {
-  return Float8<kE, kM, kI>::table()[x.bits];
-}
-template <int kE, int kM, bool kI>
-inline void to_float_row(float* dst, const Float8<kE, kM, kI>* src, int64_t n) {
-  const float* v = Float8<kE, kM, kI>::table();
-  for (int64_t i = 0; i < n; ++i) dst[i] = v[src[i].bits];
-}
-
 template <class T>
 inline constexpr bool kIsFloat8 = false;
 template <int kE, int kM, bool kI>
