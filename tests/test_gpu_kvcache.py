@@ -54,7 +54,9 @@ def test_gpu_kvcache(case):
     check(case)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 7, 0])
+# (20 and 128: the combine kernel's other split-count buckets; 128 leaves most splits
+# without a key)
+@pytest.mark.parametrize("num_splits", [1, 3, 7, 20, 128, 0])
 @pytest.mark.parametrize("case", GPU_CASES[:3], ids=map(str, GPU_CASES[:3]))
 def test_gpu_forced_splits(case, num_splits):
     check(case, num_splits=num_splits)

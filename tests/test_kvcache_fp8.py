@@ -303,7 +303,7 @@ def test_gpu_fp8_cache_kernel(case, cache_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 3, 7])
+@pytest.mark.parametrize("num_splits", [1, 3, 7, 40])
 @pytest.mark.parametrize("index", [0, 2])
 def test_gpu_fp8_forced_splits(index, num_splits):
     check_fp8_cache(*GPU_CASES[index], num_splits=num_splits)

@@ -33,6 +33,8 @@ constexpr int kAppendThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 constexpr int kCombineThreads = 256;  // a CTA per output row:
 constexpr int kSplitGroups = 4;       // 4 groups of 64 threads (head_dim_v / 2 column pairs)
+// combine_kernel's compiled splits per thread: up to 8, 32 and kMaxSplits splits.
+constexpr int kCombineBuckets[] = {2, 8, kMaxSplits / kSplitGroups};
 
 // Calls fn(C{}) with the cache element type of p (T: the cache holds q's dtype).
 template <class T, class Fn>
@@ -152,16 +154,23 @@ __device__ float cta_reduce(float x, Op op, float (&warp_results)[kThreadsPerCta
 // One CTA per output row: merges the splits' partial results. A thread per
 // split reads its lse and the CTA reduces them to the keys' lse and each
 // split's weight (no serial loop over the splits: the merge is
-// latency-bound); then kSplitGroups groups of threads each sum every
-// kSplitGroups-th split of their columns with independent loads, and shared
-// memory adds the groups up (partials just written are in L2).
-template <class T>
+// latency-bound); kSplitGroups groups of threads each sum every
+// kSplitGroups-th split of a pass's columns, and shared memory adds the
+// groups up (partials just written are in L2). A thread's partials of the
+// first pass are loaded with its lse, before the reductions, all at once (a
+// fixed, predicated count): one L2 round trip for the whole merge, not one
+// for the lse and one per few splits (b1 8k, 33 splits: 3 more; 64k float8,
+// 66 splits: 5 more). kGroupSplits, a thread's splits at most, is compiled
+// for a few split counts (kCombineBuckets): the registers of 32 (120) would
+// leave room for 2 CTAs an SM where batch 16 has 512 rows of 2 splits.
+template <class T, int kGroupSplits>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const __grid_constant__ AttentionParams p, int splits,
                    const __grid_constant__ Partials partials) {
   static_assert(kMaxSplits <= kCombineThreads, "a thread per split");
-  wait_for_prerequisite_grid();
   constexpr int kGroupThreads = kCombineThreads / kSplitGroups;
+  constexpr int kPassColumns = 2 * kGroupThreads;
+  wait_for_prerequisite_grid();
   __shared__ float split_weight[kMaxSplits];
   __shared__ float warp_results[kCombineThreads / 32];
   __shared__ float2 group_sums[kSplitGroups][kGroupThreads];
@@ -170,7 +179,23 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int i = row % seqlen_q, h = row / seqlen_q % static_cast<int>(p.heads_q),
             b = row / (seqlen_q * static_cast<int>(p.heads_q));
   const int split = threadIdx.x;
+  const int group = threadIdx.x / kGroupThreads, lane = threadIdx.x % kGroupThreads;
+  const int64_t split_stride = partials.rows * p.head_dim_v;
+  // Columns [col0, col0 + kPassColumns): this thread's 2 of every group split
+  // (a running pointer: 64-bit products per load made the loads wait ~500
+  // instructions).
+  float2 x[kGroupSplits];
+  const auto load_pass = [&](int col0) {
+    const bool in_dim = col0 + 2 * lane < p.head_dim_v;
+    const float* at = partials.out + group * split_stride + row * p.head_dim_v + col0 + 2 * lane;
+#pragma unroll
+    for (int k = 0; k < kGroupSplits; ++k, at += kSplitGroups * split_stride)
+      x[k] = group + k * kSplitGroups < splits && in_dim
+                 ? *reinterpret_cast<const float2*>(at)
+                 : make_float2(0.0f, 0.0f);
+  };
   const float lse2 = split < splits ? partials.lse2[split * partials.rows + row] : kNegInf;
+  load_pass(0);
   const float m = cta_reduce<kCombineThreads>(lse2, [](float x, float y) { return fmaxf(x, y); },
                                               warp_results);
   // A split that saw no key wrote out 0 and lse -inf: weight 0.
@@ -181,24 +206,20 @@ __global__ void __launch_bounds__(kCombineThreads)
   // total, the lse and every weight NaN, as that row's out and lse must be.
   const bool seen = total != 0.0f;
   const float keys_lse2 = seen ? m + __log2f(total) : kNegInf;
-  if (split < splits) split_weight[split] = seen ? e / total : 0.0f;
+  if (split < kMaxSplits) split_weight[split] = split < splits && seen ? e / total : 0.0f;
   __syncthreads();
-  const int group = threadIdx.x / kGroupThreads, lane = threadIdx.x % kGroupThreads;
-  for (int col0 = 0; col0 < p.head_dim_v; col0 += 2 * kGroupThreads) {
-    const int col = col0 + 2 * lane;
+  for (int col0 = 0; col0 < p.head_dim_v; col0 += kPassColumns) {
+    if (col0 > 0) load_pass(col0);
     float2 sum = make_float2(0.0f, 0.0f);
-    if (col < p.head_dim_v) {
-#pragma unroll 4
-      for (int s = group; s < splits; s += kSplitGroups) {  // (no branch: loads back to back)
-        const float w = split_weight[s];
-        const float2 x = *reinterpret_cast<const float2*>(
-            partials.out + (s * partials.rows + row) * p.head_dim_v + col);
-        sum.x += w * x.x;
-        sum.y += w * x.y;
-      }
+#pragma unroll
+    for (int k = 0; k < kGroupSplits; ++k) {
+      const float w = split_weight[group + k * kSplitGroups];  // (0 past splits; < kMaxSplits)
+      sum.x += w * x[k].x;
+      sum.y += w * x[k].y;
     }
     group_sums[group][lane] = sum;
     __syncthreads();
+    const int col = col0 + 2 * lane;
     if (group == 0 && col < p.head_dim_v) {
 #pragma unroll
       for (int g = 1; g < kSplitGroups; ++g) {
@@ -292,7 +313,12 @@ cudaError_t launch_split_kv(const AttentionParams& p, int splits, void* workspac
     config.attrs = &early_launch;
     config.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&config, combine_kernel<T>, p, splits, partials);
+  const int group_splits = (splits + kSplitGroups - 1) / kSplitGroups;
+  if (group_splits <= kCombineBuckets[0])
+    return cudaLaunchKernelEx(&config, combine_kernel<T, kCombineBuckets[0]>, p, splits, partials);
+  if (group_splits <= kCombineBuckets[1])
+    return cudaLaunchKernelEx(&config, combine_kernel<T, kCombineBuckets[1]>, p, splits, partials);
+  return cudaLaunchKernelEx(&config, combine_kernel<T, kCombineBuckets[2]>, p, splits, partials);
 }
 
 }  // namespace
