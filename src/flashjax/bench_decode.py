@@ -21,6 +21,15 @@ Implementations, one process:
 Next to each time: the K/V bytes read per step and that rate in GB/s, against a copy
 bandwidth measured in the same run (a jitted copy of a large buffer: bytes read +
 written over its time).
+
+At batch 1 the step is short enough that how XLA launches the loop body decides it:
+XLA captures runs of 5 or more thunks in a CUDA graph (command buffers), so the body
+of XLA's attention (five kernels) runs as one graph launch while flashjax's body (its
+call and the carry's copy) is launched thunk by thunk from the host (~20 us a step more
+on an H200; tools/decode_timeline.py shows the kernels and the gaps). A model's
+decoding step is many thunks long and gets the graph: `XLA_FLAGS=
+--xla_gpu_graph_min_graph_size=1` times every implementation that way (the header
+shows XLA_FLAGS when set).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import statistics
 
 import jax
@@ -98,7 +108,9 @@ def attend(impl: str, case: DecodeCase, num_splits: int | None = None):
         seqlens = jnp.full((case.batch,), case.cache, jnp.int32)
         if impl == FP8_IMPL:
             k_cache, v_cache = (c.astype(FP8_CACHE_DTYPE) for c in (k_cache, v_cache))
-            descale = jnp.full((case.batch, case.heads_kv), 0.5, jnp.float32)
+            # (not one repeated value: XLA would broadcast a splat constant each step)
+            descale = jnp.linspace(0.4, 0.6, case.batch * case.heads_kv,
+                                   dtype=jnp.float32).reshape(case.batch, case.heads_kv)
             extra = dict(extra, k_descale=descale, v_descale=descale)
         return (lambda q, k, v: flashjax.flash_attention_with_kvcache(
             q, k, v, cache_seqlens=seqlens, num_splits=num_splits or 0, **extra)), \
@@ -304,7 +316,8 @@ def main(args) -> int:
     info = bench.device_info()
     bandwidth = copy_bandwidth(gpu, args.warmup, iters)
     print(f"device: {info['device']} ({info['platform']}), jax {info['jax']}; per-step median "
-          f"of {iters} runs of {loop} dependent steps; copy bandwidth {bandwidth:.0f} GB/s",
+          f"of {iters} runs of {loop} dependent steps; copy bandwidth {bandwidth:.0f} GB/s"
+          + (f"; XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else ""),
           flush=True)
     json_file = open(args.json, "w") if args.json else None
     if args.prefill:
@@ -324,7 +337,8 @@ def main(args) -> int:
                               f"{floor_us:.1f} us at copy bandwidth", flush=True)
                         for impl in impls:
                             r = measure(impl, case, args.warmup, iters, loop)
-                            r.update(info, copy_gbps=bandwidth, floor_us=floor_us)
+                            r.update(info, copy_gbps=bandwidth, floor_us=floor_us,
+                                     xla_flags=os.environ.get("XLA_FLAGS", ""))
                             cell = (f"{r['us']:9.1f} us {r['gbps']:7.1f} GB/s "
                                     f"({r['us'] / floor_us:.2f}x floor)" if r["us"]
                                     else f"n/a ({r['error']})")
