@@ -340,14 +340,16 @@ def test_fp8_append_out_of_range(cache_dtype):
         assert_same_fp8(rows, want[:, 0], cache_dtype, name)
 
 
-@pytest.mark.parametrize("head_dim", [16, 40])  # rows read in place; rows converted
+@pytest.mark.parametrize("head_dim,finite_v", [(16, False), (16, True), (40, False)])
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_fp8_every_code(cache_dtype, head_dim):
+def test_fp8_every_code(cache_dtype, head_dim, finite_v):
     """Every float8 code, read by the decode path, is its value times the descale (one
     rounding of the product): a (0, 0) window shows each query its own key only, so
     with a one-hot float32 q and softmax_scale 1 each out row is that key's V row and
     each lse that key's first K value, exactly (K's non-finite codes, which would make
-    the whole row NaN, are left to V)."""
+    the whole row NaN, are left to V). head_dim 16: rows read in place (40: converted);
+    finite_v: V without its non-finite codes too, so that e4m3fn's V rows take the
+    widening of NaN-free tiles (K's always do)."""
     heads, rows = 8, 32
     codes = np.arange(256, dtype=np.uint8)
     values = codes.view(cache_dtype).astype(np.float32)
@@ -355,6 +357,8 @@ def test_fp8_every_code(cache_dtype, head_dim):
     k_bytes = np.broadcast_to(k_codes.T[None, :, :, None], (1, rows, heads, head_dim))
     v_bytes = ((np.arange(heads)[None, None, :, None] * rows + np.arange(rows)[None, :, None, None])
                * head_dim + np.arange(head_dim)) % 256
+    if finite_v:
+        v_bytes = np.where(np.isfinite(values[v_bytes]), v_bytes, 0)
     k_cache, v_cache = (jnp.asarray(np.ascontiguousarray(x).astype(np.uint8).view(cache_dtype))
                         for x in (k_bytes, v_bytes))
     rng = np.random.default_rng(4)

@@ -66,6 +66,7 @@ struct Decode {
   int64_t splits;
   bool in_place;   // rows of whole vector lines: the kernels read the cache itself
   bool float8_in_place;  // ...of float8 codes: the descales scale q and the output
+  float read_unit;       // what the kernels' values of those codes are over (else 1)
   // In place, and a kv head's rows far apart (many kv heads): the hardware's stride
   // prefetch leaves each row a miss, so split_task prefetches them (KeyTile). Rows
   // close together stream well without (bf16 4/2 d64: 4-5% slower with it; 32/8 d128:
@@ -84,6 +85,9 @@ struct Decode {
         splits(split_count(p)),
         in_place(dp == p.head_dim && dvp == p.head_dim_v),
         float8_in_place(in_place && p.cache.float8()),
+        read_unit(float8_in_place && p.cache.element == CacheElement::kFloat8E4M3
+                      ? kFloat8E4M3ReadUnit
+                      : 1.0f),
         prefetches(in_place && p.k.row_stride > kDenseRowStride * p.head_dim),
         row_type(!in_place          ? RowType::kFloat32
                  : float8_in_place ? cpu::row_type(p.cache.element)
@@ -183,6 +187,19 @@ struct KeyTile {
   }
 };
 
+// The row type the kernels read `count` rows of `bytes` codes as: e4m3fn rows without a
+// NaN code (S.1111.111) take the shorter widening; a tile's check reads the rows the
+// kernels then find in cache.
+RowType rows_type(RowType type, const void* const* rows, int64_t count, int64_t bytes) {
+  if (type != RowType::kFloat8E4M3) return type;
+  uint8_t nan = 0;  // (bit 7 of (code & 0x7f) + 1 is set for NaN codes only: an OR loop)
+  for (int64_t j = 0; j < count; ++j) {
+    const uint8_t* codes = static_cast<const uint8_t*>(rows[j]);
+    for (int64_t c = 0; c < bytes; ++c) nan |= static_cast<uint8_t>((codes[c] & 0x7f) + 1);
+  }
+  return (nan & 0x80) != 0 ? type : RowType::kFloat8E4M3NanFree;
+}
+
 // One split: the packed rows against key tiles [first, last) of the sequence's
 // visible keys, into its partial. T: q's storage type; C: the cache's.
 template <class T, class C>
@@ -219,9 +236,11 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
   // read in place, q's rows (k) and the output (v).
   const float k_descale = kIsFloat8<C> ? p.cache.k_descale[b * p.heads_kv + hk] : 1.0f;
   const float v_descale = kIsFloat8<C> ? p.cache.v_descale[b * p.heads_kv + hk] : 1.0f;
+  // (Read in place, a code's value over d.read_unit: V rows converted for a mixed tile
+  // take the same unit, so that every tile adds to O alike.)
   const float k_scale = d.float8_in_place ? 1.0f : k_descale;
-  const float v_scale = d.float8_in_place ? 1.0f : v_descale;
-  const float q_scale = p.softmax_scale * (d.float8_in_place ? k_descale : 1.0f);
+  const float v_scale = d.float8_in_place ? 1.0f / d.read_unit : v_descale;
+  const float q_scale = p.softmax_scale * (d.float8_in_place ? k_descale * d.read_unit : 1.0f);
   const KeyTile<C> tile{d,      p,      seq,   hk,      k_rows,  k_rows + kKeyTile,
                         k_copy, v_copy, zeros, k_scale, v_scale};
 
@@ -268,7 +287,8 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
       kernels.row_dots_bf16(S + c0, kKeyTile, q_bf16.data(), d.dp, d.rows, tile.k_rows + c0,
                             n - c0, d.dp);
     else
-      kernels.row_dots(S + c0, kKeyTile, Q, d.dp, d.rows, tile.k_rows + c0, d.row_type, n - c0,
+      kernels.row_dots(S + c0, kKeyTile, Q, d.dp, d.rows, tile.k_rows + c0,
+                       rows_type(d.row_type, tile.k_rows + c0, n - c0, p.head_dim), n - c0,
                        d.dp);
     for (int64_t r = 0; r < d.rows; ++r) {
       float* s = S + r * kKeyTile;
@@ -285,7 +305,9 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
     // (P = 0) would multiply an inf / NaN value into NaN: then float rows, checked,
     // and visible pairs only if one is not finite.
     if (same_columns) {
-      kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile, tile.v_rows + lo_all, d.row_type,
+      kernels.gemm_b_rows(part.O, d.dvp, S + lo_all, kKeyTile, tile.v_rows + lo_all,
+                          rows_type(d.row_type, tile.v_rows + lo_all, hi_all - lo_all,
+                                    p.head_dim_v),
                           d.value_rows, d.dvp, hi_all - lo_all);
       continue;
     }
@@ -305,8 +327,10 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
         for (int64_t c = 0; c < d.dvp; ++c) part.O[r * d.dvp + c] += pj * v_rows[j][c];
       }
   }
-  if (d.float8_in_place)  // (v's descale, which the rows read in place do not carry)
-    for (int64_t i = 0; i < d.pad_rows * d.dvp; ++i) part.O[i] *= v_descale;
+  if (d.float8_in_place) {  // (v's descale, which the rows read in place do not carry)
+    const float v_factor = v_descale * d.read_unit;
+    for (int64_t i = 0; i < d.pad_rows * d.dvp; ++i) part.O[i] *= v_factor;
+  }
 }
 
 // out and lse of one (sequence, kv head)'s packed rows from its splits' partials,

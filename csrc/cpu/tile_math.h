@@ -24,8 +24,15 @@ inline constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m
 inline constexpr float kNegInfinity = -std::numeric_limits<float>::infinity();
 
 // The element types of rows the tile kernels read where they lie (a KV cache's, read in
-// place, widened to float in registers): q's dtypes, and float8 caches' codes.
-enum class RowType : int32_t { kFloat32, kFloat16, kBFloat16, kFloat8E4M3, kFloat8E5M2 };
+// place, widened to float in registers): q's dtypes, and float8 caches' codes (e4m3fn
+// rows known to hold no NaN code take a shorter widening: kFloat8E4M3NanFree).
+enum class RowType : int32_t {
+  kFloat32, kFloat16, kBFloat16, kFloat8E4M3, kFloat8E4M3NanFree, kFloat8E5M2
+};
+// e4m3fn codes read by the tile kernels come out as their values over this (a
+// half's exponent bias is 8 more than e4m3's, and the widening leaves it so): the
+// callers fold it into their scales (float8_to_float's rows are exact).
+inline constexpr float kFloat8E4M3ReadUnit = 256.0f;
 inline RowType row_type(DType t) {
   return t == DType::kBFloat16 ? RowType::kBFloat16
          : t == DType::kFloat16 ? RowType::kFloat16
@@ -42,7 +49,7 @@ struct TileKernels {
                int64_t ldb, int64_t M, int64_t N, int64_t K, bool accumulate);
   // C[M][N] += A B with B's row k at B_rows[k], elements of `type` (rows anywhere, e.g.
   // a KV cache's read in place, widened to float in registers; float8 codes as their
-  // values, unscaled). M % 2 == 0 (a last block of 2 rows: the decode path's GQA
+  // values, unscaled, e4m3fn's over kFloat8E4M3ReadUnit). M % 2 == 0 (a last block of 2 rows: the decode path's GQA
   // pairs), N % kRowAlign == 0.
   void (*gemm_b_rows)(float* C, int64_t ldc, const float* A, int64_t lda,
                       const void* const* B_rows, RowType type, int64_t M, int64_t N, int64_t K);
