@@ -2,7 +2,7 @@
 # One device call (H100): build this tree (and optionally the baseline snapshot in
 # .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
 # the dense A/B, the peers side by side, profiles.
-# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base alt patched builds variant ptx tests kvtests sanitize terms
+# Usage: benchmarks/device_varlen.sh STEP...   (steps: build base alt patched builds variant ptx tests kvtests fuzz sanitize terms
 #   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu termsncu)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
@@ -101,6 +101,18 @@ for step in "$@"; do
     kvtests)
       $PY -m pytest -q -n 8 -m gpu tests/test_gpu_kvcache.py > "$OUT/kvtests.log" 2>&1
       tail -30 "$OUT/kvtests.log" ;;
+    fuzz)
+      # tools/fuzz_attention.py on the GPU (bf16, --large): FUZZ_MODES (default every mode)
+      # in parallel processes (~12 s a seed, mostly compilation), FUZZ_S seconds each,
+      # from seed FUZZ_START; a failure line names its seed.
+      for mode in ${FUZZ_MODES:-dense varlen kvcache nn}; do
+        timeout "${FUZZ_S:-150}" $PY tools/fuzz_attention.py --impl cuda --dtype bfloat16 --large \
+          --mode "$mode" --start "${FUZZ_START:-0}" --count 1000 > "$OUT/fuzz_$mode.log" 2>&1 &
+      done
+      wait
+      for mode in ${FUZZ_MODES:-dense varlen kvcache nn}; do
+        echo "fuzz $mode:"; grep -v "^WARNING\|^I0000\|^W0000\|^E0000" "$OUT/fuzz_$mode.log" | tail -4
+      done ;;
     ptx)
       # The build's PTX (FJ_ARCHS with NN-virtual), flashjax.info(), then the non-Hopper
       # GPU tests with the driver forced to JIT every kernel from PTX.
