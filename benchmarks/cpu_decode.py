@@ -5,7 +5,7 @@ the cache as a dense key sequence (issue 28's CPU target).
 One query row per sequence, the cache full (cache_seqlens = its rows); each step's
 query is the previous step's output, timed as a jitted loop of LOOP dependent steps
 (one host-timed call through JAX is ~50-100 us of dispatch), per step, the median of
---iters runs. The in-process float32 GEMM rate (flashjax.bench.gemm_gflops) is printed
+--iters runs. The in-process float32 GEMM rate (flashjax.bench_core.gemm_gflops) is printed
 before and after: on a shared machine it says how loaded the run was.
 
     PYTHONPATH=... python benchmarks/cpu_decode.py [--dtype float32 bfloat16] [--iters 5]
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import flashjax
-from flashjax import bench
+from flashjax import bench_core
 
 LOOP = 20
 # (batch, cached tokens, heads_q, heads_kv, head_dim): issue 28's CPU shapes
@@ -40,7 +40,7 @@ def main():
     p.add_argument("--dtype", nargs="+", default=["float32"])
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args()
-    print(f"flashjax {flashjax.__file__}; GEMM {bench.gemm_gflops():.1f} GFLOP/s", flush=True)
+    print(f"flashjax {flashjax.__file__}; GEMM {bench_core.gemm_gflops():.1f} GFLOP/s", flush=True)
     for dtype in args.dtype:
         for batch, cache, hq, hkv, d in SHAPES:
             kq, kk, kv = jax.random.split(jax.random.key(0), 3)
@@ -53,9 +53,9 @@ def main():
                 step = steps(name, seqlens)
                 loop = jax.jit(lambda q, k, v, step=step: jax.lax.fori_loop(
                     0, LOOP, lambda _, q: step(q, k, v).astype(q.dtype), q))
-                ms = bench.median_ms(loop, (q, k_cache, v_cache), 1, args.iters) / LOOP
+                ms = bench_core.median_ms(loop, (q, k_cache, v_cache), 1, args.iters) / LOOP
                 print(f"  {name:13s} {ms:8.3f} ms/step", flush=True)
-    print(f"GEMM {bench.gemm_gflops():.1f} GFLOP/s", flush=True)
+    print(f"GEMM {bench_core.gemm_gflops():.1f} GFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

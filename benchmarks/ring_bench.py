@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flashjax
-from flashjax import bench, ring
+from flashjax import bench_core, ring
 
 LOOP = 5
 BWD_FLOP_FACTOR = 2.5  # fwd + bwd = 1 + 1.5 forwards (FlashAttention's convention)
@@ -77,7 +77,7 @@ def implementations(mesh, causal: bool, n: int):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqlen", nargs="+", type=bench._int, default=[32768, 131072, 524288])
+    p.add_argument("--seqlen", nargs="+", type=bench_core.parse_int, default=[32768, 131072, 524288])
     p.add_argument("--heads", nargs=2, type=int, default=[32, 8], help="q heads, kv heads")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
@@ -120,7 +120,7 @@ def main() -> int:
                 else:
                     inputs = tuple(jax.device_put(order(x), sharding) for x in (q, k, v))
                     per_device = n
-                ms = bench.median_ms(looped(attend, mode), inputs, 1, args.iters) / LOOP
+                ms = bench_core.median_ms(looped(attend, mode), inputs, 1, args.iters) / LOOP
                 tflops = flops / per_device / (ms * 1e-3) / 1e12
                 print(f"{label:32s} {name:14s} {ms:10.2f} ms {tflops:7.1f} TFLOP/s per device",
                       flush=True)

@@ -5,14 +5,14 @@ import json
 import numpy as np
 import pytest
 
-from flashjax import bench
+from flashjax import bench, bench_core
 
 
 @pytest.fixture(autouse=True)
 def small_gemm(monkeypatch):
     """The CPU GEMM rate beside each record from 256 x 256 matrices instead of 2048 x 2048:
     the same code, ~500x fewer FLOPs (the rate itself is not checked)."""
-    monkeypatch.setattr(bench, "GEMM_SIZE", 256)
+    monkeypatch.setattr(bench_core, "GEMM_SIZE", 256)
 
 
 def test_bench_cli_writes_json(tmp_path):

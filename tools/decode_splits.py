@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from flashjax import bench, bench_decode
+from flashjax import bench_core, bench_decode
 
 WARMUP = 3  # untimed runs after compilation (as the benchmark's default)
 
@@ -21,7 +21,7 @@ WARMUP = 3  # untimed runs after compilation (as the benchmark's default)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("batch", type=int)
-    p.add_argument("cache", type=bench._int)
+    p.add_argument("cache", type=bench_core.parse_int)
     p.add_argument("--impl", nargs="+", default=["flashjax", bench_decode.FP8_IMPL])
     p.add_argument("--heads", default="32/8")
     p.add_argument("--head-dim", type=int, default=128)

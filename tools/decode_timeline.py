@@ -70,7 +70,7 @@ def timeline(impl: str, case, splits: int | None) -> str:
     if not kernels:
         return f"{impl}: no GPU events in the trace"
     # The calls are separated by host round trips: split where the gap is the largest.
-    calls, current = [], [kernels[0]]
+    calls = []
     gaps = sorted((kernels[i + 1][0] - (kernels[i][0] + kernels[i][1]), i)
                   for i in range(len(kernels) - 1))
     cuts = sorted(i for _, i in gaps[-(TRACED_CALLS - 1):]) if TRACED_CALLS > 1 else []

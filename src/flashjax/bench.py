@@ -49,85 +49,18 @@ import dataclasses
 import gc
 import importlib.util
 import json
-import statistics
 import sys
-import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from . import bench_decode, bench_terms, bench_varlen
+from .bench_core import (DTYPES, FA3_HEAD_DIMS, FA3_SEQLENS, MODES, Case, Result, Unsupported,
+                         build_step, device_info, format_table, gemm_gflops, make_cases,
+                         make_inputs, median_ms, on_gpu, parse_int, short_reason)
+
 IMPLS = ("flashjax", "flashjax-xla", "xla", "cudnn")
-VARLEN_IMPLS = ("varlen", "segments", "padded", "cudnn-padded", "dense-mean")  # --varlen
-DECODE_IMPLS = ("flashjax", "flashjax-fp8", "xla", "cudnn", "pallas", "torch-flash",
-                "torch-cudnn")  # --decode
-TERMS = ("mask", "bias", "alibi", "dropout", "nn")  # --terms (bench_terms' groups)
-MODES = ("fwd", "fwdbwd", "bwd")
-MODE_FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-FA3_TOKENS = 16384
-FA3_HIDDEN = 2048
-FA3_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-FA3_HEAD_DIMS = (64, 128, 256)
-
-REASON_CHARS = 60
-GEMM_SIZE = 2048  # the CPU's reference GEMM: two float32 GEMM_SIZE x GEMM_SIZE matrices
-GEMM_ITERS = 5
-
-
-class Unsupported(Exception):
-    """An implementation cannot run a case; the message is the short reason."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    heads_kv: int
-    head_dim: int
-    head_dim_v: int
-    dtype: str
-    causal: bool
-    deterministic: bool = False  # flashjax's option (the baselines ignore it)
-
-    def fwd_flops(self) -> float:
-        flops = 2.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k
-        flops *= self.head_dim + self.head_dim_v
-        return flops / 2 if self.causal else flops
-
-    def label(self) -> str:
-        return (f"b={self.batch} sq={self.seqlen_q} sk={self.seqlen_k} h={self.heads}"
-                f"/{self.heads_kv} d={self.head_dim}/{self.head_dim_v} {self.dtype}"
-                f" causal={int(self.causal)}" + (" deterministic" if self.deterministic else ""))
-
-
-@dataclasses.dataclass
-class Result:
-    case: Case
-    mode: str
-    impl: str
-    ms: float | None = None
-    error: str | None = None
-    gemm_gflops: float | None = None  # CPU: the float32 GEMM rate around this measurement
-
-    @property
-    def tflops(self) -> float | None:
-        if self.ms is None:
-            return None
-        return self.case.fwd_flops() * MODE_FLOP_FACTOR[self.mode] / (self.ms * 1e-3) / 1e12
-
-    @property
-    def gflops(self) -> float | None:
-        return None if self.tflops is None else self.tflops * 1e3
-
-    @property
-    def gemm_fraction(self) -> float | None:
-        if self.gflops is None or not self.gemm_gflops:
-            return None
-        return self.gflops / self.gemm_gflops
 
 
 # --------------------------------------------------------------------------- implementations
@@ -150,7 +83,7 @@ def _flashjax_attention(case: Case, implementation: str | None = None) -> Callab
 
 
 def _jax_nn_attention(implementation: str, case: Case) -> Callable:
-    if implementation == "cudnn" and not _on_gpu():
+    if implementation == "cudnn" and not on_gpu():
         raise Unsupported("needs a CUDA GPU")
     if case.head_dim_v != case.head_dim:
         raise Unsupported("jax.nn.dot_product_attention needs head_dim_v == head_dim")
@@ -183,133 +116,6 @@ def attention_fn(impl: str, case: Case) -> Callable:
 
 # --------------------------------------------------------------------------- modes and timing
 
-def make_inputs(case: Case, seed: int = 0):
-    dtype = DTYPES[case.dtype]
-    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
-    b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
-    q = jax.random.normal(kq, (b, sq, case.heads, case.head_dim), dtype)
-    k = jax.random.normal(kk, (b, sk, case.heads_kv, case.head_dim), dtype)
-    v = jax.random.normal(kv, (b, sk, case.heads_kv, case.head_dim_v), dtype)
-    dout = jax.random.normal(kd, (b, sq, case.heads, case.head_dim_v), dtype)
-    return q, k, v, dout
-
-
-def build_step(fn: Callable, mode: str, q, k, v, dout, loop: int = 1, operands: tuple = (),
-               differentiated: int = 0):
-    """Returns ``(jitted_step, args)``: the function to time and its arguments. With
-    loop > 1 the step is a jitted loop of `loop` dependent calls (each call's q, or
-    dout for bwd, depends on the previous result), so host dispatch is amortised.
-    fn(q, k, v, *operands): the operands (a bias, a mask, ...) are arguments of the step,
-    not constants captured in it; fwdbwd and bwd differentiate q, k, v and the first
-    `differentiated` operands."""
-    if loop > 1:
-        if operands:
-            raise Unsupported("--loop takes no operands besides q, k, v")
-        return _looped_step(fn, mode, loop, q, k, v, dout)
-    wrt, rest = (q, k, v, *operands[:differentiated]), operands[differentiated:]
-    if mode == "fwd":
-        return jax.jit(fn), (q, k, v, *operands)
-    if mode == "fwdbwd":
-        def loss(dout, *args):
-            out = fn(*args).astype(jnp.float32)
-            return jnp.sum(out * dout.astype(jnp.float32))
-        argnums = tuple(range(1, 1 + len(wrt)))
-        return jax.jit(jax.grad(loss, argnums=argnums)), (dout, *wrt, *rest)
-    if mode == "bwd":
-        jitted = jax.jit(fn)  # (rest: arguments of the jitted call, not differentiated)
-        # residuals computed once, untimed
-        _, pullback = jax.vjp(lambda *wrt: jitted(*wrt, *rest), *wrt)
-        return jax.jit(lambda pullback, dout: pullback(dout)), (pullback, dout)
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-def _nudge(x, by):
-    """x plus a negligible multiple of `by`: a data dependence XLA cannot drop."""
-    return (x.astype(jnp.float32) + 1e-6 * by.astype(jnp.float32).reshape(x.shape)).astype(x.dtype)
-
-
-def _looped_step(fn: Callable, mode: str, loop: int, q, k, v, dout):
-    if q.shape[:-1] + (v.shape[-1],) != q.shape:
-        raise Unsupported("--loop needs head_dim_v == head_dim (each output feeds the next q)")
-    # The other operands are arguments of the jitted loop, not constants captured
-    # in it (large ones make lowering slow).
-    if mode == "fwd":
-        def fwd_loop(q, k, v):
-            return jax.lax.fori_loop(0, loop, lambda _, q: _nudge(q, fn(q, k, v)), q)
-        return jax.jit(fwd_loop), (q, k, v)
-    if mode == "fwdbwd":
-        def loss(q, k, v, dout):
-            return jnp.sum(fn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
-        grad = jax.grad(loss, argnums=(0, 1, 2))
-
-        def fwdbwd_loop(q, k, v, dout):
-            def body(_, q):
-                dq, dk, dv = grad(q, k, v, dout)
-                return _nudge(q, dq + dk[..., :1, :, :].sum() + dv[..., :1, :, :].sum())
-            return jax.lax.fori_loop(0, loop, body, q)
-        return jax.jit(fwdbwd_loop), (q, k, v, dout)
-    if mode == "bwd":
-        _, pullback = jax.vjp(jax.jit(fn), q, k, v)
-
-        def body(_, dout):
-            dq, dk, dv = pullback(dout)
-            return _nudge(dout, dq + dk[..., :1, :, :].sum() + dv[..., :1, :, :].sum())
-        return jax.jit(lambda dout: jax.lax.fori_loop(0, loop, body, dout)), (dout,)
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-def median_ms(step: Callable, args, warmup: int, iters: int) -> float:
-    jax.block_until_ready(step(*args))  # compile
-    for _ in range(warmup):
-        jax.block_until_ready(step(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(step(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def gemm_gflops(iters: int = GEMM_ITERS) -> float:
-    """This process's float32 GEMM rate in GFLOP/s: a jitted ``jnp.dot`` of two
-    GEMM_SIZE x GEMM_SIZE matrices, median of `iters` runs after warm-up."""
-    ka, kb = jax.random.split(jax.random.key(1))
-    a = jax.random.normal(ka, (GEMM_SIZE, GEMM_SIZE), jnp.float32)
-    b = jax.random.normal(kb, (GEMM_SIZE, GEMM_SIZE), jnp.float32)
-    ms = median_ms(jax.jit(jnp.dot), (a, b), warmup=1, iters=iters)
-    return 2.0 * GEMM_SIZE ** 3 / (ms * 1e-3) / 1e9
-
-
-def torch_sdpa():
-    """(torch, SDPBackend, sdpa_kernel) for the PyTorch peers, or Unsupported without
-    PyTorch or a CUDA GPU."""
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError as e:
-        raise Unsupported("needs PyTorch") from e
-    if not torch.cuda.is_available():
-        raise Unsupported("needs a CUDA GPU")
-    return torch, SDPBackend, sdpa_kernel
-
-
-def keep_record(records: list, record: dict, json_file) -> None:
-    """Appends `record` and, with --json, writes it as a JSON line at once (flushed: an
-    interrupted run keeps every finished measurement)."""
-    records.append(record)
-    if json_file:
-        json_file.write(json.dumps(record) + "\n")
-        json_file.flush()
-
-
-def short_reason(error: Exception) -> str:
-    text = str(error) or type(error).__name__
-    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
-        return "out of memory"
-    first = text.strip().splitlines()[0]
-    return first if len(first) <= REASON_CHARS else first[:REASON_CHARS - 3] + "..."
-
-
 def measure(case: Case, mode: str, impl: str, inputs, warmup: int, iters: int,
             loop: int = 1) -> Result:
     result = Result(case, mode, impl)
@@ -323,15 +129,6 @@ def measure(case: Case, mode: str, impl: str, inputs, warmup: int, iters: int,
 
 # --------------------------------------------------------------------------- configuration
 
-def _on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
-
-
-def _int(text: str) -> int:
-    text = text.strip().lower()
-    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
-
-
 def _split(values: list[str] | None) -> list[str] | None:
     if values is None:
         return None
@@ -343,21 +140,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m flashjax.bench", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Options left out take the device defaults described in the module docstring.")
-    p.add_argument("--batch", type=_int)
-    p.add_argument("--heads", type=_int)
-    p.add_argument("--heads-kv", type=_int, help="default: --heads (MHA)")
+    p.add_argument("--batch", type=parse_int)
+    p.add_argument("--heads", type=parse_int)
+    p.add_argument("--heads-kv", type=parse_int, help="default: --heads (MHA)")
     p.add_argument("--seqlen", nargs="+", help="query sequence lengths, e.g. 1k 4k")
-    p.add_argument("--seqlen-k", type=_int, help="default: the query sequence length")
+    p.add_argument("--seqlen-k", type=parse_int, help="default: the query sequence length")
     p.add_argument("--head-dim", nargs="+")
-    p.add_argument("--head-dim-v", type=_int, help="default: --head-dim")
+    p.add_argument("--head-dim-v", type=parse_int, help="default: --head-dim")
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--causal", choices=("no", "yes", "both"))
     p.add_argument("--mode", nargs="+", help=f"any of {','.join(MODES)}")
     p.add_argument("--deterministic", action="store_true",
                    help="flashjax with deterministic=True (bitwise-repeatable GPU backward)")
     p.add_argument("--impl", nargs="+", help=f"any of {','.join(IMPLS)} "
-                   f"(with --varlen: {','.join(VARLEN_IMPLS)}; with --decode: "
-                   f"{','.join(DECODE_IMPLS)})")
+                   f"(with --varlen: {','.join(bench_varlen.IMPLS)}; with --decode: "
+                   f"{','.join(bench_decode.IMPLS)})")
     p.add_argument("--iters", type=int, help="timed runs (default 20 on GPU, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs after compilation")
     p.add_argument("--loop", type=int, default=1,
@@ -365,20 +162,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "~50-100 us host dispatch of one call; reported time is per call)")
     p.add_argument("--varlen", choices=("uniform", "longtail", "both"),
                    help="packed-document benchmark instead (see flashjax.bench_varlen)")
-    p.add_argument("--tokens", type=_int, help="--varlen: tokens of the packed batch")
+    p.add_argument("--tokens", type=parse_int, help="--varlen: tokens of the packed batch")
     p.add_argument("--decode", action="store_true",
                    help="decoding benchmark instead (see flashjax.bench_decode)")
-    p.add_argument("--decode-batch", nargs="+", type=_int, help="--decode: batch sizes")
-    p.add_argument("--prefill", nargs="+", type=_int,
+    p.add_argument("--decode-batch", nargs="+", type=parse_int, help="--decode: batch sizes")
+    p.add_argument("--prefill", nargs="+", type=parse_int,
                    help="--decode: prefill with a cache instead: new rows per sequence, e.g. 512 2k")
     p.add_argument("--page-order", choices=("shuffled", "sequential"), default="shuffled",
                    help="--decode: paged caches' pages in a random order (default) or in order")
-    p.add_argument("--cache", nargs="+", type=_int, help="--decode: cached tokens, e.g. 8k 64k")
+    p.add_argument("--cache", nargs="+", type=parse_int, help="--decode: cached tokens, e.g. 8k 64k")
     p.add_argument("--decode-heads", nargs="+", help="--decode: q/kv heads, e.g. 32/8 64/8")
     p.add_argument("--page-size", nargs="+", type=int,
                    help="--decode: paged caches of these page sizes (0: contiguous)")
     p.add_argument("--terms", nargs="+", help="score-term and dropout benchmark instead "
-                   f"(see flashjax.bench_terms): any of {','.join(TERMS)}, or all")
+                   f"(see flashjax.bench_terms): any of {','.join(bench_terms.TERMS)}, or all")
     p.add_argument("--fa3-shapes", action="store_true",
                    help="FlashAttention-3 paper shapes (the GPU default)")
     p.add_argument("--plot", metavar="PATH.png", help="TFLOP/s vs seqlen plot")
@@ -387,15 +184,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib, which is not installed: "
                 "pip install 'flashjax[plot]' (or pip install matplotlib)")
-    impls = VARLEN_IMPLS if args.varlen else DECODE_IMPLS if args.decode else IMPLS
-    for name, allowed in (("mode", MODES), ("impl", impls), ("terms", TERMS + ("all",))):
+    impls = bench_varlen.IMPLS if args.varlen else bench_decode.IMPLS if args.decode else IMPLS
+    for name, allowed in (("mode", MODES), ("impl", impls), ("terms", bench_terms.TERMS + ("all",))):
         values = _split(getattr(args, name))
         if values is not None and not set(values) <= set(allowed):
             p.error(f"--{name}: expected values among {','.join(allowed)}, got {values}")
         setattr(args, name, values)
     for name in ("seqlen", "head_dim"):
         values = _split(getattr(args, name))
-        setattr(args, name, None if values is None else [_int(x) for x in values])
+        setattr(args, name, None if values is None else [parse_int(x) for x in values])
     return args
 
 
@@ -420,29 +217,7 @@ def resolve_defaults(args: argparse.Namespace, gpu: bool) -> argparse.Namespace:
     return args
 
 
-def make_cases(args: argparse.Namespace) -> list[Case]:
-    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
-    cases = []
-    for head_dim in args.head_dim:
-        for seqlen in args.seqlen:
-            batch = args.batch or (max(1, FA3_TOKENS // seqlen) if args.fa3_shapes else 1)
-            heads = args.heads or (max(1, FA3_HIDDEN // head_dim) if args.fa3_shapes else 8)
-            for causal in causals:
-                cases.append(Case(
-                    batch=batch, seqlen_q=seqlen, seqlen_k=args.seqlen_k or seqlen,
-                    heads=heads, heads_kv=args.heads_kv or heads, head_dim=head_dim,
-                    head_dim_v=args.head_dim_v or head_dim, dtype=args.dtype,
-                    causal=causal, deterministic=args.deterministic))
-    return cases
-
-
 # --------------------------------------------------------------------------- reporting
-
-def device_info() -> dict:
-    device = jax.devices()[0]
-    return {"device": device.device_kind, "platform": device.platform,
-            "jax": jax.__version__}
-
 
 def result_record(result: Result, info: dict) -> dict:
     return {**info, **dataclasses.asdict(result.case), "impl": result.impl,
@@ -457,18 +232,6 @@ def format_cell(result: Result) -> str:
         return (f"{result.ms:.1f} ms, {result.gflops:.1f} GFLOP/s, "
                 f"{result.gemm_fraction:.2f}x GEMM")
     return f"{result.ms:.3f} ms, {result.tflops:.2f} TFLOP/s"
-
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    """Columns whose first cell starts with a digit are right-aligned, others left-aligned."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    right = [bool(rows) and rows[0][i][:1].isdigit() for i in range(len(header))]
-
-    def line(row):
-        return "  ".join(c.rjust(w) if r else c.ljust(w)
-                         for c, w, r in zip(row, widths, right)).rstrip()
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
 
 
 CASE_COLUMNS = {"mode": "mode", "causal": "causal", "batch": "b", "seqlen_q": "sq",
@@ -586,7 +349,7 @@ def run(args: argparse.Namespace) -> list[Result]:
           f"median of {args.iters} runs after {args.warmup} warm-up runs", flush=True)
     check_flashjax(args.impl)
     json_file = open(args.json, "w") if args.json else None
-    cpu = not _on_gpu()
+    cpu = not on_gpu()
     results = []
     try:
         for n, case in enumerate(cases, 1):
@@ -621,17 +384,14 @@ def run(args: argparse.Namespace) -> list[Result]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.varlen:
-        from . import bench_varlen
         return bench_varlen.main(args)
     if args.decode:
-        from . import bench_decode
         return bench_decode.main(args)
     if args.terms:
-        from . import bench_terms
         return bench_terms.main(args)
-    args = resolve_defaults(args, _on_gpu())
+    args = resolve_defaults(args, on_gpu())
     results = run(args)
-    unit = "TFLOP/s" if _on_gpu() else "GFLOP/s and fraction of the float32 GEMM rate"
+    unit = "TFLOP/s" if on_gpu() else "GFLOP/s and fraction of the float32 GEMM rate"
     print(f"\nResults (median time, {unit} in the FlashAttention convention)")
     print(results_table(results, args.impl))
     speedups = speedup_table(results, args.impl)

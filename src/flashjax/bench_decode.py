@@ -43,9 +43,10 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from . import bench
+from . import bench_core
 
-IMPLS = bench.DECODE_IMPLS
+IMPLS = ("flashjax", "flashjax-fp8", "xla", "cudnn", "pallas", "torch-flash",
+         "torch-cudnn")  # --impl
 FP8_IMPL, FP8_CACHE_DTYPE = "flashjax-fp8", jnp.float8_e4m3fn
 GPU_BATCHES, CPU_BATCHES = (1, 16, 128), (1, 4)
 GPU_CACHES, CPU_CACHES = (1024, 8192, 65536), (1024, 4096)
@@ -82,7 +83,7 @@ class DecodeCase:
 
 def _cache(case: DecodeCase, key):
     """(q, k_cache, v_cache, extra kwargs of flashjax's call)."""
-    dt = bench.DTYPES[case.dtype]
+    dt = bench_core.DTYPES[case.dtype]
     kq, kk, kv = jax.random.split(key, 3)
     q = jax.random.normal(kq, (case.batch, 1, case.heads_q, case.head_dim), dt)
     if not case.page_size:
@@ -116,8 +117,8 @@ def attend(impl: str, case: DecodeCase, num_splits: int | None = None):
             q, k, v, cache_seqlens=seqlens, num_splits=num_splits or 0, **extra)), \
             q, k_cache, v_cache
     if case.page_size and impl == "pallas":
-        if not bench._on_gpu():
-            raise bench.Unsupported("needs a CUDA GPU")
+        if not bench_core.on_gpu():
+            raise bench_core.Unsupported("needs a CUDA GPU")
         from jax.experimental.pallas.ops.gpu import paged_attention
 
         lengths = jnp.full((case.batch,), case.cache, jnp.int32)
@@ -131,15 +132,15 @@ def attend(impl: str, case: DecodeCase, num_splits: int | None = None):
                 pages_per_compute_block=pages_per_block)[:, None].astype(q.dtype)
         return paged_step, q, heads_first(k_cache), heads_first(v_cache)
     if case.page_size:
-        raise bench.Unsupported("contiguous caches only")
+        raise bench_core.Unsupported("contiguous caches only")
     if impl in ("xla", "cudnn"):
-        if impl == "cudnn" and not bench._on_gpu():
-            raise bench.Unsupported("needs a CUDA GPU")
+        if impl == "cudnn" and not bench_core.on_gpu():
+            raise bench_core.Unsupported("needs a CUDA GPU")
         return (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl)), \
             q, k_cache, v_cache
     if impl == "pallas":
-        if not bench._on_gpu():
-            raise bench.Unsupported("needs a CUDA GPU")
+        if not bench_core.on_gpu():
+            raise bench_core.Unsupported("needs a CUDA GPU")
         from jax.experimental.pallas.ops.gpu import decode_attention
 
         def step(q, k, v):  # its layout: q (batch, heads_q, d), k/v (batch, seq, heads_kv, d)
@@ -157,14 +158,14 @@ def torch_median_ms(impl: str, case: DecodeCase, warmup: int, iters: int, loop: 
     timed) and timed with CUDA events: the median of `iters` replays after warm-up.
     Its layout, heads before the sequence, is made once outside the timed loop."""
     if case.page_size:
-        raise bench.Unsupported("contiguous caches only")
+        raise bench_core.Unsupported("contiguous caches only")
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError as e:
-        raise bench.Unsupported("needs PyTorch") from e
+        raise bench_core.Unsupported("needs PyTorch") from e
     if not torch.cuda.is_available():
-        raise bench.Unsupported("needs a CUDA GPU")
+        raise bench_core.Unsupported("needs a CUDA GPU")
     dt = getattr(torch, case.dtype)
     make = lambda heads, rows: torch.randn(case.batch, heads, rows, case.head_dim,
                                            device="cuda", dtype=dt)
@@ -211,10 +212,10 @@ def measure(impl: str, case: DecodeCase, warmup: int, iters: int, loop: int,
 
             def steps(q, k, v):
                 return jax.lax.fori_loop(0, loop, lambda _, q: step(q, k, v).astype(q.dtype), q)
-            ms = bench.median_ms(jax.jit(steps), (q, k_cache, v_cache), warmup, iters) / loop
+            ms = bench_core.median_ms(jax.jit(steps), (q, k_cache, v_cache), warmup, iters) / loop
         record.update(us=ms * 1e3, gbps=kv_bytes / (ms * 1e-3) / 1e9)
     except Exception as e:  # noqa: BLE001 -- a failure becomes an "n/a" cell
-        record["error"] = bench.short_reason(e)
+        record["error"] = bench_core.short_reason(e)
     return record
 
 
@@ -227,7 +228,7 @@ def copy_bandwidth(gpu: bool, warmup: int, iters: int) -> float:
     n = COPY_BYTES["gpu" if gpu else "cpu"] // 4
     x = jnp.arange(n, dtype=jnp.float32)
     copies = jax.jit(lambda x: jax.lax.fori_loop(0, COPY_LOOP, lambda _, x: x + 1.0, x))
-    ms = bench.median_ms(copies, (x,), warmup, iters) / COPY_LOOP
+    ms = bench_core.median_ms(copies, (x,), warmup, iters) / COPY_LOOP
     return 2 * 4 * n / (ms * 1e-3) / 1e9
 
 
@@ -235,13 +236,13 @@ PREFILL_LOOP = 5
 
 
 def _median_ms_donating(loop, q, k_cache, v_cache, warmup, iters):
-    """bench.median_ms of loop(q, caches) -> (q, caches), the caches donated and passed on."""
+    """bench_core.median_ms of loop(q, caches) -> (q, caches), the caches donated and passed on."""
     state = [k_cache.copy(), v_cache.copy()]
 
     def run(q):
         out, state[0], state[1] = loop(q, *state)
         return out
-    return bench.median_ms(run, (q,), warmup, iters)
+    return bench_core.median_ms(run, (q,), warmup, iters)
 
 
 def prefill(args, batches, caches, heads, head_dims, dtype, iters, info, json_file):
@@ -251,7 +252,7 @@ def prefill(args, batches, caches, heads, head_dims, dtype, iters, info, json_fi
     convention (4 * rows * cache * d per head; causal halves the square part only)."""
     import flashjax
 
-    dt = bench.DTYPES[dtype]
+    dt = bench_core.DTYPES[dtype]
     for b, n, rows, (hq, hkv), d in itertools.product(batches, caches, args.prefill, heads,
                                                      head_dims):
         key = iter(jax.random.split(jax.random.key(0), 6))
@@ -289,7 +290,7 @@ def prefill(args, batches, caches, heads, head_dims, dtype, iters, info, json_fi
                 print(f"  {name:8s} {ms * 1e3:9.1f} us {record['tflops']:6.1f} "
                       "TFLOP/s", flush=True)
             except Exception as e:  # noqa: BLE001
-                record["error"] = bench.short_reason(e)
+                record["error"] = bench_core.short_reason(e)
                 print(f"  {name:8s} n/a ({record['error']})", flush=True)
             if json_file:
                 json_file.write(json.dumps(record) + "\n")
@@ -303,7 +304,7 @@ def _heads(text: str) -> tuple[int, int]:
 
 
 def main(args) -> int:
-    gpu = bench._on_gpu()
+    gpu = bench_core.on_gpu()
     batches = args.decode_batch or (GPU_BATCHES if gpu else CPU_BATCHES)
     caches = args.cache or (GPU_CACHES if gpu else CPU_CACHES)
     heads = [_heads(h) for h in (args.decode_heads or (GPU_HEADS if gpu else CPU_HEADS))]
@@ -313,7 +314,7 @@ def main(args) -> int:
     impls = [i for i in (args.impl or IMPLS) if gpu or i in ("flashjax", FP8_IMPL, "xla")]
     iters = args.iters or (20 if gpu else 3)
     loop = args.loop if args.loop > 1 else (DEFAULT_LOOP if gpu else 2)
-    info = bench.device_info()
+    info = bench_core.device_info()
     bandwidth = copy_bandwidth(gpu, args.warmup, iters)
     print(f"device: {info['device']} ({info['platform']}), jax {info['jax']}; per-step median "
           f"of {iters} runs of {loop} dependent steps; copy bandwidth {bandwidth:.0f} GB/s"

@@ -27,7 +27,7 @@ Variants, each one call on the same q, k, v (``flash_attention`` unless said oth
   "cudnn")``).
 
 Every array besides q, k, v (mask, bias, slopes, key) is an argument of the timed
-jitted step, never a captured constant. Modes are bench.py's: ``fwd``, ``fwdbwd`` (the
+jitted step, never a captured constant. Modes are bench_core's: ``fwd``, ``fwdbwd`` (the
 gradient of q, k, v, and of the bias for the ``-grad`` variants), ``bwd``.
 
 FLOPs follow the FlashAttention convention, counting the visible query-key pairs:
@@ -37,7 +37,7 @@ pairs the call's causal flag or mask lets through: 1/2 for causal=True as FA cou
 so the two rates compare), exactly 1/2 for ``mask-blocks`` (half the tiles), 1 for the
 rest; fwdbwd = 3.5x, bwd = 2.5x fwd. Bias and ALiBi additions, dbias and dropout's
 generator are not counted: their cost shows as a lower rate than ``none``'s. Times are
-medians after warm-up (bench.median_ms). A variant that cannot run (no GPU for cuDNN,
+medians after warm-up (bench_core.median_ms). A variant that cannot run (no GPU for cuDNN,
 no PyTorch, out of memory) shows n/a with the reason.
 
 The summary lists each issue-27 target as a time ratio with its limit (a speed target
@@ -50,16 +50,15 @@ from __future__ import annotations
 import dataclasses
 import gc
 import statistics
-import sys
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import bench
+from . import bench_core
 
-TERMS = bench.TERMS
+TERMS = ("mask", "bias", "alibi", "dropout", "nn")  # --terms: the groups of VARIANTS
 GPU_SEQLENS, GPU_HEAD_DIM = (8192, 16384), 128
 CPU_SEQLENS, CPU_HEAD_DIM, CPU_HEADS = (512,), 64, 4
 TILE = 128  # mask-blocks: tile size of the block-sparse pattern
@@ -71,8 +70,8 @@ class Variant:
     name: str
     build: Callable  # (case, q) -> (fn(q, k, v, *operands), operands, differentiated)
     density: float = 1.0  # fraction of the query-key pairs counted (FA convention)
-    modes: tuple = bench.MODES  # the modes it runs in
-    torch: bool = False  # timed by torch_ms instead of bench.median_ms
+    modes: tuple = bench_core.MODES  # the modes it runs in
+    torch: bool = False  # timed by torch_ms instead of bench_core.median_ms
 
 
 # --------------------------------------------------------------------------- variants
@@ -144,8 +143,8 @@ def _nn(causal: bool) -> Callable:
 
 
 def _needs_gpu():
-    if not bench._on_gpu():
-        raise bench.Unsupported("needs a CUDA GPU")
+    if not bench_core.on_gpu():
+        raise bench_core.Unsupported("needs a CUDA GPU")
 
 
 GRAD_MODES = ("fwdbwd", "bwd")
@@ -207,12 +206,12 @@ TARGETS = (
 
 # --------------------------------------------------------------------------- timing
 
-def torch_ms(case: bench.Case, mode: str, warmup: int, iters: int) -> float:
+def torch_ms(case: bench_core.Case, mode: str, warmup: int, iters: int) -> float:
     """PyTorch's scaled_dot_product_attention with dropout_p 0.1 on its FLASH_ATTENTION
     backend (FlashAttention 2), fwd or fwd+bwd, median of CUDA-event times."""
     if mode == "bwd":
-        raise bench.Unsupported("fwd and fwdbwd only")
-    torch, SDPBackend, sdpa_kernel = bench.torch_sdpa()
+        raise bench_core.Unsupported("fwd and fwdbwd only")
+    torch, SDPBackend, sdpa_kernel = bench_core.torch_sdpa()
     dt = getattr(torch, case.dtype)
     grad = mode == "fwdbwd"
     make = lambda heads, rows: torch.randn(case.batch, heads, rows, case.head_dim,
@@ -238,7 +237,7 @@ def torch_ms(case: bench.Case, mode: str, warmup: int, iters: int) -> float:
     return statistics.median(times[1 + warmup:])
 
 
-def measure(variant: Variant, case: bench.Case, modes: list[str], inputs, warmup: int,
+def measure(variant: Variant, case: bench_core.Case, modes: list[str], inputs, warmup: int,
             iters: int) -> list[dict]:
     """One record per mode: ms and TFLOP/s, or the error."""
     records = []
@@ -254,13 +253,13 @@ def measure(variant: Variant, case: bench.Case, modes: list[str], inputs, warmup
             else:
                 built = built or variant.build(case, inputs[0])
                 fn, operands, differentiated = built
-                step, args = bench.build_step(fn, mode, *inputs, operands=operands,
+                step, args = bench_core.build_step(fn, mode, *inputs, operands=operands,
                                               differentiated=differentiated)
-                ms = bench.median_ms(step, args, warmup, iters)
-            flops = case.fwd_flops() * variant.density * bench.MODE_FLOP_FACTOR[mode]
+                ms = bench_core.median_ms(step, args, warmup, iters)
+            flops = case.fwd_flops() * variant.density * bench_core.MODE_FLOP_FACTOR[mode]
             record.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
         except Exception as e:  # noqa: BLE001 -- a failure becomes an "n/a" cell
-            record["error"] = bench.short_reason(e)
+            record["error"] = bench_core.short_reason(e)
         records.append(record)
     return records
 
@@ -273,7 +272,7 @@ def variant_names(groups: list[str]) -> list[str]:
     return list(dict.fromkeys(name for g in chosen for name in GROUPS[g]))
 
 
-def cases(args, gpu: bool) -> list[bench.Case]:
+def cases(args, gpu: bool) -> list[bench_core.Case]:
     """The shapes: bench's make_cases on this mode's defaults (non-causal shapes; the
     variants set causal themselves)."""
     args.fa3_shapes = args.fa3_shapes or gpu
@@ -282,16 +281,16 @@ def cases(args, gpu: bool) -> list[bench.Case]:
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     args.heads = args.heads or (None if args.fa3_shapes else CPU_HEADS)
     args.causal = "no"
-    return bench.make_cases(args)
+    return bench_core.make_cases(args)
 
 
 def main(args) -> int:
-    gpu = bench._on_gpu()
+    gpu = bench_core.on_gpu()
     names = variant_names(args.terms)
     modes = args.mode or ["fwd", "fwdbwd"]
     iters = args.iters or (20 if gpu else 3)
     shapes = cases(args, gpu)
-    info = bench.device_info()
+    info = bench_core.device_info()
     print(f"device: {info['device']} ({info['platform']}), jax {info['jax']}; "
           f"{len(shapes)} shapes x {len(names)} variants x modes {','.join(modes)}; "
           f"median of {iters} runs after {args.warmup} warm-up runs", flush=True)
@@ -300,11 +299,11 @@ def main(args) -> int:
     try:
         for case in shapes:
             print(case.label(), flush=True)
-            inputs = bench.make_inputs(case)
+            inputs = bench_core.make_inputs(case)
             for name in names:
                 for r in measure(VARIANTS[name], case, modes, inputs, args.warmup, iters):
                     print(f"  {r['mode']:6s} {name:16s} {cell(r, gpu)}", flush=True)
-                    bench.keep_record(records, {**info, **r}, json_file)
+                    bench_core.keep_record(records, {**info, **r}, json_file)
                 jax.clear_caches()
                 gc.collect()
             del inputs
@@ -347,8 +346,5 @@ def summary(records: list[dict], gpu: bool = True) -> str:
                              verdict])
     header = ["term", "time ratio", "sq", "d", "b", "mode", "variant", "baseline", "ratio",
               "target", "verdict"]
-    return bench.format_table(header, rows)
+    return bench_core.format_table(header, rows)
 
-
-if __name__ == "__main__":
-    sys.exit(bench.main(["--terms", "all", *sys.argv[1:]]))

@@ -28,16 +28,15 @@ median over ``--iters`` runs of a jitted loop of ``--loop`` dependent calls (def
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import bench
+from . import bench_core
 
 MIXES = ("uniform", "longtail")
-IMPLS = bench.VARLEN_IMPLS
+IMPLS = ("varlen", "segments", "padded", "cudnn-padded", "dense-mean")  # --impl
 GPU_TOKENS, CPU_TOKENS = 65536, 4096
 HIDDEN = 2048  # heads * head_dim, as in the FA3 shapes
 DEFAULT_LOOP = 10
@@ -87,7 +86,7 @@ class Mix:
 
 def _inputs(shape_q, shape_k, dtype, seed=0):
     kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
-    dt = bench.DTYPES[dtype]
+    dt = bench_core.DTYPES[dtype]
     return (jax.random.normal(kq, shape_q, dt), jax.random.normal(kk, shape_k, dt),
             jax.random.normal(kv, shape_k, dt), jax.random.normal(kd, shape_q, dt))
 
@@ -116,8 +115,8 @@ def implementation(impl: str, mix: Mix):
             fn = lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, seqused_q=used,
                                                           seqused_k=used)
         else:
-            if not bench._on_gpu():
-                raise bench.Unsupported("needs a CUDA GPU")
+            if not bench_core.on_gpu():
+                raise bench_core.Unsupported("needs a CUDA GPU")
             fn = lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=causal, query_seq_lengths=used, key_value_seq_lengths=used,
                 implementation="cudnn")
@@ -139,17 +138,17 @@ def measure(impl: str, mix: Mix, mode: str, warmup: int, iters: int, loop: int) 
               "error": None}
     try:
         fn, inputs, pairs = implementation(impl, mix)
-        step, args = bench.build_step(fn, mode, *inputs, loop=loop)
-        ms = bench.median_ms(step, args, warmup, iters) / loop
-        flops = 4.0 * pairs * mix.heads * mix.head_dim * bench.MODE_FLOP_FACTOR[mode]
+        step, args = bench_core.build_step(fn, mode, *inputs, loop=loop)
+        ms = bench_core.median_ms(step, args, warmup, iters) / loop
+        flops = 4.0 * pairs * mix.heads * mix.head_dim * bench_core.MODE_FLOP_FACTOR[mode]
         record.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
     except Exception as e:  # noqa: BLE001 -- a failure becomes an "n/a" cell
-        record["error"] = bench.short_reason(e)
+        record["error"] = bench_core.short_reason(e)
     return record
 
 
 def main(args) -> int:
-    gpu = bench._on_gpu()
+    gpu = bench_core.on_gpu()
     mixes = MIXES if args.varlen == "both" else (args.varlen,)
     head_dims = args.head_dim or [64, 128]
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
@@ -159,7 +158,7 @@ def main(args) -> int:
     tokens = args.tokens or (GPU_TOKENS if gpu else CPU_TOKENS)
     iters = args.iters or (10 if gpu else 3)
     loop = args.loop if args.loop > 1 else (DEFAULT_LOOP if gpu else 1)
-    info = bench.device_info()
+    info = bench_core.device_info()
     print(f"device: {info['device']} ({info['platform']}), jax {info['jax']}; "
           f"per-call median of {iters} runs of {loop} dependent calls", flush=True)
     json_file = open(args.json, "w") if args.json else None
@@ -176,7 +175,7 @@ def main(args) -> int:
                         cell = (f"{r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s" if r["ms"]
                                 else f"n/a ({r['error']})")
                         print(f"  {mode:6s} {impl:13s} {cell}", flush=True)
-                        bench.keep_record(records, {**info, **r}, json_file)
+                        bench_core.keep_record(records, {**info, **r}, json_file)
                     jax.clear_caches()
     if json_file:
         json_file.close()
@@ -202,8 +201,5 @@ def summary(records: list[dict]) -> str:
                      ratio("segments", "varlen", "ms")])
     header = ["mix", "d", "causal", "mode", *(f"{i} TF/s" for i in IMPLS),
               "varlen/dense-mean TF", "varlen/cudnn time", "segments/varlen time"]
-    return bench.format_table(header, rows)
+    return bench_core.format_table(header, rows)
 
-
-if __name__ == "__main__":
-    sys.exit(bench.main(["--varlen", "both", *sys.argv[1:]]))
