@@ -26,7 +26,7 @@ At batch 1 the step is short enough that how XLA launches the loop body decides 
 XLA captures runs of 5 or more thunks in a CUDA graph (command buffers), so the body
 of XLA's attention (five kernels) runs as one graph launch while flashjax's body (its
 call and the carry's copy) is launched thunk by thunk from the host (~20 us a step more
-on an H200; tools/decode_timeline.py shows the kernels and the gaps). A model's
+on an H200; tools/profile_decode.py shows the kernels, the gaps and the command buffers). A model's
 decoding step is many thunks long and gets the graph: `XLA_FLAGS=
 --xla_gpu_graph_min_graph_size=1` times every implementation that way (the header
 shows XLA_FLAGS when set).
