@@ -168,7 +168,8 @@ PYEOF
       PYTHONPATH=/tmp/base $PY -m flashjax.bench --decode ${DECODE_ARGS:-} --impl flashjax \
         --json "$OUT/decode_base${DECODE_TAG:-}.jsonl" > "$OUT/decode_base${DECODE_TAG:-}.log" 2>&1; tail -30 "$OUT/decode_base${DECODE_TAG:-}.log" ;;
     trace)
-      # Where a decode step's time goes (TRACE_CASES: "BATCH CACHE PAGE IMPL..." cases, ";"-separated).
+      # Where a decode step's time goes (TRACE_CASES: "BATCH CACHE PAGE IMPL... [--heads Q/KV]
+      # [--head-dim D]" cases, ";"-separated; XLA_FLAGS=--xla_gpu_graph_min_graph_size=1: graphs).
       IFS=';' read -ra cases <<< "${TRACE_CASES:-1 1024 0 flashjax xla flashjax:1;1 8192 0 flashjax xla}"
       for c in "${cases[@]}"; do $PY tools/profile_decode.py $c; done > "$OUT/trace${TRACE_TAG:-}.log" 2>&1
       grep -v "profiler.py\|contextlib\|api.py:\|Pjit\|PjRt\|PJRT" "$OUT/trace${TRACE_TAG:-}.log" ;;

@@ -5,14 +5,18 @@ host-timed time per step, and from the trace the kernels of a step (count, mean 
 the GPU's busy time per step and the span of the loop per step (span - busy: the GPU
 idle, waiting for the host), and the host events that cost most.
 
-    python tools/profile_decode.py BATCH CACHE PAGE [IMPL[:SPLITS]...]
+    python tools/profile_decode.py BATCH CACHE PAGE [IMPL[:SPLITS]...] [--heads 32/8]
+        [--head-dim 128]
 
-IMPL: flashjax | xla | cudnn | pallas (default: all four); flashjax:N forces N splits.
+IMPL: any of bench_decode.IMPLS (default: all); flashjax:N forces N splits. At batch 1
+the loop body's launch decides the step: XLA_FLAGS=--xla_gpu_graph_min_graph_size=1
+captures every body in a CUDA graph, as a model's step is (bench_decode says why).
 """
+
+import argparse
 
 import collections
 import glob
-import sys
 import tempfile
 import time
 
@@ -93,9 +97,19 @@ def profile(impl: str, case):
         summarize(trace_dir)
 
 
-def main(batch="1", cache="8192", page="0", *impls):
-    case = bench_decode.DecodeCase(int(batch), int(cache), 32, 8, 128, int(page), "bfloat16")
-    for impl in impls or bench_decode.IMPLS:
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("batch", type=int, nargs="?", default=1)
+    p.add_argument("cache", type=int, nargs="?", default=8192)
+    p.add_argument("page", type=int, nargs="?", default=0)
+    p.add_argument("impls", nargs="*")
+    p.add_argument("--heads", default="32/8", help="q/kv heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    args = p.parse_args()
+    heads_q, heads_kv = map(int, args.heads.split("/"))
+    case = bench_decode.DecodeCase(args.batch, args.cache, heads_q, heads_kv, args.head_dim,
+                                   args.page, "bfloat16")
+    for impl in args.impls or bench_decode.IMPLS:
         try:
             profile(impl, case)
         except Exception as e:  # noqa: BLE001 -- one implementation failing is a result
@@ -103,4 +117,4 @@ def main(batch="1", cache="8192", page="0", *impls):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()
