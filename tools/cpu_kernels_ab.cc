@@ -7,7 +7,8 @@
 // rows RowType: both copies share the working tree's tile_math.h.)
 // Args: kv heads (the cache's row stride), head dim, packed query rows (the group;
 // gemm_b_rows gets them rounded up to 2, as the decode path passes them), and the rows'
-// type (bf16, e4m3 or e5m2).
+// type (bf16, e4m3, e4m3-nan-free: the working tree's kernels told the rows hold no NaN
+// code, or e5m2).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>

@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--loop", type=int, default=bench_decode.DEFAULT_LOOP)
     args = p.parse_args()
-    hq, hkv = map(int, args.heads.split("/"))
+    hq, hkv = bench_decode.parse_heads(args.heads)
     case = bench_decode.DecodeCase(args.batch, args.cache, hq, hkv, args.head_dim,
                                    args.page_size, "bfloat16")
     print(case.label(), flush=True)

@@ -14,7 +14,6 @@ captures every body in a CUDA graph, as a model's step is (bench_decode says why
 """
 
 import argparse
-
 import collections
 import glob
 import tempfile
@@ -106,7 +105,7 @@ def main():
     p.add_argument("--heads", default="32/8", help="q/kv heads")
     p.add_argument("--head-dim", type=int, default=128)
     args = p.parse_args()
-    heads_q, heads_kv = map(int, args.heads.split("/"))
+    heads_q, heads_kv = bench_decode.parse_heads(args.heads)
     case = bench_decode.DecodeCase(args.batch, args.cache, heads_q, heads_kv, args.head_dim,
                                    args.page, "bfloat16")
     for impl in args.impls or bench_decode.IMPLS:

@@ -49,8 +49,8 @@ struct TileKernels {
                int64_t ldb, int64_t M, int64_t N, int64_t K, bool accumulate);
   // C[M][N] += A B with B's row k at B_rows[k], elements of `type` (rows anywhere, e.g.
   // a KV cache's read in place, widened to float in registers; float8 codes as their
-  // values, unscaled, e4m3fn's over kFloat8E4M3ReadUnit). M % 2 == 0 (a last block of 2 rows: the decode path's GQA
-  // pairs), N % kRowAlign == 0.
+  // values, unscaled, e4m3fn's over kFloat8E4M3ReadUnit). M % 2 == 0 (a last block of 2
+  // rows: the decode path's GQA pairs), N % kRowAlign == 0.
   void (*gemm_b_rows)(float* C, int64_t ldc, const float* A, int64_t lda,
                       const void* const* B_rows, RowType type, int64_t M, int64_t N, int64_t K);
   // S[r][j] = Q[r] . rows[j] over d elements (rows of `type`), r < M, j < n: the scores

@@ -26,10 +26,10 @@ At batch 1 the step is short enough that how XLA launches the loop body decides 
 XLA captures runs of 5 or more thunks in a CUDA graph (command buffers), so the body
 of XLA's attention (five kernels) runs as one graph launch while flashjax's body (its
 call and the carry's copy) is launched thunk by thunk from the host (~20 us a step more
-on an H200; tools/profile_decode.py shows the kernels, the gaps and the command buffers). A model's
-decoding step is many thunks long and gets the graph: `XLA_FLAGS=
---xla_gpu_graph_min_graph_size=1` times every implementation that way (the header
-shows XLA_FLAGS when set).
+on an H200; tools/profile_decode.py shows the kernels, the gaps and the command
+buffers). A model's decoding step is many thunks long and gets the graph:
+`XLA_FLAGS=--xla_gpu_graph_min_graph_size=1` times every implementation that way (the
+header shows XLA_FLAGS when set).
 """
 
 from __future__ import annotations
@@ -298,7 +298,8 @@ def prefill(args, batches, caches, heads, head_dims, dtype, iters, info, json_fi
         jax.clear_caches()
 
 
-def _heads(text: str) -> tuple[int, int]:
+def parse_heads(text: str) -> tuple[int, int]:
+    """(q heads, kv heads) of "32/8" ("8": MHA)."""
     q, _, kv = text.partition("/")
     return int(q), int(kv or q)
 
@@ -307,7 +308,7 @@ def main(args) -> int:
     gpu = bench_core.on_gpu()
     batches = args.decode_batch or (GPU_BATCHES if gpu else CPU_BATCHES)
     caches = args.cache or (GPU_CACHES if gpu else CPU_CACHES)
-    heads = [_heads(h) for h in (args.decode_heads or (GPU_HEADS if gpu else CPU_HEADS))]
+    heads = [parse_heads(h) for h in (args.decode_heads or (GPU_HEADS if gpu else CPU_HEADS))]
     head_dims = args.head_dim or [128 if gpu else 64]
     pages = args.page_size or [0]
     dtype = args.dtype or ("bfloat16" if gpu else "float32")

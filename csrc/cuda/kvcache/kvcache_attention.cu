@@ -313,12 +313,13 @@ cudaError_t launch_split_kv(const AttentionParams& p, int splits, void* workspac
     config.attrs = &early_launch;
     config.numAttrs = 1;
   }
+  const auto combine = [&](auto kernel) {
+    return cudaLaunchKernelEx(&config, kernel, p, splits, partials);
+  };
   const int group_splits = (splits + kSplitGroups - 1) / kSplitGroups;
-  if (group_splits <= kCombineBuckets[0])
-    return cudaLaunchKernelEx(&config, combine_kernel<T, kCombineBuckets[0]>, p, splits, partials);
-  if (group_splits <= kCombineBuckets[1])
-    return cudaLaunchKernelEx(&config, combine_kernel<T, kCombineBuckets[1]>, p, splits, partials);
-  return cudaLaunchKernelEx(&config, combine_kernel<T, kCombineBuckets[2]>, p, splits, partials);
+  if (group_splits <= kCombineBuckets[0]) return combine(combine_kernel<T, kCombineBuckets[0]>);
+  if (group_splits <= kCombineBuckets[1]) return combine(combine_kernel<T, kCombineBuckets[1]>);
+  return combine(combine_kernel<T, kCombineBuckets[2]>);
 }
 
 }  // namespace
