@@ -205,9 +205,10 @@ PYEOF
     dense)
       # Dense FA3 shapes, this build vs the baseline (and the variant build with
       # DENSE_WHO="new base variant"), jitted loops of 10 dependent calls, one process each.
-      # A "_det" suffix (e.g. "new_det") runs that build with --deterministic.
+      # A "_det" suffix (e.g. "new_det") runs that build with --deterministic; a build
+      # named twice runs twice: NAME.2 is NAME's second process (alternate them: noise).
       for who in ${DENSE_WHO:-new base}; do
-        build=${who%_det}; det=""; [ "$build" != "$who" ] && det=--deterministic
+        build=${who%%.*}; build=${build%_det}; det=""; [ "${who%%.*}" != "$build" ] && det=--deterministic
         pp=$(build_path "$build")
         # DENSE_ARGS narrows the shapes (e.g. "--seqlen 2k --head-dim 64 128 --mode fwd").
         PYTHONPATH=$pp $PY -m flashjax.bench --fa3-shapes ${DENSE_ARGS:---seqlen 2k 16k --mode fwd fwdbwd} \

@@ -73,6 +73,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
   const int consumer = warpgroup - 1, warp_in_group = (threadIdx.x / 32) % kWarpsPerGroup;
   using Mainloop = ForwardMainloop<Cfg, kLayouts>;
   Mainloop mainloop(sm, consumer);
+  mainloop.open_turns();
   for_each_work_tile(schedule, [&](QueryTile tile) {
     const Item w(p, tile, packed, segment_tiles);
     float o[Mainloop::kDimTiles * 4] = {};

@@ -39,7 +39,7 @@ struct ForwardMainloop {
 
   const ForwardSmem<Cfg>& sm;
   const int consumer, lane;
-  const unsigned char* q_rows;  // this warpgroup's rows of the Q tile
+  const unsigned char* q_rows;  // this warpgroup's rows of the first Q tile
   int64_t kv = 0, q_loads = 0;
 
   __device__ ForwardMainloop(const ForwardSmem<Cfg>& smem, int consumer_index)
@@ -47,6 +47,15 @@ struct ForwardMainloop {
         consumer(consumer_index),
         lane(threadIdx.x % 32),
         q_rows(smem.q + consumer_index * kConsumerRows * kSwizzleBytes) {}
+
+  // Opens consumer 0's first turn, once per kernel: the turns then rotate across
+  // work items (every consumer takes n_tiles + 1 turns an item), so that one
+  // consumer starts its next item while the others finish theirs. (Restarting
+  // the rotation at every item made consumer 0 wait for the last consumer's
+  // epilogue before its next item's first product.)
+  __device__ __forceinline__ void open_turns() const {
+    if (consumer == kConsumers - 1) named_arrive(kTurnBarrier);
+  }
 
   // O (unnormalised, in o: zeros on entry) and the softmax statistics of the
   // consumer's rows of work item w.
@@ -60,6 +69,8 @@ struct ForwardMainloop {
                                           const Terms& terms,
                                           RowSoftmax& softmax, float (&o)[kDimTiles * 4]) {
     int64_t n_tiles = keys.count;  // (Keys::kMasked: published with Q, read after its wait)
+    const int q_stage = static_cast<int>(q_loads % Cfg::kQStages);
+    const unsigned char* q_tile = q_rows + q_stage * Cfg::kQBytes;
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
       const int64_t g = kv + it;
@@ -68,7 +79,7 @@ struct ForwardMainloop {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / kMmaK; ++kk)
-        wgmma_ss<T, kBlockN>(s, k_major_desc<kBlockM>(q_rows, kk),
+        wgmma_ss<T, kBlockN>(s, k_major_desc<kBlockM>(q_tile, kk),
                              k_major_desc<kBlockN>(k_tile, kk), kk > 0);
       wgmma_commit();
     };
@@ -92,7 +103,7 @@ struct ForwardMainloop {
     auto scores_done = [&](int64_t it) {
       if (lane != 0) return;
       mbar_arrive(&sm.k_empty[(kv + it) % kStages]);
-      if (it == n_tiles - 1) mbar_arrive(sm.q_empty);
+      if (it == n_tiles - 1) mbar_arrive(&sm.q_empty[q_stage]);
     };
     // Key tile it's first key, whether the mask hides some of its pairs from this
     // consumer's rows (then it is read per element) and whether positions, windows or
@@ -146,21 +157,20 @@ struct ForwardMainloop {
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };
 
-    // Ping-pong: named barrier kTurnBarrier + c is consumer c's turn; the
-    // last consumer opens the first turn, and each turn ends by passing it on.
+    // Ping-pong: named barrier kTurnBarrier + c is consumer c's turn (open_turns
+    // starts the rotation); each turn ends by passing it on.
     const auto wait_turn = [&] { named_sync(kTurnBarrier + consumer); };
     const auto pass_turn = [&] { named_arrive(kTurnBarrier + (consumer + 1) % kConsumers); };
 
-    mbar_wait(sm.q_full, q_loads++ & 1);
+    mbar_wait(&sm.q_full[q_stage], (q_loads++ / Cfg::kQStages) & 1);
     if constexpr (Keys::kMasked)
-      n_tiles = static_cast<int64_t>(ld_shared_u64(smem_u32(sm.item_tiles)));
+      n_tiles = static_cast<int64_t>(ld_shared_u64(smem_u32(&sm.item_tiles[q_stage])));
     if (n_tiles > 0) {
       // Software pipeline across tiles: while the softmax of S_j runs on the
       // CUDA cores, the tensor cores compute O += P_{j-1} V_{j-1}.
       float s[kKeyTiles * 4];
       uint32_t pa[kKeySteps][4];
       float alpha[2];
-      if (consumer == kConsumers - 1) named_arrive(kTurnBarrier);
       wait_turn();
       issue_scores(s, 0);
       pass_turn();
@@ -191,12 +201,12 @@ struct ForwardMainloop {
       if constexpr (kLayouts != Layouts::kUniform) clear_values_past_end(n_tiles - 1);
       wait_turn();
       issue_values(pa, n_tiles - 1);
-      if (consumer != kConsumers - 1) pass_turn();  // balanced arrivals at the item's end
+      pass_turn();
       wgmma_wait<0>();
       fence_operands(o);
       values_done(n_tiles - 1);
     } else if (lane == 0) {
-      mbar_arrive(sm.q_empty);
+      mbar_arrive(&sm.q_empty[q_stage]);
     }
     kv += n_tiles;
   }
