@@ -39,7 +39,7 @@ struct ForwardMainloop {
 
   const ForwardSmem<Cfg>& sm;
   const int consumer, lane;
-  const unsigned char* q_rows;  // this warpgroup's rows of the first Q tile
+  const unsigned char* q_rows;  // this warpgroup's rows of the Q tile
   int64_t kv = 0, q_loads = 0;
 
   __device__ ForwardMainloop(const ForwardSmem<Cfg>& smem, int consumer_index)
@@ -49,7 +49,7 @@ struct ForwardMainloop {
         q_rows(smem.q + consumer_index * kConsumerRows * kSwizzleBytes) {}
 
   // Opens consumer 0's first turn, once per kernel: the turns then rotate across
-  // work items (every consumer takes n_tiles + 1 turns an item), so that one
+  // work items (every consumer takes n_tiles turns an item), so that one
   // consumer starts its next item while the others finish theirs. (Restarting
   // the rotation at every item made consumer 0 wait for the last consumer's
   // epilogue before its next item's first product.)
@@ -69,8 +69,6 @@ struct ForwardMainloop {
                                           const Terms& terms,
                                           RowSoftmax& softmax, float (&o)[kDimTiles * 4]) {
     int64_t n_tiles = keys.count;  // (Keys::kMasked: published with Q, read after its wait)
-    const int q_stage = static_cast<int>(q_loads % Cfg::kQStages);
-    const unsigned char* q_tile = q_rows + q_stage * Cfg::kQBytes;
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
       const int64_t g = kv + it;
@@ -79,7 +77,7 @@ struct ForwardMainloop {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / kMmaK; ++kk)
-        wgmma_ss<T, kBlockN>(s, k_major_desc<kBlockM>(q_tile, kk),
+        wgmma_ss<T, kBlockN>(s, k_major_desc<kBlockM>(q_rows, kk),
                              k_major_desc<kBlockN>(k_tile, kk), kk > 0);
       wgmma_commit();
     };
@@ -103,7 +101,7 @@ struct ForwardMainloop {
     auto scores_done = [&](int64_t it) {
       if (lane != 0) return;
       mbar_arrive(&sm.k_empty[(kv + it) % kStages]);
-      if (it == n_tiles - 1) mbar_arrive(&sm.q_empty[q_stage]);
+      if (it == n_tiles - 1) mbar_arrive(sm.q_empty);
     };
     // Key tile it's first key, whether the mask hides some of its pairs from this
     // consumer's rows (then it is read per element) and whether positions, windows or
@@ -162,9 +160,9 @@ struct ForwardMainloop {
     const auto wait_turn = [&] { named_sync(kTurnBarrier + consumer); };
     const auto pass_turn = [&] { named_arrive(kTurnBarrier + (consumer + 1) % kConsumers); };
 
-    mbar_wait(&sm.q_full[q_stage], (q_loads++ / Cfg::kQStages) & 1);
+    mbar_wait(sm.q_full, q_loads++ & 1);
     if constexpr (Keys::kMasked)
-      n_tiles = static_cast<int64_t>(ld_shared_u64(smem_u32(&sm.item_tiles[q_stage])));
+      n_tiles = static_cast<int64_t>(ld_shared_u64(smem_u32(sm.item_tiles)));
     if (n_tiles > 0) {
       // Software pipeline across tiles: while the softmax of S_j runs on the
       // CUDA cores, the tensor cores compute O += P_{j-1} V_{j-1}.
@@ -199,14 +197,15 @@ struct ForwardMainloop {
         for (int kk = 0; kk < kKeySteps; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
       }
       if constexpr (kLayouts != Layouts::kUniform) clear_values_past_end(n_tiles - 1);
-      wait_turn();
+      // (without a turn, as FlashAttention 3 does: the item's last product goes in
+      // right after its softmax, so that this consumer reaches its epilogue and next
+      // item sooner)
       issue_values(pa, n_tiles - 1);
-      pass_turn();
       wgmma_wait<0>();
       fence_operands(o);
       values_done(n_tiles - 1);
     } else if (lane == 0) {
-      mbar_arrive(&sm.q_empty[q_stage]);
+      mbar_arrive(sm.q_empty);
     }
     kv += n_tiles;
   }

@@ -34,13 +34,11 @@ __device__ __forceinline__ void load_work_item(const ForwardSmem<Cfg>& sm,
                                                Keys keys, int q_bytes, int64_t& kv,
                                                int64_t& q_loads) {
   constexpr int kHeadDim = Cfg::kHeadDim, kBytes = Cfg::kElementBytes;
-  const int q_stage = static_cast<int>(q_loads % Cfg::kQStages);
-  mbar_wait(&sm.q_empty[q_stage], ((q_loads++ / Cfg::kQStages) & 1) ^ 1);
+  mbar_wait(sm.q_empty, (q_loads++ & 1) ^ 1);
   if constexpr (Keys::kMasked)  // (before Q's arrival, which releases it)
-    st_shared_u64(smem_u32(&sm.item_tiles[q_stage]), static_cast<uint64_t>(keys.count));
-  mbar_expect_tx(&sm.q_full[q_stage], q_bytes);
-  tma_tile<kHeadDim, Cfg::kBlockM, kBytes>(sm.q + q_stage * Cfg::kQBytes, &maps.q,
-                                           &sm.q_full[q_stage], w.q_row(), w.h, w.batch());
+    st_shared_u64(smem_u32(sm.item_tiles), static_cast<uint64_t>(keys.count));
+  mbar_expect_tx(sm.q_full, q_bytes);
+  tma_tile<kHeadDim, Cfg::kBlockM, kBytes>(sm.q, &maps.q, sm.q_full, w.q_row(), w.h, w.batch());
   for (int64_t it = 0; it < keys.count; ++it, ++kv) {
     const int stage = kv % kStages, phase = (kv / kStages) & 1;
     // (a mask's tile: found while the stage frees, published once it has)

@@ -36,38 +36,36 @@ struct PublishedTile {
 };
 static_assert(sizeof(PublishedTile) == 16, "two 64-bit shared words");
 
-// Each Q tile (Cfg::kQStages) has its own full/empty pair so that the next
-// item's Q loads during the current item's products; the K and V rings have
-// one pair per stage.
+// Q has its own full/empty pair so that the next item's Q loads during the
+// current item's last products; the K and V rings have one pair per stage.
 template <class Cfg>
 struct ForwardSmem {
-  unsigned char *q, *k, *v;  // q: kQStages tiles, k and v: kStages each
+  unsigned char *q, *k, *v;  // k, v: kStages tiles each
   unsigned char* out;        // Cfg::kStagesOut: each consumer's out rows
   uint64_t *q_full, *q_empty, *k_full, *k_empty, *v_full, *v_empty;
   // Per consumer warp: whether a row it wrote holds NaN or inf (in shared
   // memory: the main loop has no register to spare for it).
   int* nonfinite_warps;
-  // Kernels with a mask: the item's tile count per Q tile (written before its Q
-  // load, read after it) and each K stage's PublishedTile (written before its K
-  // load).
+  // Kernels with a mask: the item's tile count (written before its Q load, read
+  // after it) and each K stage's PublishedTile (written before its K load).
   int64_t* item_tiles;
   PublishedTile* tiles;
 
   __device__ explicit ForwardSmem(unsigned char* raw) {
     unsigned char* base = align_smem(raw);
     q = base;
-    k = q + Cfg::kQStages * Cfg::kQBytes;
+    k = q + Cfg::kQBytes;
     v = k + kStages * Cfg::kKVBytes;
     out = base + Cfg::kOutOffset;
     q_full = reinterpret_cast<uint64_t*>(base + Cfg::kBarrierOffset);
-    q_empty = q_full + Cfg::kQStages;
-    k_full = q_empty + Cfg::kQStages;
+    q_empty = q_full + 1;
+    k_full = q_empty + 1;
     k_empty = k_full + kStages;
     v_full = k_empty + kStages;
     v_empty = v_full + kStages;
     nonfinite_warps = reinterpret_cast<int*>(base + Cfg::kFlagOffset);
     item_tiles = reinterpret_cast<int64_t*>(base + Cfg::kPublishedOffset);
-    tiles = reinterpret_cast<PublishedTile*>(base + Cfg::kPublishedOffset + 16 * Cfg::kQStages);
+    tiles = reinterpret_cast<PublishedTile*>(base + Cfg::kPublishedOffset + 16);
   }
 
   // (One thread, before the CTA's first __syncthreads.) The full barriers
@@ -75,10 +73,8 @@ struct ForwardSmem {
   // one arrival per consumer warp.
   __device__ void init() const {
     constexpr int kConsumerWarps = kWarpsPerGroup * Cfg::kConsumers;
-    for (int s = 0; s < Cfg::kQStages; ++s) {
-      mbar_init(&q_full[s], 1);
-      mbar_init(&q_empty[s], kConsumerWarps);
-    }
+    mbar_init(q_full, 1);
+    mbar_init(q_empty, kConsumerWarps);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);

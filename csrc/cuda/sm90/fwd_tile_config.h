@@ -13,10 +13,6 @@
 #ifndef FLASHJAX_FWD_D64_CONSUMERS
 #define FLASHJAX_FWD_D64_CONSUMERS 3
 #endif
-// Q tiles in flight where they fit (an A/B knob: 1 or 2).
-#ifndef FLASHJAX_FWD_Q_STAGES
-#define FLASHJAX_FWD_Q_STAGES 1
-#endif
 
 namespace flashjax::cuda::hopper_fwd {
 
@@ -71,31 +67,18 @@ struct TileConfig {
   static constexpr int kMmaK = kMmaKBytes / kElementBytes;
   static constexpr int kQBytes = kBlockM * kPaddedDim * kElementBytes;
   static constexpr int kKVBytes = kBlockN * kPaddedDim * kElementBytes;
+  // Shared memory: Q, the K ring, the V ring, each consumer's out rows
+  // (16-bit; kStagesOut), then the barriers (Q full and empty, K and V full
+  // and empty per stage) and a flag per consumer warp; +1024 to align the base
+  // for the swizzle.
+  static constexpr int kBarriers = 2 + 4 * kStages;
+  static constexpr int kOutOffset = kQBytes + 2 * kStages * kKVBytes;
   static constexpr int kOutBytes = kConsumerRows * kPaddedDim * 2;  // a consumer's rows
-  // Shared memory: the Q tiles, the K ring, the V ring, each consumer's out rows
-  // (16-bit; kStagesOut), then the barriers (Q full and empty per Q tile, K and
-  // V full and empty per stage), a flag per consumer warp and (kernels with a
-  // mask, fwd_smem.cuh) each Q tile's item tile count and each K stage's
-  // PublishedTile, 16-byte aligned after the flags; +1024 to align the base for
-  // the swizzle. fixed_bytes: what follows the tiles, for q_stages Q tiles.
-  static constexpr int fixed_bytes(int q_stages) {
-    return 8 * (2 * q_stages + 4 * kStages) + 4 * kWarpsPerGroup * kConsumers + 16 +
-           16 * (q_stages + kStages) + 1024;
-  }
-  // Q tiles in flight: with two, the next item's Q loads while the current item
-  // runs instead of after its last S (where they fit beside head dim 64's out
-  // rows: not at head dim 256).
-  static constexpr int kQStages =
-      FLASHJAX_FWD_Q_STAGES > 1 &&
-              2 * kQBytes + 2 * kStages * kKVBytes +
-                      (kHeadDim == 64 ? kConsumers * kOutBytes : 0) + fixed_bytes(2) <=
-                  kSmemLimit
-          ? 2
-          : 1;
-  static constexpr int kBarriers = 2 * kQStages + 4 * kStages;
-  static constexpr int kOutOffset = kQStages * kQBytes + 2 * kStages * kKVBytes;
-  static constexpr int kPublishedBytes = 16 * (kQStages + kStages);
-  static constexpr int kFixedBytes = fixed_bytes(kQStages);
+  // (kPublishedBytes: the item's tile count and each K stage's PublishedTile, for
+  // kernels with a mask, fwd_smem.cuh; 16-byte aligned after the flags.)
+  static constexpr int kPublishedBytes = 16 * (1 + kStages);
+  static constexpr int kFixedBytes =
+      8 * kBarriers + 4 * kWarpsPerGroup * kConsumers + 16 + kPublishedBytes + 1024;
   // Out stored by TMA from shared memory (fwd_epilogue.cuh) at head dim 64
   // only: there the 2k causal kernel took 475 us instead of 485; at 128 it
   // took 308 instead of 293 and the 16k ones 6.5% longer (its spills grew
