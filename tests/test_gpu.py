@@ -53,6 +53,13 @@ PACKED_CASES = [
     Case(batch=1, seqlen_q=1, seqlen_k=1000, heads_q=32, heads_kv=4, head_dim=128, dtype="bfloat16", sinks=True),
 ]
 
+# The Hopper forward's persistent schedule over more than one round of work items
+# (more items than an H100's or H200's 132 SMs): odd query-tile counts (head dim
+# 64's 192-row tiles: 5 of them; 9 of 128 rows) and an odd number of heads.
+MULTI_ROUND_CASES = [
+    Case(batch=3, seqlen_q=900, seqlen_k=900, heads_q=15, heads_kv=5, head_dim=64, dtype="bfloat16", causal=True),
+    Case(batch=2, seqlen_q=1100, seqlen_k=1100, heads_q=36, heads_kv=12, head_dim=128, dtype="float16"),
+]
 # The Hopper forward's native 96 and 192 buckets (and head dims padded into them).
 NATIVE_DIM_CASES = [
     Case(batch=1, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2, head_dim=192, dtype="bfloat16", causal=True),
@@ -98,7 +105,8 @@ NONPOSITIVE_SCALE_CASES = [
 FORWARD_CASES = (head_dim_cases() + seqlen_cases() + gqa_cases() + option_cases()
                  + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),), windows=[(-1, -1), (10, 5)],
                                 head_dim=64)
-                 + empty_row_cases() + LARGE_CASES + PACKED_CASES + NATIVE_DIM_CASES + POSITION_CASES
+                 + empty_row_cases() + LARGE_CASES + MULTI_ROUND_CASES + PACKED_CASES + NATIVE_DIM_CASES
+                 + POSITION_CASES
                  + NONPOSITIVE_SCALE_CASES)
 
 GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
