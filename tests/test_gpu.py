@@ -56,9 +56,15 @@ PACKED_CASES = [
 # The Hopper forward's persistent schedule over more than one round of work items
 # (more items than an H100's or H200's 132 SMs): odd query-tile counts (head dim
 # 64's 192-row tiles: 5 of them; 9 of 128 rows) and an odd number of heads.
+# Windows too, bounded on the right (causal) or on the left only (their tiles' costs
+# grow or shrink along the rows: the order a longest-first schedule takes them in).
 MULTI_ROUND_CASES = [
     Case(batch=3, seqlen_q=900, seqlen_k=900, heads_q=15, heads_kv=5, head_dim=64, dtype="bfloat16", causal=True),
     Case(batch=2, seqlen_q=1100, seqlen_k=1100, heads_q=36, heads_kv=12, head_dim=128, dtype="float16"),
+    Case(batch=2, seqlen_q=1100, seqlen_k=1100, heads_q=36, heads_kv=12, head_dim=128, dtype="bfloat16",
+         window_size=(300, 0), softcap=20.0),
+    Case(batch=1, seqlen_q=1000, seqlen_k=1200, heads_q=40, heads_kv=40, head_dim=96, dtype="float16",
+         window_size=(200, -1), sinks=True),
 ]
 # The Hopper forward's native 96 and 192 buckets (and head dims padded into them).
 NATIVE_DIM_CASES = [

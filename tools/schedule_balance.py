@@ -8,9 +8,13 @@ taken as the key tiles it visits, and prints the busiest SM's load over the mean
 perfect balance; the kernel's time follows the busiest SM), next to:
   paired    the middle tiles of heads 2m and 2m + 1 as one item where q_tiles is odd
             (benchmarks/patches/hopper_forward_paired_middles.patch);
+  dynamic   the dynamic schedule of benchmarks/patches/hopper_forward_dynamic_schedule.patch:
+            single tiles from an atomic counter, heaviest first within sections of heads
+            whose keys and values fill half of L2 (--l2-mb; the remainder section first),
+            each SM taking its next tile as it finishes one (list scheduling: the
+            producer takes it a K/V stage or two before the consumers finish);
   lpt       a lower bound for any schedule of whole tiles: longest-first list scheduling
-            of single tiles (what a dynamic scheduler with a longest-first order reaches,
-            ignoring L2 locality and per-item costs).
+            of single tiles (ignoring L2 locality and per-item costs).
 No GPU needed:
 
     tools/schedule_balance.py [--sms 132] [--fa3-shapes | --seqlen S --head-dim D --heads H ...]
@@ -69,6 +73,25 @@ def lpt_bound(costs, heads, sms):
     return max(l for l, _ in load) * sms / (sum(costs) * heads)
 
 
+def section_heads(seqlen, head_dim, heads, window, l2_mb, element_bytes=2):
+    """fwd_launch_bucket.cuh's section_heads (no GQA: a group's heads share K and V)."""
+    keys = seqlen if window is None else min(seqlen, window + tile_rows(head_dim)[0])
+    return max(1, min(heads, int(l2_mb * 2**20 / 2) // (keys * 2 * head_dim * element_bytes)))
+
+
+def dynamic(costs, heads, sms, section):
+    """Tiles in the dynamic order (heaviest first: costs grow with the tile index under a
+    causal mask), each SM taking the next as it finishes one."""
+    q, remainder = len(costs), heads % section
+    sizes = ([remainder] if remainder else []) + [section] * (heads // section)
+    order = [costs[q - 1 - rank] for size in sizes for rank in range(q) for _ in range(size)]
+    finish = [(0, s) for s in range(sms)]
+    for cost in order:
+        least, s = heapq.heappop(finish)
+        heapq.heappush(finish, (least + cost, s))
+    return max(f for f, _ in finish) * sms / sum(order)
+
+
 def fa3_shapes():
     """FlashAttention-3's paper shapes (16k tokens, heads x head dim = 2048), GQA, window."""
     for d in (64, 128, 256):
@@ -88,16 +111,23 @@ def main():
     ap.add_argument("--heads", type=int, help="batch x query heads (kv heads when GQA-packed)")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--window", type=int, help="left window (with --causal)")
+    ap.add_argument("--l2-mb", type=float, default=50, help="L2 cache (H100: 50 MB)")
     a = ap.parse_args()
     shapes = (list(fa3_shapes()) if a.seqlen is None else
               [("this call", a.seqlen, a.head_dim, a.heads or 1, a.causal, a.window)])
-    print(f"{'shape':28s} {'q_tiles':>7s} {'items':>6s} {'today':>6s} {'paired':>6s} {'lpt':>6s}")
+    print(f"{'shape':28s} {'q_tiles':>7s} {'items':>6s} {'today':>6s} {'paired':>6s} {'dynamic':>7s} "
+          f"{'(heads)':>7s} {'lpt':>6s}")
     for name, seqlen, d, heads, causal, window in shapes:
         costs = tile_costs(seqlen, d, causal, window)
         today = items(costs, heads, a.sms, False)
         print(f"{name:28s} {len(costs):7d} {len(today):6d} {busiest_over_mean(today, a.sms):6.3f} "
-              f"{busiest_over_mean(items(costs, heads, a.sms, True), a.sms):6.3f} "
-              f"{lpt_bound(costs, heads, a.sms):6.3f}")
+              f"{busiest_over_mean(items(costs, heads, a.sms, True), a.sms):6.3f} ", end="")
+        if (causal or window is not None) and d <= 128:  # (fwd_launch_bucket.cuh)
+            section = section_heads(seqlen, d, heads, window, a.l2_mb)
+            print(f"{dynamic(costs, heads, a.sms, section):7.3f} {section:7d} ", end="")
+        else:
+            print(f"{'-':>7s} {'-':>7s} ", end="")
+        print(f"{lpt_bound(costs, heads, a.sms):6.3f}")
 
 
 if __name__ == "__main__":
