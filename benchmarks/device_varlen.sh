@@ -3,7 +3,7 @@
 # .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
 # the dense A/B, the peers side by side, profiles.
 # Usage: benchmarks/device_varlen.sh STEP...   (steps: build base alt patched builds variant ptx tests kvtests fuzz sanitize terms
-#   kvsanitize varlen decode decodebase trace ncu dense ring peers traintrace bwdncu termsncu)
+#   kvsanitize varlen decode decodebase trace ncu dense window ring peers traintrace bwdncu termsncu)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
 # and passed to the device call with carry: [".baseline"]. REV: the commit to compare with
@@ -229,6 +229,16 @@ for (mode, d, s, c), v in sorted(rows.items()):
           + "  " + " ".join(f"{(v.get(w) or 0) / first:.3f}" for w in builds[1:]))
 PYEOF
       ;;
+    window)
+      # The window (1024, 0) d128 16k shape of the peers harness (carried in .peers/), flashjax
+      # alone, for each build of WINDOW_WHO (default "new base"; NAME.2: a second process),
+      # WINDOW_MODES (default fwd): an A/B of a shape --fa3-shapes does not cover.
+      for who in ${WINDOW_WHO:-new base}; do
+        pp=$(build_path "${who%%.*}")
+        PYTHONPATH=$pp${pp:+:}${PYTHONPATH:-} timeout 120 $PY .peers/peers_gpu.py "$OUT/window_$who" \
+          --impls flashjax --only window --modes "${WINDOW_MODES:-fwd}" > "$OUT/window_$who.log" 2>&1
+        grep "TFLOP/s" "$OUT/window_$who.log" | sed "s/^/$who: /"
+      done ;;
     peers)
       # ../shared/peers/peers_gpu.py (carried in .peers/): flashjax, FA3, cuDNN (PEERS_IMPLS)
       # in one process at the FA3 shapes (PEERS_ONLY picks tags).
