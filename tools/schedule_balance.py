@@ -17,7 +17,8 @@ perfect balance; the kernel's time follows the busiest SM), next to:
             of single tiles (ignoring L2 locality and per-item costs).
 No GPU needed:
 
-    tools/schedule_balance.py [--sms 132] [--fa3-shapes | --seqlen S --head-dim D --heads H ...]
+    tools/schedule_balance.py [--sms 132]                   # the FA3-paper shapes
+    tools/schedule_balance.py --seqlen S --head-dim D --heads H [--causal] [--window W]
 """
 
 import argparse
@@ -65,12 +66,17 @@ def busiest_over_mean(item_costs, sms):
     return max(load) * sms / sum(item_costs)
 
 
+def list_schedule(order, sms):
+    """Each tile of `order` to the SM that finishes first (a dynamic scheduler's walk)."""
+    finish = [(0, s) for s in range(sms)]
+    for cost in order:
+        least, s = heapq.heappop(finish)
+        heapq.heappush(finish, (least + cost, s))
+    return max(f for f, _ in finish) * sms / sum(order)
+
+
 def lpt_bound(costs, heads, sms):
-    load = [(0, s) for s in range(sms)]
-    for cost in sorted(costs * heads, reverse=True):
-        least, s = heapq.heappop(load)
-        heapq.heappush(load, (least + cost, s))
-    return max(l for l, _ in load) * sms / (sum(costs) * heads)
+    return list_schedule(sorted(costs * heads, reverse=True), sms)
 
 
 def section_heads(seqlen, head_dim, heads, window, l2_mb, element_bytes=2):
@@ -84,12 +90,8 @@ def dynamic(costs, heads, sms, section):
     causal mask), each SM taking the next as it finishes one."""
     q, remainder = len(costs), heads % section
     sizes = ([remainder] if remainder else []) + [section] * (heads // section)
-    order = [costs[q - 1 - rank] for size in sizes for rank in range(q) for _ in range(size)]
-    finish = [(0, s) for s in range(sms)]
-    for cost in order:
-        least, s = heapq.heappop(finish)
-        heapq.heappush(finish, (least + cost, s))
-    return max(f for f, _ in finish) * sms / sum(order)
+    return list_schedule([costs[q - 1 - rank] for size in sizes for rank in range(q)
+                          for _ in range(size)], sms)
 
 
 def fa3_shapes():
@@ -105,8 +107,7 @@ def fa3_shapes():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sms", type=int, default=132, help="CTAs of the persistent grid (SMs)")
-    ap.add_argument("--fa3-shapes", action="store_true", help="the FA3-paper shapes (default)")
-    ap.add_argument("--seqlen", type=int)
+    ap.add_argument("--seqlen", type=int, help="one call's shape (else the FA3-paper shapes)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--heads", type=int, help="batch x query heads (kv heads when GQA-packed)")
     ap.add_argument("--causal", action="store_true")
