@@ -280,6 +280,15 @@ def test_nonfinite_gradients(case, placement, kernel_path, gpu_device):
     check_nonfinite(case, placement, device=gpu_device, gradients=True)
 
 
+# The Hopper forward's recompute of flagged rows walks the tiles its CTA did: under the
+# dynamic schedule (head dim 64 causal; windows), the ones its producer took.
+@pytest.mark.parametrize("placement", [NONFINITE_PLACEMENTS[0], NONFINITE_PLACEMENTS[4]], ids=str)
+@pytest.mark.parametrize("case", [MULTI_ROUND_CASES[0], MULTI_ROUND_CASES[2]],
+                         ids=ids([MULTI_ROUND_CASES[0], MULTI_ROUND_CASES[2]]))
+def test_nonfinite_multi_round(case, placement, kernel_path, gpu_device):
+    check_nonfinite(case, placement, device=gpu_device)
+
+
 @pytest.mark.parametrize("placement", NONFINITE_PLACEMENTS[:3], ids=str)
 def test_nonfinite_gradients_deterministic(placement, kernel_path, gpu_device):
     check_nonfinite(NONFINITE_CASES[0], placement, device=gpu_device, gradients=True,

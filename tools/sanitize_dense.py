@@ -1,7 +1,8 @@
 """Dense forward + backward through every GPU kernel path at small, odd shapes, for
 `compute-sanitizer --tool memcheck python tools/sanitize_dense.py`: the sanitizer must
 report 0 errors. Covers causal / window / sinks / GQA, bf16 d128 and d64, fp16 d96,
-float32 d40, the wide kernel (d192, d256), default and deterministic backward."""
+float32 d40, the wide kernel (d192, d256), default and deterministic backward, and
+the Hopper forward's schedules over more than one round of tiles."""
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +20,23 @@ CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, heads_q, heads_kv, options)
     (jnp.bfloat16, 192, 70, 90, 2, 1, dict(causal=True)),
     (jnp.float16, 256, 100, 150, 2, 2, dict(window_size=(30, 5))),
 ]
+# More query tiles than SMs (the Hopper forward's dynamic schedule: head dim 64 causal,
+# windows), batch 2, with a NaN in one query row (the recompute's walk of the tiles a
+# CTA took).
+MULTI_ROUND = [
+    (jnp.bfloat16, 64, 900, 900, 15, 5, dict(causal=True)),
+    (jnp.bfloat16, 128, 1100, 1100, 36, 12, dict(window_size=(300, 0))),
+]
+NAN_ROW = 70
 
 
 def main():
-    for dtype, d, sq, sk, hq, hk, options in CASES:
+    for multi_round, (dtype, d, sq, sk, hq, hk, options) in (
+            [(False, c) for c in CASES] + [(True, c) for c in MULTI_ROUND]):
         keys = jax.random.split(jax.random.key(0), 4)
         q = jax.random.normal(keys[0], (2, sq, hq, d), dtype)
+        if multi_round:
+            q = q.at[0, NAN_ROW, 1, 0].set(jnp.nan)
         k = jax.random.normal(keys[1], (2, sk, hk, d), dtype)
         v = jax.random.normal(keys[2], (2, sk, hk, d), dtype)
         for deterministic in (False, True):

@@ -7,8 +7,9 @@ q_tiles - 1 - j, then j). This script replays that walk on the host with a tile'
 taken as the key tiles it visits, and prints the busiest SM's load over the mean (1.0:
 perfect balance; the kernel's time follows the busiest SM), next to:
   paired    the middle tiles of heads 2m and 2m + 1 as one item where q_tiles is odd
-            (benchmarks/patches/hopper_forward_balanced_schedule.patch, calls without a window);
-  dynamic   the dynamic schedule of the same patch (calls with a window, causal included):
+            (TileSchedule::middles_paired: the static schedules);
+  dynamic   the dynamic schedule (TileSchedule::dynamic: head dim 64 with a window,
+            causal included, and sliding windows at head dims up to 128):
             single tiles from an atomic counter, heaviest first within sections of heads
             whose keys and values fill half of L2 (--l2-mb; the remainder section first),
             each SM taking its next tile as it finishes one (list scheduling: the

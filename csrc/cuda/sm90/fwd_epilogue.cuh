@@ -97,7 +97,7 @@ __device__ __forceinline__ void recompute_flagged_rows(const AttentionParams& p,
   for (int f = 0; f < kConsumerWarps; ++f) any |= flags[f] != 0;
   if (!any) return;
   const bool packed = kPacks && schedule.packed_rows > 0;
-  for_each_work_tile(schedule, [&](QueryTile tile) {
+  for_each_done_tile(schedule, [&](QueryTile tile) {
     const WorkItem<kLayouts, Cfg::kBlockM, Cfg::kBlockN> w(p, tile, packed, segment_tiles);
     for (int f = 0; f < kConsumerWarps; ++f)
       if (flags[f])

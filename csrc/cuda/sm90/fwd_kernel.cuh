@@ -62,10 +62,18 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
                                                           sm.nonfinite_warps);
     if (threadIdx.x != 0) return;
     int64_t kv = 0, q_loads = 0;
-    for_each_work_tile(schedule, [&](QueryTile tile) {
+    const auto load = [&](QueryTile tile) {
       const Item w(p, tile, packed, segment_tiles);
       load_work_item(sm, maps, w, Keys(w, mask_tiles), q_bytes, kv, q_loads);
-    });
+    };
+    if constexpr (kLayouts == Layouts::kUniform) {
+      if (schedule.dynamic) {
+        QueryTile tile;
+        for (int64_t k = 0; publish_next_tile(schedule, sm, k, tile); ++k) load(tile);
+        return;
+      }
+    }
+    for_each_work_tile(schedule, load);
     return;
   }
 
@@ -74,7 +82,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
   using Mainloop = ForwardMainloop<Cfg, kLayouts>;
   Mainloop mainloop(sm, consumer);
   mainloop.open_turns();
-  for_each_work_tile(schedule, [&](QueryTile tile) {
+  for_each_work_tile(ConsumerWalk<Cfg, ScheduleOf<kLayouts>>{schedule, sm}, [&](QueryTile tile) {
     const Item w(p, tile, packed, segment_tiles);
     float o[Mainloop::kDimTiles * 4] = {};
     RowSoftmax softmax = item_rows<kPacks>(w, schedule, consumer, warp_in_group);

@@ -41,6 +41,25 @@ bool make_maps(const AttentionParams& p, bool gqa_packed, TensorMaps& maps) {
                   Cfg::kBlockN);
 }
 
+// Heads per section of a dynamic schedule (fwd_scheduler.cuh): as many as keep the
+// keys and values their tiles read (a window's span of keys; a group of query heads
+// shares its kv head's) within half of the L2 cache.
+inline int64_t section_heads(const AttentionParams& p, size_t element_bytes, int block_rows,
+                             int64_t heads) {
+  static constexpr int64_t kL2Share = 2;  // (half of L2: the rest for Q, out and the others)
+  int device = 0, l2_bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) != cudaSuccess)
+    l2_bytes = 0;
+  int64_t keys = p.seqlen_k;
+  if (p.window_left >= 0 && p.window_right >= 0)
+    keys = std::min<int64_t>(keys, p.window_left + p.window_right + block_rows);
+  const int64_t bytes_per_head =
+      std::max<int64_t>(1, keys * (p.head_dim + p.head_dim_v) *
+                               static_cast<int64_t>(element_bytes) / p.group_size());
+  return std::clamp<int64_t>(l2_bytes / kL2Share / bytes_per_head, 1, heads);
+}
+
 // `workspace`: hopper_forward_workspace_bytes(p) bytes (ForwardWorkspace).
 // T: the inputs' element type, TOut: out's.
 // kTerms: the score terms compiled in (with_variant).
@@ -60,14 +79,31 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
   const bool gqa_packed = packs_groups<kHeadDim, kLayouts, kTerms>() &&
                           p.group_size() > 1 && p.seqlen_q * p.group_size() <= kBlockM;
   if constexpr (kLayouts == Layouts::kUniform) {
-    schedule.packed_rows = gqa_packed ? p.seqlen_q : 0;
-    schedule.q_tiles = (p.seqlen_q + kBlockM - 1) / kBlockM;
-    schedule.pairs_per_head = (schedule.q_tiles + 1) / 2;
-    schedule.total_pairs =
-        schedule.pairs_per_head * p.batch * (gqa_packed ? p.heads_kv : p.heads_q);
+    schedule = TileSchedule::make((p.seqlen_q + kBlockM - 1) / kBlockM,
+                                  p.batch * (gqa_packed ? p.heads_kv : p.heads_q),
+                                  gqa_packed ? p.seqlen_q : 0, multiprocessor_count());
     items = schedule.total_pairs;
   }
   const ForwardWorkspace ws(p, workspace);
+  if constexpr (kLayouts == Layouts::kUniform) {
+    schedule.total_tiles = schedule.q_tiles * schedule.heads;
+    // Where it measured faster (H200, twenty-fifth session): head dim 64, and sliding
+    // windows up to head dim 128; not causal alone at head dim 128 (8k: -1%, within
+    // noise at 2k and 16k), nor at head dim 256 (its tiles of 64 keys are few and
+    // coarse: the replay has the static pairs as good or better there).
+    const bool sliding = p.window_left >= 0;
+    schedule.dynamic = (kHeadDim <= 64 || (kHeadDim <= 128 && sliding)) && ws.tile_counter &&
+                       !gqa_packed && schedule.total_tiles > multiprocessor_count();
+    if (schedule.dynamic) {
+      schedule.section_heads = section_heads(p, sizeof(T), kBlockM, schedule.heads);
+      schedule.later_tiles_first = p.window_right >= 0;
+      schedule.counter = ws.tile_counter;
+      schedule.owner = ws.tile_owner;
+      items = schedule.total_tiles;
+      if (cudaError_t e = cudaMemsetAsync(ws.tile_counter, 0, ws.bytes, stream); e != cudaSuccess)
+        return e;
+    }
+  }
   if constexpr (has_mask(kTerms))
     if (cudaError_t e = compute_mask_tiles(p, ws.masks, stream); e != cudaSuccess) return e;
   if constexpr (kLayouts != Layouts::kUniform) {

@@ -60,17 +60,92 @@ __device__ __forceinline__ ScheduleStep tile_of_pair(int64_t k, int64_t local, i
 // (packed_rows = seqlen_q, e.g. decoding), a tile holds every query of a kv
 // head's group of query heads, so K and V are read once for the group; the
 // "heads" of the schedule are then the kv heads.
+//
+// An odd number of query tiles leaves a head's middle tile without a partner:
+// an item of half the others' cost, which a static round robin cannot balance
+// (head dim 64's 192-row tiles at 2k: 11 tiles; tools/schedule_balance.py: the
+// busiest SM's load 1.13x the mean at the FA3 shape, 1.03-1.04x with the middles
+// paired). Where the items fill more than one round (middles_paired), the middle
+// tiles of heads 2m and 2m + 1 form one item: a block of two heads holds head
+// 2m's pairs, head 2m + 1's pairs, then the middle item (a last, odd head's
+// block: its pairs, then its middle tile alone).
+//
+// Dynamic (uniform calls that fill more than one round, at head dim 64 with a window,
+// causal included, and with a sliding window up to head dim 128: where it measured
+// faster, fwd_launch_bucket.cuh): tiles of unequal cost, which a static deal of pairs balances only to the
+// fraction of its last round (tools/schedule_balance.py: the busiest SM 1.03-1.13x the
+// mean at the FA3 shapes). Instead the producer takes one tile at a time from an
+// atomic counter (publish_next_tile) and the consumers read it from shared memory
+// (ConsumerWalk), in longest-first order: sections of section_heads heads (as many as
+// keep their keys and values in half of L2; the remainder of the heads first, so that
+// the schedule ends on a whole section's lightest tiles), each section's tiles
+// heaviest first (from the last query tile to the first where the window's right
+// side is bounded, causal included: later rows see more keys; else from the first),
+// its heads interleaved. The producer takes a tile after the previous one's last
+// loads, a K/V stage or two before the consumers finish that one (taking it a whole
+// tile ahead would leave the busiest SM 1.02-1.18x the mean in the replay, against
+// 1.00-1.04x: tools/schedule_balance.py).
 struct TileSchedule {
   using Item = QueryTile;
   static constexpr bool kOneItemPerCta = false;
-  int64_t q_tiles, pairs_per_head, total_pairs;
+  int64_t q_tiles, pairs_per_head, total_pairs;  // (middles_paired: pairs_per_head = q_tiles / 2)
+  int64_t heads;        // the schedule's heads (batch x heads, or kv heads when packed)
   int64_t packed_rows;  // 0: one query head per tile
-  // The k-th tile of this CTA.
+  bool middles_paired;
+  bool dynamic = false, later_tiles_first;  // (dynamic: the order within a section)
+  int64_t section_heads, total_tiles;       // (dynamic)
+  // (dynamic, both zeroed before the launch) the tiles handed out, and per tile 1 +
+  // the CTA that took it (the recompute's walk; 0: not yet seen taken)
+  unsigned long long* counter;
+  int* owner;
+  // The k-th tile of this CTA (static schedules).
   __device__ ScheduleStep tile(int64_t k, QueryTile& out) const {
     const int64_t item = scheduled_item(k);
     if (item >= total_pairs) return ScheduleStep::kEnd;
-    return tile_of_pair(k, item, pairs_per_head, q_tiles, out,
-                        [&] { return item / pairs_per_head; });
+    if (!middles_paired)
+      return tile_of_pair(k, item, pairs_per_head, q_tiles, out,
+                          [&] { return item / pairs_per_head; });
+    const int64_t block = 2 * pairs_per_head + 1, first_head = item / block * 2,
+                  r = item % block;
+    const int64_t middle_at = first_head + 1 < heads ? 2 * pairs_per_head : pairs_per_head;
+    if (r < middle_at) {
+      const int64_t second = r >= pairs_per_head ? 1 : 0;
+      return tile_of_pair(k, r - second * pairs_per_head, pairs_per_head, q_tiles, out,
+                          [&] { return first_head + second; });
+    }
+    const int64_t head = first_head + k % 2;  // the middle item: one tile of each head
+    if (head >= heads) return ScheduleStep::kSkip;
+    out = {pairs_per_head, head};
+    return ScheduleStep::kTile;
+  }
+  // The host's side of a static schedule: q_tiles query tiles of `schedule_heads`
+  // heads on `ctas` CTAs.
+  static TileSchedule make(int64_t q_tiles, int64_t schedule_heads, int64_t packed_rows,
+                           int64_t ctas) {
+    TileSchedule s{};
+    s.q_tiles = q_tiles;
+    s.heads = schedule_heads;
+    s.packed_rows = packed_rows;
+    const int64_t unpaired = (q_tiles + 1) / 2 * schedule_heads;
+    s.middles_paired = q_tiles % 2 == 1 && schedule_heads > 1 && unpaired > ctas;
+    s.pairs_per_head = s.middles_paired ? q_tiles / 2 : (q_tiles + 1) / 2;
+    s.total_pairs = s.middles_paired ? schedule_heads / 2 * (2 * s.pairs_per_head + 1) +
+                                           schedule_heads % 2 * (s.pairs_per_head + 1)
+                                     : unpaired;
+    return s;
+  }
+  // The i-th tile of the dynamic order.
+  __device__ QueryTile dynamic_tile(int64_t i) const {
+    const int64_t remainder = heads % section_heads, remainder_tiles = remainder * q_tiles;
+    int64_t first = 0, in_section = remainder, r = i;  // (the remainder's section)
+    if (i >= remainder_tiles) {
+      const int64_t j = i - remainder_tiles, section = j / (section_heads * q_tiles);
+      first = remainder + section * section_heads;
+      in_section = section_heads;
+      r = j - section * section_heads * q_tiles;
+    }
+    const int64_t rank = r / in_section;
+    return {later_tiles_first ? q_tiles - 1 - rank : rank, first + r % in_section};
   }
 };
 
@@ -231,6 +306,68 @@ struct ItemKeys<true, kBlockM, kBlockN> {
     return tile;
   }
 };
+
+// A dynamic TileSchedule's tiles go from the producer to the consumers through a
+// ring of kItemSlots slots in shared memory (fwd_smem.cuh): the producer takes the
+// next tile from the counter, records this CTA as its owner and publishes it as the
+// CTA's k-th tile (the end: bh = -1), before its loads.
+template <class Cfg>
+__device__ __forceinline__ bool publish_next_tile(const TileSchedule& s,
+                                                  const ForwardSmem<Cfg>& sm, int64_t k,
+                                                  QueryTile& out) {
+  const int slot = static_cast<int>(k % kItemSlots);
+  mbar_wait(&sm.item_empty[slot], static_cast<int>((k / kItemSlots) & 1) ^ 1);
+  const int64_t i = static_cast<int64_t>(atomicAdd(s.counter, 1ull));
+  const bool more = i < s.total_tiles;
+  out = more ? s.dynamic_tile(i) : QueryTile{0, -1};
+  if (more) s.owner[i] = static_cast<int>(blockIdx.x) + 1;
+  st_shared_u64(smem_u32(&sm.items[slot].tile), static_cast<uint64_t>(out.tile));
+  st_shared_u64(smem_u32(&sm.items[slot].bh), static_cast<uint64_t>(out.bh));
+  mbar_arrive(&sm.item_full[slot]);  // (release: the owner entry and the slot)
+  return more;
+}
+
+// The consumers' walk of a schedule: a dynamic one's tiles as the producer publishes
+// them (each consumer warp frees a slot once it has read it), the others' as the
+// schedule computes them.
+template <class Cfg, class Schedule>
+struct ConsumerWalk {
+  using Item = QueryTile;
+  static constexpr bool kOneItemPerCta = false;
+  const Schedule& schedule;
+  const ForwardSmem<Cfg>& sm;
+  __device__ ScheduleStep tile(int64_t k, QueryTile& out) const {
+    if constexpr (std::is_same_v<Schedule, TileSchedule>) {
+      if (schedule.dynamic) {
+        const int slot = static_cast<int>(k % kItemSlots);
+        mbar_wait(&sm.item_full[slot], static_cast<int>((k / kItemSlots) & 1));
+        out.tile = static_cast<int64_t>(ld_shared_u64(smem_u32(&sm.items[slot].tile)));
+        out.bh = static_cast<int64_t>(ld_shared_u64(smem_u32(&sm.items[slot].bh)));
+        warp_arrive(&sm.item_empty[slot]);
+        return out.bh < 0 ? ScheduleStep::kEnd : ScheduleStep::kTile;
+      }
+    }
+    return schedule.tile(k, out);
+  }
+};
+
+// Calls visit(tile) for every tile this CTA did, once its consumers are done (the
+// recompute's walk): a dynamic schedule's from the owner entries (written by this
+// CTA's producer before it published each tile, which the consumers acquired before
+// the barrier that precedes this walk; another CTA's entry may still read 0, never
+// this CTA's number).
+template <class Schedule, class Visit>
+__device__ __forceinline__ void for_each_done_tile(const Schedule& schedule, Visit&& visit) {
+  if constexpr (std::is_same_v<Schedule, TileSchedule>) {
+    if (schedule.dynamic) {
+      const volatile int* owner = schedule.owner;
+      for (int64_t i = 0; i < schedule.total_tiles; ++i)
+        if (owner[i] == static_cast<int>(blockIdx.x) + 1) visit(schedule.dynamic_tile(i));
+      return;
+    }
+  }
+  for_each_work_tile(schedule, visit);
+}
 
 // The consumers' side of ItemKeys<true, ...>: what the producer published (the item's
 // count once its Q tile is in, a tile's first key once its K tile is).

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "../common/device.cuh"
 #include "fwd_tile_config.h"
 #include "hopper_common.cuh"
 
@@ -50,6 +51,10 @@ struct ForwardSmem {
   // after it) and each K stage's PublishedTile (written before its K load).
   int64_t* item_tiles;
   PublishedTile* tiles;
+  // A dynamic schedule's tiles (fwd_scheduler.cuh): kItemSlots slots and their
+  // full (the producer's arrival) and empty (one per consumer warp) barriers.
+  QueryTile* items;
+  uint64_t *item_full, *item_empty;
 
   __device__ explicit ForwardSmem(unsigned char* raw) {
     unsigned char* base = align_smem(raw);
@@ -63,9 +68,12 @@ struct ForwardSmem {
     k_empty = k_full + kStages;
     v_full = k_empty + kStages;
     v_empty = v_full + kStages;
+    item_full = v_empty + kStages;
+    item_empty = item_full + kItemSlots;
     nonfinite_warps = reinterpret_cast<int*>(base + Cfg::kFlagOffset);
     item_tiles = reinterpret_cast<int64_t*>(base + Cfg::kPublishedOffset);
     tiles = reinterpret_cast<PublishedTile*>(base + Cfg::kPublishedOffset + 16);
+    items = reinterpret_cast<QueryTile*>(tiles + kStages);
   }
 
   // (One thread, before the CTA's first __syncthreads.) The full barriers
@@ -80,6 +88,10 @@ struct ForwardSmem {
       mbar_init(&v_full[s], 1);
       mbar_init(&k_empty[s], kConsumerWarps);
       mbar_init(&v_empty[s], kConsumerWarps);
+    }
+    for (int s = 0; s < kItemSlots; ++s) {
+      mbar_init(&item_full[s], 1);
+      mbar_init(&item_empty[s], kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     for (int w = 0; w < kConsumerWarps; ++w) nonfinite_warps[w] = 0;

@@ -17,6 +17,8 @@
 namespace flashjax::cuda::hopper_fwd {
 
 constexpr int kStages = 2;  // K/V tiles in flight: a ring of full/empty mbarriers
+// Tiles of a dynamic schedule published ahead to the consumers (fwd_scheduler.cuh).
+constexpr int kItemSlots = 2;
 constexpr int kConsumerRows = 64;  // query rows of a consumer warpgroup
 constexpr int kWarpRows = 16;      // of a consumer warp (one wgmma row slice)
 constexpr int kWarpsPerGroup = 4;
@@ -69,14 +71,15 @@ struct TileConfig {
   static constexpr int kKVBytes = kBlockN * kPaddedDim * kElementBytes;
   // Shared memory: Q, the K ring, the V ring, each consumer's out rows
   // (16-bit; kStagesOut), then the barriers (Q full and empty, K and V full
-  // and empty per stage) and a flag per consumer warp; +1024 to align the base
-  // for the swizzle.
-  static constexpr int kBarriers = 2 + 4 * kStages;
+  // and empty per stage, the item ring's full and empty per slot) and a flag
+  // per consumer warp; +1024 to align the base for the swizzle.
+  static constexpr int kBarriers = 2 + 4 * kStages + 2 * kItemSlots;
   static constexpr int kOutOffset = kQBytes + 2 * kStages * kKVBytes;
   static constexpr int kOutBytes = kConsumerRows * kPaddedDim * 2;  // a consumer's rows
   // (kPublishedBytes: the item's tile count and each K stage's PublishedTile, for
-  // kernels with a mask, fwd_smem.cuh; 16-byte aligned after the flags.)
-  static constexpr int kPublishedBytes = 16 * (1 + kStages);
+  // kernels with a mask, then the item ring's slots (a dynamic schedule's tiles),
+  // fwd_smem.cuh; 16-byte aligned after the flags.)
+  static constexpr int kPublishedBytes = 16 * (1 + kStages + kItemSlots);
   static constexpr int kFixedBytes =
       8 * kBarriers + 4 * kWarpsPerGroup * kConsumers + 16 + kPublishedBytes + 1024;
   // Out stored by TMA from shared memory (fwd_epilogue.cuh) at head dim 64
