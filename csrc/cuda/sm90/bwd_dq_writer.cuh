@@ -104,30 +104,47 @@ struct DqOrder {
   static constexpr int kSpinNanoseconds = 64;
 };
 
-// The fused key kernel's dQ writer, one thread of the producer warpgroup: it
-// sends each consumer's staged dQ block (tile it, stage it % kDqStages) as a
-// bulk reduction once all 128 of its threads have arrived on dq_full, and
-// frees a stage (dq_empty) once the reduction has read it, so that consumers
-// only wait when they are a whole ring ahead. kOrdered: deterministic, in the
-// order of DqOrder (counters at dq_order). tiles_of: the block's tiles as the
-// producer walks them (bwd_scheduler.cuh).
+// Threads that write a fused key kernel's dQ: one; two when ordered (DqOrder), taking
+// alternate tiles, so that one waits for its tile's reductions to complete before
+// passing the turn while the other takes the next tile (a single thread's writes ran
+// one tile per completion round trip: fifteenth session, v3).
+template <bool kOrdered>
+inline constexpr int kDqWriters = kOrdered ? 2 : 1;
+
+// The fused key kernel's dQ writer `writer` of kDqWriters<kOrdered> (threads of the
+// producer warpgroup, each in a warp of its own): it sends each consumer's staged dQ
+// block (tile it, stage it % kDqStages) as a bulk reduction once all 128 of its
+// threads have arrived on dq_full, and frees a stage (dq_empty) once the reduction has
+// read it, so that consumers only wait when they are a whole ring ahead. kOrdered:
+// deterministic, in the order of DqOrder (counters at dq_order), writer w taking
+// tiles w, w + 2, ... once the other has freed the stage of the tile before (one
+// stage: its dq_empty phase orders the two; then dq_full's phase is the tile's).
+// tiles_of: the block's tiles as the producer walks them (bwd_scheduler.cuh).
 template <bool kOrdered, int kHeadDim, class Block, class Tiles>
 __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionParams& p,
                          const RowStats& stats, float* dq_accum, int* dq_order,
-                         const Tiles& tiles_of) {
+                         const Tiles& tiles_of, int writer = 0) {
   using C = TileConfig<kHeadDim>;
   static_assert(C::kStreamRows == HopperBackwardWorkspace::kDqOrderRows, "a counter per tile");
   constexpr int kLag = C::kDqStages - 1;  // tiles whose reductions may still read
+  constexpr int kWriters = kDqWriters<kOrdered>;
   auto tile = kb.walk(p, stats.padded);
   // (kDqOfOwnKeys: both consumers add to one block, which an order would serialise)
   static_assert(!kOrdered || !C::kDqOfOwnKeys, "ordered dQ: consumers add to their own blocks");
   // (A mask's skipped tiles would break the order: ordered_dq leaves masks out.)
   static_assert(!kOrdered || !Tiles::kSkips, "ordered dQ visits every tile");
+  static_assert(!kOrdered || C::kDqStages == 1, "ordered dQ: the writers share one stage");
   const DqOrder<Block> order(dq_order, p, kb);
-  for (int64_t it = 0; it < kb.tiles; ++it) {
+  for (int64_t it = 0; it < kb.tiles; ++it, tile.next()) {
     // (the tile the consumers compute next: found while they do, off their path)
     if (Tiles::kSkips && tiles_of.find(tile).end()) break;
+    if (it % kWriters != writer) continue;
     const int s = it % C::kDqStages;
+    if (kWriters > 1 && it > 0) {
+#pragma unroll
+      for (int c = 0; c < C::kConsumers; ++c)
+        mbar_wait_idle(&sm.dq_empty[c * C::kDqStages + s], (it - 1) & 1);
+    }
 #pragma unroll
     for (int c = 0; c < C::kConsumers; ++c) {
       mbar_wait_idle(&sm.dq_full[c * C::kDqStages + s], (it / C::kDqStages) & 1);
@@ -140,8 +157,6 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
                       sm.dq_stage + (c * C::kDqStages + s) * kDqBlock<C::kDqCols>,
                       kDqBlockBytes<C::kDqCols>);
     }
-    [[maybe_unused]] const int64_t padded_row = tile.padded_row;  // (kOrdered)
-    tile.next();
     bulk_wait_reads<C::kConsumers * kLag>();
     if (it >= kLag) {
       const int freed = (it - kLag) % C::kDqStages;
@@ -150,7 +165,7 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
     }
     // The tile's turn passes on once its reductions are complete (the stages are
     // free already: the consumers need not wait for the completion).
-    if constexpr (kOrdered) order.pass_turn(padded_row);
+    if constexpr (kOrdered) order.pass_turn(tile.padded_row);
   }
   bulk_wait_all();
 }

@@ -85,12 +85,19 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
         produce(sm, maps, static_cast<int>(kb.sequence(p).k_row(kb.k0)),
                 static_cast<int>(kb.hk), static_cast<int>(kb.sequence(p).batch), kb.tiles,
                 kb.walk(p, stats.padded), stats, tiles_of);
-      else if (kFusedDq && threadIdx.x == 32) {
+      else if (kFusedDq && threadIdx.x % 32 == 0) {
+        // (the writers: the first threads of warps 1, 2, ...)
+        const int writer = threadIdx.x / 32 - 1;
         // (dq_order: deterministic, uniform layouts, consumers on their own dQ blocks)
         if constexpr (kOrderedDq && kLayouts == Layouts::kUniform && !Config::kDqOfOwnKeys &&
                       !Tiles::kSkips)
-          if (dq_order) return write_dq<true>(sm, kb, p, stats, dq_accum, dq_order, tiles_of);
-        write_dq<false>(sm, kb, p, stats, dq_accum, nullptr, tiles_of);
+          if (dq_order) {
+            if (writer < kDqWriters<true>)
+              write_dq<true>(sm, kb, p, stats, dq_accum, dq_order, tiles_of, writer);
+            return;
+          }
+        if (writer < kDqWriters<false>)
+          write_dq<false>(sm, kb, p, stats, dq_accum, nullptr, tiles_of, writer);
       }
       return;
     }

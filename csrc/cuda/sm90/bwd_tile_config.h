@@ -40,7 +40,10 @@ __host__ __device__ constexpr int barrier_id(NamedBarrier barrier, int consumer 
 // fifteenth session), bwd TFLOP/s deterministic / default, d128 causal, H200,
 // with each tile's turn kept until the next tile was issued (v2): 2k 0.880
 // (query kernel 0.849), 16k 0.580 (0.819), the blocks chained to each other;
-// this code passes the turn on at once (v3): compiled, not yet measured.
+// passing the turn on once a tile's reductions complete (v3, sixteenth session):
+// 2k 0.838, 8k 0.828, 16k 0.811 (query kernel 0.873 / 0.813 / 0.809), one tile per
+// completion round trip; this code's two writers taking alternate tiles (v4,
+// twenty-fifth session): GPU tests pass with 2, speed not yet measured.
 #ifndef FLASHJAX_BWD_ORDERED_DQ
 #define FLASHJAX_BWD_ORDERED_DQ 0
 #endif
