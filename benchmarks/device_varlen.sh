@@ -36,6 +36,14 @@ build_into() {
     > "$OUT/build_$1.log" 2>&1 || { tail -30 "$OUT/build_$1.log"; return 1; }
   cp src/flashjax/bench*.py "/tmp/$1/flashjax/"
 }
+# This tree again, built with VARIANT_FLAGS (e.g. "-DFLASHJAX_BWD_STAGGER=1") into
+# /tmp/variant (FJ_VARIANT_DIMS narrows its head dims): DENSE_WHO's and traintrace's
+# "variant".
+build_variant() {
+  $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/variant -C build-dir=/tmp/fjb_variant \
+    -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ${FJ_VARIANT_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_VARIANT_DIMS"} \
+    -C "cmake.define.CMAKE_CUDA_FLAGS=${VARIANT_FLAGS:-}" . > "$OUT/build_variant.log" 2>&1 || { tail -30 "$OUT/build_variant.log"; return 1; }
+}
 # This tree with the patches of spec NAME=PATCH[,PATCH...] (benchmarks/patches/, in
 # order) copied to /tmp/src_NAME; prints NAME.
 patched_tree() {
@@ -70,13 +78,15 @@ for step in "$@"; do
         echo "$name built (${spec#*=})"
       done ;;
     builds)
-      # build, base (with .baseline/), alt (with .alt/) and every PATCHED build at once:
+      # build, base (with .baseline/), alt (with .alt/), variant (with VARIANT_FLAGS) and
+      # every PATCHED build at once:
       # a narrowed build has fewer units than the cores, so together they take about
       # the longest one's time (four d128 builds in a row took 367 s).
       start=$(date +%s); pids=(); names=()
       build_main & pids+=($!); names+=(build)
       [ -d .baseline ] && { build_into base ./.baseline & pids+=($!); names+=(base); }
       [ -d .alt ] && { build_into alt ./.alt & pids+=($!); names+=(alt); }
+      [ -n "${VARIANT_FLAGS:-}" ] && { build_variant & pids+=($!); names+=(variant); }
       for spec in ${PATCHED:-}; do
         name=$(patched_tree "$spec") || exit 1
         build_into "$name" "/tmp/src_$name" & pids+=($!); names+=("$name")
@@ -86,11 +96,7 @@ for step in "$@"; do
       [ $failed = 0 ] || exit 1
       echo "builds (${names[*]}): $(( $(date +%s) - start )) s" ;;
     variant)
-      # This tree again, built with VARIANT_FLAGS (e.g. "-DFLASHJAX_BWD_STAGGER=1") into
-      # /tmp/variant (FJ_VARIANT_DIMS narrows its head dims): traintrace's impl "variant".
-      $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/variant -C build-dir=/tmp/fjb_variant \
-        -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ${FJ_VARIANT_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_VARIANT_DIMS"} \
-        -C "cmake.define.CMAKE_CUDA_FLAGS=${VARIANT_FLAGS:-}" . > "$OUT/build_variant.log" 2>&1 || { tail -30 "$OUT/build_variant.log"; exit 1; }
+      build_variant || exit 1
       echo "variant built ($VARIANT_FLAGS)" ;;
     tests)
       # GPU_TESTS=tests runs every GPU test (1363, ~5 min with GPU_WORKERS=12); GPU_K picks;
@@ -207,19 +213,20 @@ PYEOF
       # DENSE_WHO="new base variant"), jitted loops of 10 dependent calls, one process each.
       # A "_det" suffix (e.g. "new_det") runs that build with --deterministic; a build
       # named twice runs twice: NAME.2 is NAME's second process (alternate them: noise).
+      # DENSE_TAG (e.g. _bwd) names a second dense step's files in the same call.
       for who in ${DENSE_WHO:-new base}; do
         build=${who%%.*}; build=${build%_det}; det=""; [ "${who%%.*}" != "$build" ] && det=--deterministic
         pp=$(build_path "$build")
         # DENSE_ARGS narrows the shapes (e.g. "--seqlen 2k --head-dim 64 128 --mode fwd").
         PYTHONPATH=$pp $PY -m flashjax.bench --fa3-shapes ${DENSE_ARGS:---seqlen 2k 16k --mode fwd fwdbwd} \
-          $det --impl flashjax --loop 10 --iters 10 --json "$OUT/dense_$who.jsonl" > "$OUT/dense_$who.log" 2>&1
+          $det --impl flashjax --loop 10 --iters 10 --json "$OUT/dense${DENSE_TAG:-}_$who.jsonl" > "$OUT/dense${DENSE_TAG:-}_$who.log" 2>&1
       done
-      $PY - "$OUT" ${DENSE_WHO:-new base} <<'PYEOF'
+      $PY - "$OUT/dense${DENSE_TAG:-}" ${DENSE_WHO:-new base} <<'PYEOF'
 import json, sys
 out, builds = sys.argv[1], sys.argv[2:]
 rows = {}
 for who in builds:
-    for line in open(f"{out}/dense_{who}.jsonl"):
+    for line in open(f"{out}_{who}.jsonl"):
         r = json.loads(line)
         rows.setdefault((r["mode"], r["head_dim"], r["seqlen_q"], r["causal"]), {})[who] = r["tflops"]
 print("mode    d    s causal " + " ".join(f"{w:>8s}" for w in builds) + "  (ratios to " + builds[0] + ")")
