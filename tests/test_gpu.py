@@ -282,9 +282,11 @@ def test_nonfinite_gradients(case, placement, kernel_path, gpu_device):
 
 # The Hopper forward's recompute of flagged rows walks the tiles its CTA did: under the
 # dynamic schedule (head dim 64 causal; windows), the ones its producer took.
+NONFINITE_MULTI_ROUND_CASES = MULTI_ROUND_CASES[0:3:2]  # (d64 causal; d128 window + softcap)
+
+
 @pytest.mark.parametrize("placement", [NONFINITE_PLACEMENTS[0], NONFINITE_PLACEMENTS[4]], ids=str)
-@pytest.mark.parametrize("case", [MULTI_ROUND_CASES[0], MULTI_ROUND_CASES[2]],
-                         ids=ids([MULTI_ROUND_CASES[0], MULTI_ROUND_CASES[2]]))
+@pytest.mark.parametrize("case", NONFINITE_MULTI_ROUND_CASES, ids=ids(NONFINITE_MULTI_ROUND_CASES))
 def test_nonfinite_multi_round(case, placement, kernel_path, gpu_device):
     check_nonfinite(case, placement, device=gpu_device)
 

@@ -107,15 +107,20 @@ cudaError_t with_dtype(ElementTypes<Ts...>, DType dtype, Fn&& fn) {
   return status;
 }
 
+// An attribute of the current GPU, or `fallback` if it cannot be read.
+inline int current_device_attribute(cudaDeviceAttr attribute, int fallback) {
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess)
+    return fallback;
+  return value;
+}
+
 // Multiprocessors of the current GPU (1 if it cannot be read); persistent
 // kernels launch one CTA per multiprocessor.
 inline int multiprocessor_count() {
-  int device = 0, count = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      count < 1)
-    return 1;
-  return count;
+  const int count = current_device_attribute(cudaDevAttrMultiProcessorCount, 1);
+  return count < 1 ? 1 : count;
 }
 
 // Kernel attributes (the shared-memory opt-in) belong to the device that is

@@ -47,10 +47,7 @@ bool make_maps(const AttentionParams& p, bool gqa_packed, TensorMaps& maps) {
 inline int64_t section_heads(const AttentionParams& p, size_t element_bytes, int block_rows,
                              int64_t heads) {
   static constexpr int64_t kL2Share = 2;  // (half of L2: the rest for Q, out and the others)
-  int device = 0, l2_bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) != cudaSuccess)
-    l2_bytes = 0;
+  const int64_t l2_bytes = current_device_attribute(cudaDevAttrL2CacheSize, 0);
   int64_t keys = p.seqlen_k;
   if (p.window_left >= 0 && p.window_right >= 0)
     keys = std::min<int64_t>(keys, p.window_left + p.window_right + block_rows);
@@ -86,7 +83,6 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
   }
   const ForwardWorkspace ws(p, workspace);
   if constexpr (kLayouts == Layouts::kUniform) {
-    schedule.total_tiles = schedule.q_tiles * schedule.heads;
     // Where it measured faster (H200, twenty-fifth session): head dim 64, and sliding
     // windows up to head dim 128; not causal alone at head dim 128 (8k: -1%, within
     // noise at 2k and 16k), nor at head dim 256 (its tiles of 64 keys are few and

@@ -126,6 +126,7 @@ struct TileSchedule {
     s.q_tiles = q_tiles;
     s.heads = schedule_heads;
     s.packed_rows = packed_rows;
+    s.total_tiles = q_tiles * schedule_heads;
     const int64_t unpaired = (q_tiles + 1) / 2 * schedule_heads;
     s.middles_paired = q_tiles % 2 == 1 && schedule_heads > 1 && unpaired > ctas;
     s.pairs_per_head = s.middles_paired ? q_tiles / 2 : (q_tiles + 1) / 2;
