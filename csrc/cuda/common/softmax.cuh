@@ -49,6 +49,16 @@ struct RowSoftmax {
     if (needs_mask) mask<kKeyTiles>(s, seq, k0);
   }
 
+  // Raw q.k products -> masked scores for exponentiate(s, alpha, exponent_scale(p)):
+  // still raw (the scale rides in the exponent's FFMA) unless scores_prescaled(p);
+  // m is then in the same units until log2_units.
+  template <int kKeyTiles>
+  __device__ void masked_scores(float (&s)[kKeyTiles * 4], const AttentionParams& p,
+                                const SeqlenInfo& seq, int64_t k0, bool needs_mask) const {
+    if (scores_prescaled(p)) scores_log2(s, p);
+    if (needs_mask) mask<kKeyTiles>(s, seq, k0);
+  }
+
   // -inf where the thread's rows do not see key k0 + column (positions, windows, seqused).
   template <int kKeyTiles>
   __device__ void mask(float (&s)[kKeyTiles * 4], const SeqlenInfo& seq, int64_t k0) const {
@@ -64,10 +74,12 @@ struct RowSoftmax {
     return packed_rows ? static_cast<int>(tile_row) % packed_rows : tile_row;
   }
 
-  // s becomes exp2(s - m_new); alpha = exp2(m_old - m_new) is what the output
-  // accumulated so far must be scaled by.
+  // s becomes exp2((s - m_new) * scale); alpha = exp2((m_old - m_new) * scale) is
+  // what the output accumulated so far must be scaled by. scale (> 0): 1 for scores
+  // in log2 units, exponent_scale(p) for masked_scores' (one FFMA a score).
   template <int kKeyTiles>
-  __device__ void exponentiate(float (&s)[kKeyTiles * 4], float (&alpha)[2]) {
+  __device__ void exponentiate(float (&s)[kKeyTiles * 4], float (&alpha)[2],
+                               float scale = 1.0f) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = m[r];
@@ -75,18 +87,25 @@ struct RowSoftmax {
       for (int n = 0; n < kKeyTiles; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == kNegInf ? 0.0f : mx;  // nothing visible yet: keep zeros
-      alpha[r] = fast_exp2(m[r] - base);
+      const float base = mx == kNegInf ? 0.0f : mx * scale;  // nothing visible yet: keep zeros
+      alpha[r] = fast_exp2(fmaf(m[r], scale, -base));
       float sum = 0.0f;
 #pragma unroll
       for (int n = 0; n < kKeyTiles; ++n) {
-        s[4 * n + 2 * r] = fast_exp2(s[4 * n + 2 * r] - base);
-        s[4 * n + 2 * r + 1] = fast_exp2(s[4 * n + 2 * r + 1] - base);
+        s[4 * n + 2 * r] = fast_exp2(fmaf(s[4 * n + 2 * r], scale, -base));
+        s[4 * n + 2 * r + 1] = fast_exp2(fmaf(s[4 * n + 2 * r + 1], scale, -base));
         sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
       }
       l[r] = l[r] * alpha[r] + sum;
       m[r] = mx;
     }
+  }
+
+  // After exponentiate with a scale other than 1: m to log2 units, as the epilogue
+  // reads it.
+  __device__ void log2_units(float scale) {
+    m[0] *= scale;
+    m[1] *= scale;
   }
 
   template <int kDimTiles>

@@ -42,8 +42,10 @@ template <bool kMasked, class Block, class Body>
 __device__ __forceinline__ void for_each_block(const AttentionParams& p,
                                                const VarlenWorkList& list,
                                                const SegmentTiles& segment_tiles,
-                                               const MaskTiles& mask_tiles, Body&& body) {
-  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles}, [&](const Block& listed) {
+                                               const MaskTiles& mask_tiles, bool ordered_dq,
+                                               Body&& body) {
+  for_each_work_tile(BlockSchedule<Block>{p, list, segment_tiles, ordered_dq},
+                     [&](const Block& listed) {
     if constexpr (kMasked) {
       Block narrowed = listed;
       narrowed.narrow_to_mask(p, mask_tiles);
@@ -106,7 +108,8 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
         sm, kb, p, maps, segment_tiles, warpgroup - 1, stats.nonfinite);
   };
   // (No block, a grid slot past the list's: the whole CTA returns.)
-  for_each_block<has_mask(kTerms), Block>(p, list, segment_tiles, mask_tiles, block);
+  for_each_block<has_mask(kTerms), Block>(p, list, segment_tiles, mask_tiles,
+                                          dq_order != nullptr, block);
 }
 
 // dQ of a block of 128 query rows, and those rows' shares of dsinks.
@@ -136,7 +139,8 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
     query_consumer<T, kHeadDim, kLayouts, kTerms>(sm, qb, p, segment_tiles, mask_tiles,
                                                   warpgroup - 1, D_all, dsink_rows, nonfinite);
   };
-  for_each_block<has_mask(kTerms), Block>(p, list, segment_tiles, mask_tiles, block);
+  for_each_block<has_mask(kTerms), Block>(p, list, segment_tiles, mask_tiles,
+                                          /*ordered_dq=*/false, block);
 }
 
 // dK, dV and the shares of dQ of a block of 64 keys, head dims 129-256.
@@ -149,7 +153,7 @@ __global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
   WideSmem sm(smem_raw);
   using Block = KeyBlock<Config>;
   using Schedule = BlockSchedule<Block>;  // (uniform layouts only: no list, no segments)
-  for_each_work_tile(Schedule{p, VarlenWorkList{}, SegmentTiles{}}, [&](const Block& kb) {
+  for_each_work_tile(Schedule{p, VarlenWorkList{}, SegmentTiles{}, false}, [&](const Block& kb) {
     const int warpgroup = warpgroup_index();
     if (warpgroup == 0) {
       producer_registers<Config>();

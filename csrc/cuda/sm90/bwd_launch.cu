@@ -36,8 +36,8 @@ bool hopper_backward_supports(const AttentionParams& p) {
 
 namespace {
 
-// Deterministic calls the fused key kernel takes with kOrderedDq (an A/B knob,
-// bwd_tile_config.h), adding dQ in a fixed order (DqOrder, bwd_dq_writer.cuh):
+// Deterministic calls the fused key kernel takes with kOrderedDq (bwd_tile_config.h;
+// on by default), adding dQ in a fixed order (DqOrder, bwd_dq_writer.cuh):
 // uniform layouts, head dims 65-128 (at 64 both consumers add to one dQ block,
 // which an order would serialise), causal (window_right 0; kOrderedDq 2: all),
 // where a head's key blocks fit on the SMs at once (a block waits for the

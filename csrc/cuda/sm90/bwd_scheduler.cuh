@@ -115,15 +115,15 @@ struct KeyBlock {
   SeqlenInfo seq;
   bool valid;
   KeyBlock() = default;
+  // ordered_dq: this launch adds dQ in a fixed order (DqOrder).
   __device__ KeyBlock(const AttentionParams& p, const VarlenWorkList& list,
-                      const SegmentTiles& segment_tiles) {
-    // (Ordered deterministic dQ keeps pair order: a block whose dQ waits for later
-    // blocks of its pair, DqOrder, finds them started. A mask: the causal order, a
-    // guess that costs nothing where it is wrong: its blocks' lengths are unknown.)
+                      const SegmentTiles& segment_tiles, bool ordered_dq) {
+    // (Ordered dQ keeps pair order: a block whose dQ waits for later blocks of its
+    // pair, DqOrder, finds them started. A mask: the causal order, a guess that
+    // costs nothing where it is wrong: its blocks' lengths are unknown.)
     const BlockIndex i =
         block_index<kLayouts>((p.seqlen_k + kRows - 1) / kRows, p.heads_kv, list,
-                              (p.window_right == 0 || p.mask) &&
-                                  !(kOrderedDq && p.deterministic));
+                              (p.window_right == 0 || p.mask) && !ordered_dq);
     valid = i.valid;
     b = i.b;
     hk = i.head;
@@ -320,8 +320,9 @@ struct QueryBlock {
   int64_t tiles;
   bool valid;
   QueryBlock() = default;
+  // (ordered_dq: key blocks' only; the query kernel's dQ needs no order)
   __device__ QueryBlock(const AttentionParams& p, const VarlenWorkList& list,
-                        const SegmentTiles& segment_tiles)
+                        const SegmentTiles& segment_tiles, bool /*ordered_dq*/)
       : QueryBlock(p, query_index(p, list)) {
     narrow_to_segments<kLayouts>(keys, segment_tiles, b, q0, kOwnRows, kStreamRows);
     tiles = valid ? keys.tiles(kStreamRows) : 0;
@@ -378,7 +379,8 @@ struct QueryBlock {
 
 // The backward's schedule: each CTA does one block (Block: a KeyBlock or a
 // QueryBlock, which finds its own from blockIdx.x), none where the grid
-// reaches past the work list's blocks.
+// reaches past the work list's blocks; ordered_dq: the key kernel adds dQ in a
+// fixed order (its blocks in pair order).
 template <class Block>
 struct BlockSchedule {
   using Item = Block;
@@ -386,8 +388,9 @@ struct BlockSchedule {
   const AttentionParams& p;
   const VarlenWorkList& list;
   const SegmentTiles& segment_tiles;
+  bool ordered_dq;
   __device__ ScheduleStep tile(int64_t, Block& out) const {
-    out = Block(p, list, segment_tiles);
+    out = Block(p, list, segment_tiles, ordered_dq);
     return out.valid ? ScheduleStep::kTile : ScheduleStep::kEnd;
   }
 };

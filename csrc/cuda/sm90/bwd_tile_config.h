@@ -35,17 +35,16 @@ __host__ __device__ constexpr int barrier_id(NamedBarrier barrier, int consumer 
 }
 
 // Deterministic dQ in the fused key kernel, added in a fixed order (DqOrder,
-// bwd_dq_writer.cuh), an A/B knob: 0 (default) off, the query kernel computes
-// deterministic dQ; 1 causal calls; 2 all. Measured (benchmarks/NOTES.md,
-// fifteenth session), bwd TFLOP/s deterministic / default, d128 causal, H200,
-// with each tile's turn kept until the next tile was issued (v2): 2k 0.880
-// (query kernel 0.849), 16k 0.580 (0.819), the blocks chained to each other;
-// passing the turn on once a tile's reductions complete (v3, sixteenth session):
-// 2k 0.838, 8k 0.828, 16k 0.811 (query kernel 0.873 / 0.813 / 0.809), one tile per
-// completion round trip; this code's two writers taking alternate tiles (v4,
-// twenty-fifth session): GPU tests pass with 2, speed not yet measured.
+// bwd_dq_writer.cuh): 0 off, the query kernel computes deterministic dQ; 1 causal
+// calls; 2 (default) all that bwd_launch.cu's ordered_dq admits. Measured
+// (benchmarks/NOTES.md), backward TFLOP/s deterministic / default, d128, H200: the
+// query kernel 0.81-0.83x; a turn kept until the next tile was issued (v2, fifteenth
+// session) 16k causal 0.58x, the blocks chained; the turn passed on once a tile's
+// reductions complete (v3) 0.81-0.84x, one tile per completion round trip; two
+// writers taking alternate tiles (v4, this code, twenty-sixth session) 2k 0.84 /
+// 0.88x, 8k 0.90 / 0.89x, 16k 0.91 / 0.87x (non-causal / causal).
 #ifndef FLASHJAX_BWD_ORDERED_DQ
-#define FLASHJAX_BWD_ORDERED_DQ 0
+#define FLASHJAX_BWD_ORDERED_DQ 2
 #endif
 inline constexpr int kOrderedDq = FLASHJAX_BWD_ORDERED_DQ;
 

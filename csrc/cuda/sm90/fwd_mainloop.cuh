@@ -145,13 +145,18 @@ struct ForwardMainloop {
     auto values_done = [&](int64_t it) {
       if (lane == 0) mbar_arrive(&sm.v_empty[(kv + it) % kStages]);
     };
+    // Without score terms (which add in log2 units) the scale rides in the exponent's
+    // FFMA (FA3's order: one instruction a score instead of a multiply and a subtraction).
+    constexpr bool kFoldScale = !Terms::kActive;
+    const float scale = kFoldScale ? exponent_scale(p) : 1.0f;
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
       const TileKeys tile = tile_keys(it);
       const int64_t k0 = tile.k0;
-      softmax.scores<kKeyTiles>(s, p, w.seq, k0, tile.ranged);
+      if constexpr (kFoldScale) softmax.masked_scores<kKeyTiles>(s, p, w.seq, k0, tile.ranged);
+      else softmax.scores<kKeyTiles>(s, p, w.seq, k0, tile.ranged);
       segments.template mask<kKeyTiles>(s, k0);
       if constexpr (Terms::kActive) terms.template add<kKeyTiles>(s, k0, tile.mask_mixed);
-      softmax.exponentiate<kKeyTiles>(s, alpha);
+      softmax.exponentiate<kKeyTiles>(s, alpha, scale);
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };
 
@@ -207,6 +212,7 @@ struct ForwardMainloop {
     } else if (lane == 0) {
       mbar_arrive(sm.q_empty);
     }
+    if constexpr (kFoldScale) softmax.log2_units(scale);
     kv += n_tiles;
   }
 };
