@@ -20,6 +20,11 @@ fi
 # The PYTHONPATH entry of build NAME: none for `new` (this tree, the `build` step),
 # else /tmp/NAME (base, alt, variant, patched builds).
 build_path() { [ "$1" = new ] || echo "/tmp/$1"; }
+# PYTHONPATH with build NAME's entry first (the peers' wheels, if installed, kept).
+with_build_path() {
+  local pp; pp=$(build_path "$1")
+  echo "$pp${pp:+${PYTHONPATH:+:}}${PYTHONPATH:-}"
+}
 # The package from this tree into the environment (the `build` step).
 build_main() {
   # FJ_HEAD_DIMS (e.g. "64;128;256") narrows the compiled buckets for a faster build;
@@ -101,9 +106,14 @@ for step in "$@"; do
     tests)
       # GPU_TESTS=tests runs every GPU test (1363, ~5 min with GPU_WORKERS=12); GPU_K picks;
       # GPU_MARK="gpu or not gpu" also runs unmarked tests (on the GPU, jax's default device).
-      $PY -m pytest -q -n ${GPU_WORKERS:-8} -m "${GPU_MARK:-gpu}" -x ${GPU_TESTS:-tests/test_gpu_varlen.py tests/test_gpu.py} \
-        ${GPU_K:+-k "$GPU_K"} > "$OUT/gpu_tests.log" 2>&1
-      tail -25 "$OUT/gpu_tests.log" ;;
+      # TESTS_WHO (default new) names the builds to test, one after the other (a patched
+      # build: gpu_tests_NAME.log).
+      for who in ${TESTS_WHO:-new}; do
+        log="$OUT/gpu_tests.log"; [ "$who" = new ] || log="$OUT/gpu_tests_$who.log"
+        PYTHONPATH=$(with_build_path "$who") $PY -m pytest -q -n ${GPU_WORKERS:-8} -m "${GPU_MARK:-gpu}" -x \
+          ${GPU_TESTS:-tests/test_gpu_varlen.py tests/test_gpu.py} ${GPU_K:+-k "$GPU_K"} > "$log" 2>&1
+        echo "tests ($who):"; tail -${TESTS_TAIL:-25} "$log"
+      done ;;
     kvtests)
       $PY -m pytest -q -n 8 -m gpu tests/test_gpu_kvcache.py > "$OUT/kvtests.log" 2>&1
       tail -30 "$OUT/kvtests.log" ;;
@@ -131,10 +141,14 @@ for step in "$@"; do
         -k "${PTX_K:-cuda:mma or cuda:simt}" > "$OUT/ptx_tests.log" 2>&1
       tail -15 "$OUT/ptx_tests.log" ;;
     sanitize)
-      for script in ${SANITIZE_SCRIPTS:-tools/sanitize_dense.py tools/sanitize_varlen.py}; do
-        # SANITIZE_ARGS: the scripts' arguments (e.g. tools/sanitize_terms.py's case indices)
-        compute-sanitizer --tool memcheck $PY $script ${SANITIZE_ARGS:-} > "$OUT/sanitize_$(basename $script .py).log" 2>&1
-        echo "$script: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$(basename $script .py).log")"
+      # SANITIZE_WHO (default new): the builds to check, one after the other.
+      for who in ${SANITIZE_WHO:-new}; do
+        for script in ${SANITIZE_SCRIPTS:-tools/sanitize_dense.py tools/sanitize_varlen.py}; do
+          # SANITIZE_ARGS: the scripts' arguments (e.g. tools/sanitize_terms.py's case indices)
+          log="$OUT/sanitize_$(basename $script .py)$([ "$who" = new ] || echo "_$who").log"
+          PYTHONPATH=$(with_build_path "$who") compute-sanitizer --tool memcheck $PY $script ${SANITIZE_ARGS:-} > "$log" 2>&1
+          echo "$script ($who): $(grep -E 'ERROR SUMMARY' "$log")"
+        done
       done ;;
     terms)
       # Issue 27's table (flashjax.bench_terms): masks, bias, ALiBi, dropout, flashjax.nn;
