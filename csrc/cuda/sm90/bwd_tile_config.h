@@ -75,28 +75,6 @@ __host__ __device__ __forceinline__ int64_t dq_block_start(int64_t padded_row,
   return (padded_row / 64 * (kHeadDim / kCols) + col_block) * kDqBlock<kCols>;
 }
 
-// Shared memory is planned as regions appended in order, each at the next
-// offset its use allows (a plan runs in a constexpr function: its offsets are
-// constants).
-constexpr int kSmemBaseAlign = 1024;    // align_smem rounds the kernel's base up to this
-constexpr int kTileAlign = 1024;        // a swizzled tile (8 rows of 128 B)
-constexpr int kBulkAlign = 16;          // a bulk copy's or bulk reduction's buffer
-constexpr int kBarrierAlign = 8;        // an mbarrier
-constexpr int kBarrierBytes = 8;
-
-struct SmemPlan {
-  int end = 0;
-  // Appends `bytes` at the first multiple of `align` not before the end; returns its offset.
-  constexpr int append(int bytes, int align) {
-    const int offset = (end + align - 1) / align * align;
-    end = offset + bytes;
-    return offset;
-  }
-  constexpr int barriers(int count) { return append(count * kBarrierBytes, kBarrierAlign); }
-  // What a kernel asks for: the regions and room to align their base.
-  constexpr int smem_bytes() const { return end + kSmemBaseAlign; }
-};
-
 // The key and query kernels at head dims 64 and 128: a CTA owns 128 rows (keys
 // or queries), 64 per consumer warpgroup, and streams 64-row tiles of the
 // other side (bwd_mainloop.cuh: S^T, dP^T or S, dP from shared memory; the

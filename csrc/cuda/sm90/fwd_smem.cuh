@@ -36,6 +36,7 @@ struct PublishedTile {
   }
 };
 static_assert(sizeof(PublishedTile) == 16, "two 64-bit shared words");
+static_assert(sizeof(QueryTile) <= 16, "an item slot is one 16-byte word");
 
 // Q has its own full/empty pair so that the next item's Q loads during the
 // current item's last products; the K and V rings have one pair per stage.
@@ -57,23 +58,26 @@ struct ForwardSmem {
   uint64_t *item_full, *item_empty;
 
   __device__ explicit ForwardSmem(unsigned char* raw) {
+    constexpr auto at = Cfg::kSmem;
     unsigned char* base = align_smem(raw);
-    q = base;
-    k = q + Cfg::kQBytes;
-    v = k + kStages * Cfg::kKVBytes;
-    out = base + Cfg::kOutOffset;
-    q_full = reinterpret_cast<uint64_t*>(base + Cfg::kBarrierOffset);
-    q_empty = q_full + 1;
-    k_full = q_empty + 1;
-    k_empty = k_full + kStages;
-    v_full = k_empty + kStages;
-    v_empty = v_full + kStages;
-    item_full = v_empty + kStages;
-    item_empty = item_full + kItemSlots;
-    nonfinite_warps = reinterpret_cast<int*>(base + Cfg::kFlagOffset);
-    item_tiles = reinterpret_cast<int64_t*>(base + Cfg::kPublishedOffset);
-    tiles = reinterpret_cast<PublishedTile*>(base + Cfg::kPublishedOffset + 16);
-    items = reinterpret_cast<QueryTile*>(tiles + kStages);
+    const auto region = [base](int offset) { return base + offset; };
+    const auto barriers = [base](int offset) { return reinterpret_cast<uint64_t*>(base + offset); };
+    q = region(at.q);
+    k = region(at.k);
+    v = region(at.v);
+    out = region(at.out);
+    q_full = barriers(at.q_full);
+    q_empty = barriers(at.q_empty);
+    k_full = barriers(at.k_full);
+    k_empty = barriers(at.k_empty);
+    v_full = barriers(at.v_full);
+    v_empty = barriers(at.v_empty);
+    item_full = barriers(at.item_full);
+    item_empty = barriers(at.item_empty);
+    nonfinite_warps = reinterpret_cast<int*>(region(at.flags));
+    item_tiles = reinterpret_cast<int64_t*>(region(at.item_tiles));
+    tiles = reinterpret_cast<PublishedTile*>(region(at.tiles));
+    items = reinterpret_cast<QueryTile*>(region(at.items));
   }
 
   // (One thread, before the CTA's first __syncthreads.) The full barriers

@@ -69,30 +69,50 @@ struct TileConfig {
   static constexpr int kMmaK = kMmaKBytes / kElementBytes;
   static constexpr int kQBytes = kBlockM * kPaddedDim * kElementBytes;
   static constexpr int kKVBytes = kBlockN * kPaddedDim * kElementBytes;
-  // Shared memory: Q, the K ring, the V ring, each consumer's out rows
-  // (16-bit; kStagesOut), then the barriers (Q full and empty, K and V full
-  // and empty per stage, the item ring's full and empty per slot) and a flag
-  // per consumer warp; +1024 to align the base for the swizzle.
-  static constexpr int kBarriers = 2 + 4 * kStages + 2 * kItemSlots;
-  static constexpr int kOutOffset = kQBytes + 2 * kStages * kKVBytes;
   static constexpr int kOutBytes = kConsumerRows * kPaddedDim * 2;  // a consumer's rows
-  // (kPublishedBytes: the item's tile count and each K stage's PublishedTile, for
-  // kernels with a mask, then the item ring's slots (a dynamic schedule's tiles),
-  // fwd_smem.cuh; 16-byte aligned after the flags.)
-  static constexpr int kPublishedBytes = 16 * (1 + kStages + kItemSlots);
-  static constexpr int kFixedBytes =
-      8 * kBarriers + 4 * kWarpsPerGroup * kConsumers + 16 + kPublishedBytes + 1024;
+  // Shared memory (ForwardSmem carves it): Q, the K ring, the V ring, each consumer's
+  // out rows (16-bit; kStagesOut), the mbarriers (Q full and empty, K and V full and
+  // empty per stage, the item ring's full and empty per slot), a flag per consumer
+  // warp, then, 16-byte words: the item's tile count and each K stage's PublishedTile
+  // (kernels with a mask), the item ring's slots (a dynamic schedule's tiles;
+  // fwd_smem.cuh).
+  struct Offsets {
+    int q, k, v, out;
+    int q_full, q_empty, k_full, k_empty, v_full, v_empty, item_full, item_empty;
+    int flags, item_tiles, tiles, items;
+    int bytes;
+  };
+  static constexpr int kPublishedWord = 16;
+  static constexpr Offsets layout(bool out_rows) {
+    SmemPlan plan;
+    Offsets at{};
+    at.q = plan.append(kQBytes, kTileAlign);
+    at.k = plan.append(kStages * kKVBytes, kTileAlign);
+    at.v = plan.append(kStages * kKVBytes, kTileAlign);
+    at.out = out_rows ? plan.append(kConsumers * kOutBytes, kTileAlign) : plan.end;
+    at.q_full = plan.barriers(1);
+    at.q_empty = plan.barriers(1);
+    at.k_full = plan.barriers(kStages);
+    at.k_empty = plan.barriers(kStages);
+    at.v_full = plan.barriers(kStages);
+    at.v_empty = plan.barriers(kStages);
+    at.item_full = plan.barriers(kItemSlots);
+    at.item_empty = plan.barriers(kItemSlots);
+    at.flags = plan.append(4 * kWarpsPerGroup * kConsumers, 4);
+    at.item_tiles = plan.append(kPublishedWord, kPublishedWord);
+    at.tiles = plan.append(kStages * kPublishedWord, kPublishedWord);
+    at.items = plan.append(kItemSlots * kPublishedWord, kPublishedWord);
+    at.bytes = plan.smem_bytes();
+    return at;
+  }
   // Out stored by TMA from shared memory (fwd_epilogue.cuh) at head dim 64
   // only: there the 2k causal kernel took 475 us instead of 485; at 128 it
   // took 308 instead of 293 and the 16k ones 6.5% longer (its spills grew
   // from 344 to 384 B), and at 256 the rows do not fit (H200, 2026-11-27).
-  static constexpr bool kStagesOut =
-      kHeadDim == 64 && kOutOffset + kConsumers * kOutBytes + kFixedBytes <= kSmemLimit;
-  static constexpr int kBarrierOffset = kOutOffset + (kStagesOut ? kConsumers * kOutBytes : 0);
-  static constexpr int kFlagOffset = kBarrierOffset + 8 * kBarriers;
-  static constexpr int kPublishedOffset =
-      (kFlagOffset + 4 * kWarpsPerGroup * kConsumers + 15) / 16 * 16;
-  static constexpr int kSmemBytes = kPublishedOffset + kPublishedBytes + 1024;
+  static constexpr bool kStagesOut = kHeadDim == 64 && layout(true).bytes <= kSmemLimit;
+  static constexpr Offsets kSmem = layout(kStagesOut);
+  static constexpr int kSmemBytes = kSmem.bytes;
+  static_assert(kSmemBytes <= kSmemLimit, "exceeds the opt-in shared memory of sm_90");
   static_assert(kConsumers <= kMaxConsumers, "named barrier ids overlap");
   static_assert(kOutStagedBarrier + kConsumers <= 16, "16 named barriers");
 };

@@ -29,6 +29,28 @@ constexpr int kColumnBlocks =
 // Bytes of A and B that one wgmma k-step reads per row (16 16-bit elements).
 constexpr int kMmaKBytes = 32;
 
+// Shared memory is planned as regions appended in order, each at the next
+// offset its use allows (a plan runs in a constexpr function: its offsets are
+// constants).
+constexpr int kSmemBaseAlign = 1024;    // align_smem rounds the kernel's base up to this
+constexpr int kTileAlign = 1024;        // a swizzled tile (8 rows of 128 B)
+constexpr int kBulkAlign = 16;          // a bulk copy's or bulk reduction's buffer
+constexpr int kBarrierAlign = 8;        // an mbarrier
+constexpr int kBarrierBytes = 8;
+
+struct SmemPlan {
+  int end = 0;
+  // Appends `bytes` at the first multiple of `align` not before the end; returns its offset.
+  constexpr int append(int bytes, int align) {
+    const int offset = (end + align - 1) / align * align;
+    end = offset + bytes;
+    return offset;
+  }
+  constexpr int barriers(int count) { return append(count * kBarrierBytes, kBarrierAlign); }
+  // What a kernel asks for: the regions and room to align their base.
+  constexpr int smem_bytes() const { return end + kSmemBaseAlign; }
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -40,8 +62,8 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // compiler see every access as a shared one, measured mixed: -2% at d64, +2%
 // at d128 in the backward.)
 __device__ __forceinline__ unsigned char* align_smem(unsigned char* raw) {
-  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
-                                          ~uintptr_t(1023));
+  constexpr uintptr_t kMask = kSmemBaseAlign - 1;
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + kMask) & ~kMask);
 }
 
 // Shared-memory stores by 32-bit shared address: through a generic pointer
