@@ -118,10 +118,9 @@ struct WideSmem {
     }
     __syncthreads();
   }
-  // Tile it's P^T and dS^T (double-buffered: the other consumer may still
-  // read tile it - 1's while this one writes tile it's).
+  // Tile it's P^T and dS^T (WideTileConfig::kGradBuffers).
   __device__ unsigned char* pt(int64_t it) const {
-    return grads + (it % 2) * 2 * WideTileConfig::kGradBytes;
+    return grads + (it % WideTileConfig::kGradBuffers) * WideTileConfig::kGradPairBytes;
   }
   __device__ unsigned char* dst(int64_t it) const { return pt(it) + WideTileConfig::kGradBytes; }
 };

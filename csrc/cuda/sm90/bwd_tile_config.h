@@ -75,6 +75,10 @@ __host__ __device__ __forceinline__ int64_t dq_block_start(int64_t padded_row,
   return (padded_row / 64 * (kHeadDim / kCols) + col_block) * kDqBlock<kCols>;
 }
 
+// The backward's tiles hold 16-bit elements (bf16 / fp16: the backward is not
+// compiled for other input types).
+constexpr int kElementBytes = 2;
+
 // The key and query kernels at head dims 64 and 128: a CTA owns 128 rows (keys
 // or queries), 64 per consumer warpgroup, and streams 64-row tiles of the
 // other side (bwd_mainloop.cuh: S^T, dP^T or S, dP from shared memory; the
@@ -121,9 +125,9 @@ struct TileConfig {
   // starting consumer 1 a softmax later on top: 698 / 4483 / 1220 (2026-11-27).
   static constexpr bool kDqLagsTile = !kDqOfOwnKeys;
 
-  static constexpr int kOwnBytes = kOwnRows * kHeadDim * 2;       // one owned tensor
-  static constexpr int kStreamBytes = kStreamRows * kHeadDim * 2; // one streamed tile
-  static constexpr int kDsBytes = kOwnRows * kStreamRows * 2;     // dS^T [keys][queries]
+  static constexpr int kOwnBytes = kOwnRows * kHeadDim * kElementBytes;     // one owned tensor
+  static constexpr int kStreamBytes = kStreamRows * kHeadDim * kElementBytes;  // a streamed tile
+  static constexpr int kDsBytes = kOwnRows * kStreamRows * kElementBytes;  // dS^T [keys][queries]
   static constexpr int kStatBytes = 2 * kStreamRows * 4;          // a tile's lse2 and D
   static constexpr int kStreamedTileBytes = sizeof(StreamedTile);
 
@@ -181,8 +185,12 @@ struct WideTileConfig {
   static constexpr int kDqCols = 32;  // of a float32 dQ block: a dQ stage is 8 KB
   static constexpr int kDqStagesPerConsumer = 2;  // one 64-column product's halves
 
-  static constexpr int kTileBytes = 64 * kHeadDim * 2;              // K, V, a Q or a dO tile
-  static constexpr int kGradBytes = kOwnRows * kStreamRows * 2;     // one P^T or dS^T tile
+  static constexpr int kTileBytes = 64 * kHeadDim * kElementBytes;  // K, V, a Q or a dO tile
+  static constexpr int kGradBytes = kOwnRows * kStreamRows * kElementBytes;  // a P^T or dS^T tile
+  // A tile's P^T and dS^T, double-buffered (the other consumer may still read tile
+  // it - 1's while one writes tile it's).
+  static constexpr int kGradPairBytes = 2 * kGradBytes;
+  static constexpr int kGradBuffers = 2;
   static constexpr int kColBlock = 64 * 128;  // one 64-column block of a 64-row tile
   static constexpr int kDqStageFloats = kDqBlock<kDqCols>;
   static constexpr int kStatBytes = kStreamRows * 4;  // a tile's lse2 (with Q) or D (with dO)
@@ -202,7 +210,7 @@ struct WideTileConfig {
     at.v = plan.append(kTileBytes, kTileAlign);
     at.q = plan.append(kQStages * kTileBytes, kTileAlign);
     at.dout = plan.append(kTileBytes, kTileAlign);
-    at.grads = plan.append(2 * 2 * kGradBytes, kTileAlign);
+    at.grads = plan.append(kGradBuffers * kGradPairBytes, kTileAlign);
     at.dq_stage =
         plan.append(kConsumers * kDqStagesPerConsumer * kDqStageFloats * 4, kBulkAlign);
     at.lse2 = plan.append(kQStages * kStatBytes, kBulkAlign);
