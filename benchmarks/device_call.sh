@@ -11,5 +11,8 @@ mkdir -p "$RESULT" /tmp/fj_out
 OUT=/tmp/fj_out timeout -k 10 "${DEVICE_LIMIT:-560}" "$(dirname "$0")/device_varlen.sh" "$@"
 rc=$?
 [ $rc = 124 ] || [ $rc = 137 ] && echo "device_call: cut at ${DEVICE_LIMIT:-560} s (rc $rc)"
-tar -czf "$RESULT/logs.tgz" -C /tmp/fj_out . && echo "device_call: logs in logs.tgz ($(du -h "$RESULT/logs.tgz" | cut -f1))"
+# (a second run in the same command writes logs2.tgz, and so on)
+logs=logs.tgz n=1
+while [ -e "$RESULT/$logs" ]; do n=$((n + 1)); logs=logs$n.tgz; done
+tar -czf "$RESULT/$logs" -C /tmp/fj_out . && echo "device_call: logs in $logs ($(du -h "$RESULT/$logs" | cut -f1))"
 exit $rc
