@@ -41,21 +41,14 @@ struct RowSoftmax {
         clamp_to(min(key_end, seq.last_key(q0) + 1) - n, -1, INT32_MAX));
   }
 
-  // Raw q.k products -> scores in log2 units, -inf where masked.
-  template <int kKeyTiles>
+  // Raw q.k products -> scores in log2 units, -inf where masked. kFoldScale: for
+  // exponentiate(s, alpha, exponent_scale(p)), the products stay raw (the scale rides
+  // in the exponent's FFMA) unless scores_prescaled(p); m is then in the same units
+  // until log2_units.
+  template <int kKeyTiles, bool kFoldScale = false>
   __device__ void scores(float (&s)[kKeyTiles * 4], const AttentionParams& p,
                          const SeqlenInfo& seq, int64_t k0, bool needs_mask) const {
-    scores_log2(s, p);
-    if (needs_mask) mask<kKeyTiles>(s, seq, k0);
-  }
-
-  // Raw q.k products -> masked scores for exponentiate(s, alpha, exponent_scale(p)):
-  // still raw (the scale rides in the exponent's FFMA) unless scores_prescaled(p);
-  // m is then in the same units until log2_units.
-  template <int kKeyTiles>
-  __device__ void masked_scores(float (&s)[kKeyTiles * 4], const AttentionParams& p,
-                                const SeqlenInfo& seq, int64_t k0, bool needs_mask) const {
-    if (scores_prescaled(p)) scores_log2(s, p);
+    if (!kFoldScale || scores_prescaled(p)) scores_log2(s, p);
     if (needs_mask) mask<kKeyTiles>(s, seq, k0);
   }
 
@@ -76,7 +69,7 @@ struct RowSoftmax {
 
   // s becomes exp2((s - m_new) * scale); alpha = exp2((m_old - m_new) * scale) is
   // what the output accumulated so far must be scaled by. scale (> 0): 1 for scores
-  // in log2 units, exponent_scale(p) for masked_scores' (one FFMA a score).
+  // in log2 units, exponent_scale(p) for scores<.., true>' (one FFMA a score).
   template <int kKeyTiles>
   __device__ void exponentiate(float (&s)[kKeyTiles * 4], float (&alpha)[2],
                                float scale = 1.0f) {

@@ -152,8 +152,7 @@ struct ForwardMainloop {
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
       const TileKeys tile = tile_keys(it);
       const int64_t k0 = tile.k0;
-      if constexpr (kFoldScale) softmax.masked_scores<kKeyTiles>(s, p, w.seq, k0, tile.ranged);
-      else softmax.scores<kKeyTiles>(s, p, w.seq, k0, tile.ranged);
+      softmax.scores<kKeyTiles, kFoldScale>(s, p, w.seq, k0, tile.ranged);
       segments.template mask<kKeyTiles>(s, k0);
       if constexpr (Terms::kActive) terms.template add<kKeyTiles>(s, k0, tile.mask_mixed);
       softmax.exponentiate<kKeyTiles>(s, alpha, scale);
