@@ -1,8 +1,8 @@
 // The Hopper backward's dQ reductions: each tile's share of dQ, staged in
 // shared memory in a float32 block's layout (bwd_tile_config.h), is added to
 // the float32 dQ buffer by one bulk reduction (cp.reduce.async.bulk) per
-// block; convert_dq_kernel turns the buffer into dq. The key kernel hands its
-// blocks to a writer thread; the wide kernel's consumers send their own.
+// block; convert_dq_kernel turns the buffer into dq. The consumers hand their
+// blocks to writer threads (of the producer warpgroup) through mbarriers.
 #pragma once
 
 #include <cstdint>
@@ -50,24 +50,38 @@ __device__ __forceinline__ void stage_dq(float* stage, const float (&dq)[32], in
 // (window_right 0): last to first, the order in which they reach a tile (a
 // block starts at its first visible tile: block n + 1 reaches each tile two
 // tiles before block n, so no block waits long).
+// Full attention (KeyBlock::rotated): block n walks the tiles from tile
+// floor(n T / N) (T tiles, N blocks) and wraps, and a tile's order is the order in
+// which the blocks reach it: first the block that started nearest at or before it,
+// then the ones that started before that (a total order consistent with every
+// block's progress: no cycle of waits).
 template <class Block>
 struct DqOrder {
   int* counters;  // per kDqOrderRows padded rows
   SeqlenInfo seq;
   int self, blocks;
-  bool last_first;
+  uint32_t q_tiles;
+  bool last_first, rotated;
 
   __device__ DqOrder(int* counters_, const AttentionParams& p, const Block& kb)
       : counters(counters_),
         seq(kb.sequence(p)),
         self(static_cast<int>(kb.k0 / Block::kRows)),
-        blocks(static_cast<int>((p.seqlen_k + Block::kRows - 1) / Block::kRows)),
-        last_first(p.window_right == 0) {}
+        blocks(static_cast<int>(Block::blocks(p))),
+        q_tiles(static_cast<uint32_t>(kb.q_tiles)),
+        last_first(p.window_right == 0),
+        rotated(kb.rotated) {}
 
   // This block's place among the blocks whose tiles include the one at slot row
   // `row` (a contiguous range of blocks: KeyBlock::first_row and end_row are
   // non-decreasing).
   __device__ int rank(int64_t row) const {
+    if (rotated) {  // (row_begin 0; N q_tiles < 2^31: the host bounds N by the SMs)
+      const uint32_t tile = static_cast<uint32_t>(row / Block::kStreamRows), n = blocks;
+      // the last block that starts at or before `tile`: blocks m < ceil((tile + 1) N / T)
+      const int nearest = static_cast<int>(min(n, ((tile + 1) * n + q_tiles - 1) / q_tiles)) - 1;
+      return (nearest - self + blocks) % blocks;
+    }
     if (last_first) {  // the last block with first_row <= row
       int lo = self, hi = blocks - 1;
       while (lo < hi) {
@@ -170,27 +184,56 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
   bulk_wait_all();
 }
 
-// Adds a consumer's two 32-column halves of one 64-column dQ product, each
-// staged in its own stage and sent by the consumer's thread 0 (so that one is
-// written while the other's reduction may still be reading): before staging, it
-// waits until at most one later reduction may still read a stage.
-__device__ __forceinline__ void add_dq_wide(float* dq_accum, float* stages, int consumer,
-                                            const float (&dq)[32], int64_t padded_row,
-                                            int col_block64) {
+// The wide kernel's dQ: each consumer stages the two 32-column halves of each of
+// its two 64-column products a tile (four blocks) in its ring of
+// kDqStagesPerConsumer stages, handing each over by dq_full (stage_dq_wide); a
+// writer thread per consumer sends each as a bulk reduction and frees the stage
+// (dq_empty) once the reduction has read it (write_dq_wide), so that a consumer only
+// waits when its ring is full (it used to wait for its own reductions' reads at every
+// half, with two named barriers around each staging).
+// use: the consumer's product count (2 it + product), each product one ring round.
+__device__ __forceinline__ void stage_dq_wide(WideSmem& sm, int consumer, const float (&dq)[32],
+                                              int64_t use) {
   using C = WideTileConfig;
-  constexpr int kCols = C::kDqCols;
+  const int phase = static_cast<int>(use & 1);
 #pragma unroll
   for (int part = 0; part < C::kDqStagesPerConsumer; ++part) {
-    float* block =
-        dq_accum + dq_block_start<C::kHeadDim, kCols>(padded_row, 2 * col_block64 + part);
-    float* stage = stages + part * C::kDqStageFloats;
-    if (threadIdx.x % 128 == 0) bulk_wait_reads<1>();
-    named_sync(barrier_id(NamedBarrier::kDqStage, consumer), 128);
-    stage_dq<kCols>(stage, dq, part);
+    const int slot = consumer * C::kDqStagesPerConsumer + part;
+    mbar_wait(&sm.dq_empty[slot], phase ^ 1);
+    stage_dq<C::kDqCols>(sm.dq_stage + slot * C::kDqStageFloats, dq, part);
     fence_proxy_async();
-    named_sync(barrier_id(NamedBarrier::kDqStage, consumer), 128);
-    if (threadIdx.x % 128 == 0) bulk_reduce_add(block, stage, kDqBlockBytes<kCols>);
+    mbar_arrive(&sm.dq_full[slot]);
   }
+}
+
+// Consumer `consumer`'s writer (a thread of the producer warpgroup): its staged
+// blocks in order, each added to column block 2 (2 consumer + product) + part of
+// the tile's rows.
+__device__ void write_dq_wide(WideSmem& sm, const KeyBlock<WideTileConfig>& kb,
+                              const AttentionParams& p, const RowStats& stats, float* dq_accum,
+                              int consumer) {
+  using C = WideTileConfig;
+  constexpr int kParts = C::kDqStagesPerConsumer;
+  int previous = -1;  // the slot of the last reduction issued (its reads may be pending)
+  for (int64_t it = 0; it < kb.tiles; ++it) {
+    const int64_t padded_row = kb.padded_start(p, stats.padded, kb.head(p, it)) + kb.row(it);
+#pragma unroll
+    for (int product = 0; product < 2; ++product) {
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) {
+        const int slot = consumer * kParts + part;
+        mbar_wait_idle(&sm.dq_full[slot], product);  // (each product one ring round)
+        const int column_block = 2 * (2 * consumer + product) + part;
+        bulk_reduce_add(dq_accum + dq_block_start<C::kHeadDim, C::kDqCols>(padded_row,
+                                                                           column_block),
+                        sm.dq_stage + slot * C::kDqStageFloats, kDqBlockBytes<C::kDqCols>);
+        bulk_wait_reads<1>();  // (all but this one read: the previous stage is free)
+        if (previous >= 0) mbar_arrive(&sm.dq_empty[previous]);
+        previous = slot;
+      }
+    }
+  }
+  bulk_wait_all();
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -158,10 +158,13 @@ __global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
     if (warpgroup == 0) {
       producer_registers<Config>();
       if (threadIdx.x == 0) produce_wide(sm, maps, kb, p, stats);
+      // (the writers: the first threads of warps 1, 2)
+      else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= Config::kConsumers)
+        write_dq_wide(sm, kb, p, stats, dq_accum, threadIdx.x / 32 - 1);
       return;
     }
     consumer_registers<Config>();
-    wide_consumer<T>(sm, kb, p, maps, stats, dq_accum, warpgroup - 1);
+    wide_consumer<T>(sm, kb, p, maps, stats, warpgroup - 1);
   });
 }
 

@@ -206,7 +206,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
   RingSlot<C::kStages> tile;
   RingSlot<C::kDqStages> dq_stage;
   int ds_buffer = 0;
-  int64_t q0 = kb.row_begin;
+  int64_t q0 = kb.row_begin + kb.first_tile * kStreamRows;  // (the walk's first tile)
   const auto stream_offset = [&] { return static_cast<uint32_t>(tile.stage * C::kStreamBytes); };
   const int zeroed = barrier_id(NamedBarrier::kTileZeroed, consumer);
   // (kSegments: this consumer's 64 keys are one segment-id tile.)

@@ -35,15 +35,19 @@ struct StreamWalk {
   int64_t row, padded_row;
   int head;
   int64_t per_head, j = 0;
-  int64_t next_head_padded;  // from the head's last tile to the next head's first
+  int64_t head_padded;  // padded rows from one head's tile to the next head's
+  int64_t first = 0;    // the tile each head's walk starts at (a rotated walk)
   __device__ void next() {
     row += kStreamRows;
     padded_row += kStreamRows;
-    if (++j == per_head) {
+    if (++j == per_head) {  // past the head's last tile: its first
       j = 0;
       row -= per_head * kStreamRows;
+      padded_row -= per_head * kStreamRows;
+    }
+    if (j == first) {  // the head's tiles done: the next head's
       ++head;
-      padded_row += next_head_padded;
+      padded_row += head_padded;
     }
   }
 };
@@ -112,6 +116,11 @@ struct KeyBlock {
   static constexpr int kRows = Config::kOwnRows;
   static constexpr int kStreamRows = Config::kStreamRows;
   int64_t b, hk, k0, last_key, row_begin, q_tiles, tiles;
+  // rotated: the block's walk over a head's tiles starts at tile first_tile and
+  // wraps (ordered dQ of full attention: the blocks of a pair start spread over the
+  // tiles instead of queueing behind each other at every tile, DqOrder).
+  int64_t first_tile = 0;
+  bool rotated = false;
   SeqlenInfo seq;
   bool valid;
   KeyBlock() = default;
@@ -122,7 +131,7 @@ struct KeyBlock {
     // pair, DqOrder, finds them started. A mask: the causal order, a guess that
     // costs nothing where it is wrong: its blocks' lengths are unknown.)
     const BlockIndex i =
-        block_index<kLayouts>((p.seqlen_k + kRows - 1) / kRows, p.heads_kv, list,
+        block_index<kLayouts>(blocks(p), p.heads_kv, list,
                               (p.window_right == 0 || p.mask) && !ordered_dq);
     valid = i.valid;
     b = i.b;
@@ -143,6 +152,14 @@ struct KeyBlock {
     }
     q_tiles = row_end > row_begin ? (row_end - row_begin + kStreamRows - 1) / kStreamRows : 0;
     tiles = q_tiles * p.group_size();
+    // (Full attention: every block of the pair walks all q_tiles tiles from row 0.)
+    rotated = kLayouts == Layouts::kUniform && ordered_dq && p.window_left < 0 &&
+              p.window_right < 0;
+    if (rotated) first_tile = k0 / kRows * q_tiles / blocks(p);
+  }
+  // Key blocks of a (sequence, kv head) pair (uniform layouts).
+  __device__ static int64_t blocks(const AttentionParams& p) {
+    return (p.seqlen_k + kRows - 1) / kRows;
   }
   // The first streamed row and the end of the query rows that see the block of
   // keys from k0 (its tiles: [first_row, end_row) rounded out to whole tiles;
@@ -172,9 +189,9 @@ struct KeyBlock {
   }
   __device__ StreamWalk<kStreamRows> walk(const AttentionParams& p,
                                           const PaddedRows& padded) const {
-    const int64_t h0 = hk * p.group_size();
-    return {sequence(p).q_row(row_begin), padded_start(p, padded, h0) + row_begin,
-            static_cast<int>(h0), q_tiles, 0, padded.rows - q_tiles * kStreamRows};
+    const int64_t h0 = hk * p.group_size(), start = row_begin + first_tile * kStreamRows;
+    return {sequence(p).q_row(start), padded_start(p, padded, h0) + start,
+            static_cast<int>(h0), q_tiles, first_tile, padded.rows, first_tile};
   }
   // Do the owned keys reach past the used ones (non-uniform layouts: what
   // follows them is loaded, see zero_tile_rows), and from which owned row?
@@ -352,7 +369,7 @@ struct QueryBlock {
     return static_cast<int>(max(seq.seqlen_k - key_tile(it), int64_t(0)));
   }
   __device__ StreamWalk<kStreamRows> walk() const {  // (one head, no statistics)
-    return {seq.k_row(keys.tile_begin), 0, static_cast<int>(hk), tiles, 0, 0};
+    return {seq.k_row(keys.tile_begin), 0, static_cast<int>(hk), tiles, 0, 0, 0};
   }
 
  private:

@@ -84,12 +84,12 @@ struct Smem {
 
 // The wide key kernel's: K, V, a ring of Q tiles (with their rows' lse2) and
 // one dO tile (with D), each with a full/empty barrier pair, P^T/dS^T pairs
-// and each consumer's two dQ stages. Constructed by every thread (it
+// and each consumer's two dQ stages, with a full/empty barrier pair each. Constructed by every thread (it
 // initialises the barriers).
 struct WideSmem {
   unsigned char *k, *v, *q, *dout, *grads;
   float *dq_stage, *lse2, *D;
-  uint64_t *owned, *q_full, *q_empty, *do_full, *do_empty;
+  uint64_t *owned, *q_full, *q_empty, *do_full, *do_empty, *dq_full, *dq_empty;
   __device__ explicit WideSmem(unsigned char* raw) {
     constexpr auto at = WideTileConfig::kSmem;
     unsigned char* base = align_smem(raw);
@@ -106,6 +106,8 @@ struct WideSmem {
     q_empty = smem_region<uint64_t>(base, at.q_empty);
     do_full = smem_region<uint64_t>(base, at.do_full);
     do_empty = smem_region<uint64_t>(base, at.do_empty);
+    dq_full = smem_region<uint64_t>(base, at.dq_full);
+    dq_empty = smem_region<uint64_t>(base, at.dq_empty);
     if (threadIdx.x == 0) {
       mbar_init(owned, 1);
       for (int s = 0; s < WideTileConfig::kQStages; ++s) {
@@ -114,6 +116,10 @@ struct WideSmem {
       }
       mbar_init(do_full, 1);
       mbar_init(do_empty, 8);
+      for (int s = 0; s < WideTileConfig::kConsumers * WideTileConfig::kDqStagesPerConsumer; ++s) {
+        mbar_init(&dq_full[s], 128);  // every thread of the consumer
+        mbar_init(&dq_empty[s], 1);   // its dQ writer
+      }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();

@@ -20,8 +20,6 @@ enum class NamedBarrier : int {
   // Key kernels: a consumer's dS^T is in shared memory (head dim 64: its own
   // 128 threads); wide: both consumers' halves of P^T and dS^T (256 threads).
   kDsStored = 3,
-  // Wide kernel: a consumer's dQ stage is written / may be written again.
-  kDqStage = 5,
   // Key and query kernels (kVarlen): a consumer has zeroed a tile's rows past
   // the used ones (zero_tile_rows).
   kTileZeroed = 7,
@@ -197,10 +195,11 @@ struct WideTileConfig {
 
   // Shared memory (WideSmem carves it): K, V, the Q ring, dO, two P^T/dS^T
   // pairs, each consumer's dQ stages, lse2 per Q stage and D, then the
-  // mbarriers: owned; Q full and empty per stage; dO full and empty. 224 KB.
+  // mbarriers: owned; Q full and empty per stage; dO full and empty; dQ full and
+  // empty per consumer and dQ stage. 224 KB.
   struct Offsets {
     int k, v, q, dout, grads, dq_stage, lse2, D;
-    int owned, q_full, q_empty, do_full, do_empty;
+    int owned, q_full, q_empty, do_full, do_empty, dq_full, dq_empty;
     int bytes;
   };
   static constexpr Offsets kSmem = [] {
@@ -220,6 +219,8 @@ struct WideTileConfig {
     at.q_empty = plan.barriers(kQStages);
     at.do_full = plan.barriers(1);
     at.do_empty = plan.barriers(1);
+    at.dq_full = plan.barriers(kConsumers * kDqStagesPerConsumer);
+    at.dq_empty = plan.barriers(kConsumers * kDqStagesPerConsumer);
     at.bytes = plan.smem_bytes();
     return at;
   }();

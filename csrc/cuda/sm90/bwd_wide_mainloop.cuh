@@ -6,8 +6,8 @@
 //  * after a 256-thread barrier, consumer c accumulates dV and dK for head
 //    dims [128c, +128) from the whole P^T and dS^T tiles (operands from
 //    shared memory), and computes those head dims of dQ_j = dS_j K as two
-//    64-column products, added to the float32 buffer by 32-column bulk
-//    reductions.
+//    64-column products, handed in 32-column halves to the dQ writers, which
+//    add them to the float32 buffer by bulk reductions (bwd_dq_writer.cuh).
 // Registers: dK, dV 64 each, dQ 2 x 32; S^T, dP^T 16 each (dead by then).
 // Tiles and shared memory: WideTileConfig in bwd_tile_config.h.
 #pragma once
@@ -32,18 +32,18 @@ namespace flashjax::cuda::hopper_bwd {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Consumer c: dK and dV of head dims [128c, +128) of the block's 64 keys over
-// its query tiles, and their shares of dQ, then its columns of dk and dv.
+// its query tiles, and their shares of dQ (to its writer), then its columns of dk
+// and dv.
 template <class T>
 __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<WideTileConfig>& kb,
                                               const AttentionParams& p,
                                               const BackwardMaps& maps, const RowStats& stats,
-                                              float* dq_accum, int c) {
+                                              int c) {
   using C = WideTileConfig;
   constexpr int kHeadDim = C::kHeadDim, kKeys = C::kOwnRows, kStreamRows = C::kStreamRows;
   constexpr int kQStages = C::kQStages, kTileBytes = C::kTileBytes, kColBlock = C::kColBlock;
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int key_row = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
-  float* stages = sm.dq_stage + c * C::kDqStagesPerConsumer * C::kDqStageFloats;
   float dk[64] = {}, dv[64] = {};
   mbar_wait(sm.owned, 0);
   for (int64_t it = 0; it < kb.tiles; ++it) {
@@ -119,18 +119,16 @@ __device__ __forceinline__ void wide_consumer(WideSmem& sm, const KeyBlock<WideT
     wgmma_wait<3>();
     fence_operands(dv);
     if (lane == 0) mbar_arrive(sm.do_empty);
-    const int64_t padded_row = kb.padded_start(p, stats.padded, kb.head(p, it)) + kb.row(it);
     wgmma_wait<2>();
     fence_operands(dq0);
-    add_dq_wide(dq_accum, stages, c, dq0, padded_row, 2 * c);
+    stage_dq_wide(sm, c, dq0, 2 * it);
     wgmma_wait<1>();
     fence_operands(dq1);
-    add_dq_wide(dq_accum, stages, c, dq1, padded_row, 2 * c + 1);
+    stage_dq_wide(sm, c, dq1, 2 * it + 1);
     wgmma_wait<0>();
     fence_operands(dk);
     if (lane == 0) mbar_arrive(&sm.q_empty[s]);
   }
-  if (threadIdx.x % 128 == 0) bulk_wait_all();
   store_wide_gradients<T>(sm, maps, kb, p, dk, dv, c);
   flag_nonfinite(stats.nonfinite, dk, dv);  // rows a tile product may have got wrong (exact_rows.cuh)
 }
