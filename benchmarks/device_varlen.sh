@@ -40,6 +40,19 @@ build_into() {
     ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} -C cmake.define.FLASHJAX_CUDA_ARCHS=90a "$2" \
     > "$OUT/build_$1.log" 2>&1 || { tail -30 "$OUT/build_$1.log"; return 1; }
   cp src/flashjax/bench*.py "/tmp/$1/flashjax/"
+  echo "$2, built $(date -u +%FT%TZ)" > "/tmp/$1/.fj_built"
+}
+# The builds that DENSE_WHO / TERMS_WHO / TESTS_WHO name: each must exist, and a
+# machine kept warm between calls may hold one from an earlier call (its source
+# printed: a `base` named without .baseline carried would otherwise time a stale one).
+check_builds() {
+  local who b
+  for who in ${DENSE_WHO:-} ${TERMS_WHO:-} ${TESTS_WHO:-}; do
+    b=${who%%.*}; b=${b%_det}
+    [ "$b" = new ] || [ "$b" = variant ] && continue
+    [ -f "/tmp/$b/.fj_built" ] || { echo "build $b missing (base: carry .baseline)" >&2; return 1; }
+    echo "build $b: $(cat "/tmp/$b/.fj_built")"
+  done | sort -u
 }
 # This tree again, built with VARIANT_FLAGS (e.g. "-DFLASHJAX_BWD_STAGGER=1") into
 # /tmp/variant (FJ_VARIANT_DIMS narrows its head dims): DENSE_WHO's and traintrace's
@@ -90,6 +103,7 @@ for step in "$@"; do
       start=$(date +%s); pids=(); names=()
       build_main & pids+=($!); names+=(build)
       [ -d .baseline ] && { build_into base ./.baseline & pids+=($!); names+=(base); }
+      [ -d .baseline ] || rm -rf /tmp/base  # (not carried: no stale base from an earlier call)
       [ -d .alt ] && { build_into alt ./.alt & pids+=($!); names+=(alt); }
       [ -n "${VARIANT_FLAGS:-}" ] && { build_variant & pids+=($!); names+=(variant); }
       for spec in ${PATCHED:-}; do
@@ -228,6 +242,7 @@ PYEOF
       # A "_det" suffix (e.g. "new_det") runs that build with --deterministic; a build
       # named twice runs twice: NAME.2 is NAME's second process (alternate them: noise).
       # DENSE_TAG (e.g. _bwd) names a second dense step's files in the same call.
+      DENSE_WHO=${DENSE_WHO:-new base} check_builds || exit 1
       for who in ${DENSE_WHO:-new base}; do
         build=${who%%.*}; build=${build%_det}; det=""; [ "${who%%.*}" != "$build" ] && det=--deterministic
         pp=$(build_path "$build")

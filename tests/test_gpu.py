@@ -76,6 +76,18 @@ NATIVE_DIM_CASES = [
          causal=True),
 ]
 
+# The Hopper forward's 80-key tiles at head dim 256 (fwd_launch_bucket.cuh's
+# wide_keys_pay: full attention, or causal rows that see 2048 keys or more on
+# average): key counts not a multiple of 80, causal with a long cache, softcap,
+# sinks, GQA; and a causal call that keeps 64 keys beside it.
+WIDE_KEY_CASES = [
+    Case(batch=2, seqlen_q=200, seqlen_k=333, heads_q=4, heads_kv=2, head_dim=256, dtype="bfloat16", sinks=True),
+    Case(batch=1, seqlen_q=100, seqlen_k=2300, heads_q=4, heads_kv=1, head_dim=256, dtype="float16", causal=True,
+         softcap=15.0),
+    Case(batch=1, seqlen_q=4100, seqlen_k=4100, heads_q=2, heads_kv=2, head_dim=256, dtype="bfloat16", causal=True),
+    Case(batch=1, seqlen_q=2000, seqlen_k=2000, heads_q=2, heads_kv=1, head_dim=256, dtype="bfloat16", causal=True),
+]
+
 # The Hopper wide backward (head dims 129-256, 64 keys per CTA): GQA, windows,
 # softcap, sinks, head_dim_v != head_dim, ragged lengths.
 WIDE_GRADIENT_CASES = [
@@ -112,7 +124,7 @@ FORWARD_CASES = (head_dim_cases() + seqlen_cases() + gqa_cases() + option_cases(
                  + option_cases(dtypes=("bfloat16", "float16"), seqlens=((130, 90),), windows=[(-1, -1), (10, 5)],
                                 head_dim=64)
                  + empty_row_cases() + LARGE_CASES + MULTI_ROUND_CASES + PACKED_CASES + NATIVE_DIM_CASES
-                 + POSITION_CASES
+                 + WIDE_KEY_CASES + POSITION_CASES
                  + NONPOSITIVE_SCALE_CASES)
 
 GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
@@ -121,7 +133,8 @@ GRADIENT_CASES = (head_dim_cases(dtypes=("float32", "bfloat16"), seqlen=70)
                   + option_cases(seqlens=((70, 90),), windows=[(-1, -1), (7, 3)])
                   + option_cases(dtypes=("bfloat16", "float16"), seqlens=((90, 70),), windows=[(-1, -1), (7, 3)],
                                  head_dim=64)
-                  + empty_row_cases() + LARGE_CASES[:6] + WIDE_GRADIENT_CASES + POSITION_CASES[::2]
+                  + empty_row_cases() + LARGE_CASES[:6] + WIDE_GRADIENT_CASES + WIDE_KEY_CASES[:2]
+                  + POSITION_CASES[::2]
                   + NONPOSITIVE_SCALE_CASES)
 
 DETERMINISTIC_CASES = [

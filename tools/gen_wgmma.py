@@ -4,7 +4,7 @@ generated; run `python tools/gen_wgmma.py` after changing the shape list."""
 
 import pathlib
 
-SHAPES_N = (32, 64, 96, 128, 192, 256)
+SHAPES_N = (32, 64, 80, 96, 128, 192, 256)
 MN_MAJOR_SHAPES_N = (64,)  # the backward's dQ = dS K
 B_MN_MAJOR_SHAPES_N = (128,)  # the wide backward's dV, dK from P^T, dS^T in smem
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))

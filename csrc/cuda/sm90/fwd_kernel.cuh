@@ -28,15 +28,15 @@ namespace flashjax::cuda::hopper_fwd {
 // T: the inputs' element type, TOut: out's. kLayouts: any (sequence_layout.h);
 // kSegments narrows each tile's keys to its segment-id span and masks ids per
 // element where a tile's are not all equal. kTerms: bias, mask, ALiBi and
-// dropout (score_terms.cuh).
-template <class T, class TOut, int kHeadDim, Layouts kLayouts, TermSet kTerms>
-__global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
+// dropout (score_terms.cuh). kWideKeys: TileConfig's.
+template <class T, class TOut, int kHeadDim, Layouts kLayouts, TermSet kTerms, bool kWideKeys>
+__global__ void __launch_bounds__(TileConfig<T, kHeadDim, kWideKeys>::kThreads, 1)
     hopper_forward_kernel(const __grid_constant__ AttentionParams p,
                           const __grid_constant__ TensorMaps maps,
                           const __grid_constant__ ScheduleOf<kLayouts> schedule,
                           const __grid_constant__ SegmentTiles segment_tiles,
                           const __grid_constant__ MaskTiles mask_tiles) {
-  using Cfg = TileConfig<T, kHeadDim>;
+  using Cfg = TileConfig<T, kHeadDim, kWideKeys>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kConsumers = Cfg::kConsumers;
   constexpr bool kPacks = packs_groups<kHeadDim, kLayouts, kTerms>();
   using Item = WorkItem<kLayouts, kBlockM, kBlockN>;
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim>::kThreads, 1)
 
 #else  // not compiled for sm_90a: never launched (hopper_forward_supports says no)
 
-template <class T, class TOut, int kHeadDim, Layouts kLayouts, TermSet kTerms>
+template <class T, class TOut, int kHeadDim, Layouts kLayouts, TermSet kTerms, bool kWideKeys>
 __global__ void hopper_forward_kernel(const __grid_constant__ AttentionParams,
                                       const __grid_constant__ TensorMaps,
                                       const __grid_constant__ ScheduleOf<kLayouts>,

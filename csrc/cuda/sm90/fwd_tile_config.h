@@ -45,8 +45,17 @@ constexpr bool packs_groups() {
   return kPacksGroups<kHeadDim> && kLayouts == Layouts::kUniform && !has_terms(kTerms);
 }
 
-// Tiles of element type T (the inputs Q, K, V) at head-dim bucket kHeadDim.
-template <class T, int kHeadDimBucket>
+// Whether a kernel variant is also compiled with wide key tiles (kWideKeys):
+// head dim 256, uniform layouts without score terms (the masks' and terms' tile
+// grain is 64 keys). fwd_launch_bucket.cuh's wide_keys_pay picks it per call.
+template <int kHeadDim, Layouts kLayouts, TermSet kTerms>
+constexpr bool has_wide_keys() {
+  return kHeadDim == 256 && kLayouts == Layouts::kUniform && !has_terms(kTerms);
+}
+
+// Tiles of element type T (the inputs Q, K, V) at head-dim bucket kHeadDim;
+// kWideKeys: FA3's wider key tiles at head dim 256 (has_wide_keys).
+template <class T, int kHeadDimBucket, bool kWideKeys = false>
 struct TileConfig {
   using Element = T;
   static constexpr int kHeadDim = kHeadDimBucket;
@@ -61,7 +70,10 @@ struct TileConfig {
   // Registers per thread: the producer gives its share to the consumers.
   static constexpr int kProducerRegs = kConsumers == 3 ? 24 : 40;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;  // keys per tile
+  // Keys per tile: 128 up to head dim 128; above, 64, or 80 with kWideKeys (FA3's
+  // d256 tile: fewer, longer products).
+  static constexpr int kWideBlockN = 80;
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : (kWideKeys ? kWideBlockN : 64);
   // Tiles are whole swizzle column blocks (96 -> 128 columns, zero-filled).
   static constexpr int kPaddedDim =
       kColumnBlocks<kHeadDim, kElementBytes> * kSwizzleCols<kElementBytes>;

@@ -367,6 +367,7 @@ template <class T, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
   if constexpr (N == 64) wgmma_ss_n64<T>(d, a, b, acc);
   else if constexpr (N == 128) wgmma_ss_n128<T>(d, a, b, acc);
+  else if constexpr (N == 80) wgmma_ss_n80<T>(d, a, b, acc);
   else wgmma_ss_n256<T>(d, a, b, acc);
 }
 template <class T, int N>
