@@ -86,6 +86,8 @@ WIDE_KEY_CASES = [
          softcap=15.0),
     Case(batch=1, seqlen_q=4100, seqlen_k=4100, heads_q=2, heads_kv=2, head_dim=256, dtype="bfloat16", causal=True),
     Case(batch=1, seqlen_q=2000, seqlen_k=2000, heads_q=2, heads_kv=1, head_dim=256, dtype="bfloat16", causal=True),
+    # head dims padded into the 256 bucket
+    Case(batch=1, seqlen_q=150, seqlen_k=411, heads_q=4, heads_kv=2, head_dim=224, head_dim_v=200, dtype="bfloat16"),
 ]
 
 # The Hopper wide backward (head dims 129-256, 64 keys per CTA): GQA, windows,
