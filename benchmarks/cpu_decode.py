@@ -9,6 +9,14 @@ query is the previous step's output, timed as a jitted loop of LOOP dependent st
 before and after: on a shared machine it says how loaded the run was.
 
     PYTHONPATH=... python benchmarks/cpu_decode.py [--dtype float32 bfloat16] [--iters 5]
+
+An A/B of two CPU builds on a noisy host: processes of their own, alternating builds,
+several rounds, and the ratio to jax.nn within each process (benchmarks/NOTES.md,
+"Twenty-seventh session"):
+
+    for r in 1 2 3 4 5; do for b in /tmp/fj_a /tmp/fj_b; do
+      PYTHONPATH=$b python benchmarks/cpu_decode.py --dtype bfloat16 --impls flashjax jax.nn
+    done; done
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import flashjax
 from flashjax import bench_core
 
 LOOP = 20
+IMPLS = ("flashjax", "flashjax-xla", "jax.nn")
 # (batch, cached tokens, heads_q, heads_kv, head_dim): issue 28's CPU shapes
 SHAPES = ((1, 4096, 4, 2, 64), (1, 4096, 32, 8, 128))
 
@@ -39,6 +48,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", nargs="+", default=["float32"])
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     args = p.parse_args()
     print(f"flashjax {flashjax.__file__}; GEMM {bench_core.gemm_gflops():.1f} GFLOP/s", flush=True)
     for dtype in args.dtype:
@@ -49,7 +59,7 @@ def main():
             v_cache = jax.random.normal(kv, (batch, cache, hkv, d), dtype)
             seqlens = jnp.full((batch,), cache, jnp.int32)
             print(f"b={batch} cache={cache} h={hq}/{hkv} d={d} {dtype}", flush=True)
-            for name in ("flashjax", "flashjax-xla", "jax.nn"):
+            for name in args.impls:
                 step = steps(name, seqlens)
                 loop = jax.jit(lambda q, k, v, step=step: jax.lax.fori_loop(
                     0, LOOP, lambda _, q: step(q, k, v).astype(q.dtype), q))
