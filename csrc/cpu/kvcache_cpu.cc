@@ -114,6 +114,10 @@ struct Decode {
         ceil_div(kTasksPerThread * num_threads(), p.batch * max_splits(p)), 1, p.heads_kv);
     return ceil_div(p.heads_kv, groups);
   }
+  // The end of head group g's kv heads (they start at g group_heads; no group is empty).
+  int64_t group_end(const AttentionParams& p, int64_t g) const {
+    return std::min(p.heads_kv, (g + 1) * group_heads);
+  }
   int64_t query(int64_t r) const { return r / group; }
   int64_t head(int64_t hk, int64_t r) const { return hk * group + r % group; }
 };
@@ -367,8 +371,7 @@ void split_task(const AttentionParams& p, const Decode& d, float* partials, int6
   const int64_t split = task % d.splits, group = task / d.splits % d.head_groups;
   const int64_t b = task / d.splits / d.head_groups;
   const SeqlenInfo seq(p, b);
-  const int64_t head0 = group * d.group_heads;
-  const int64_t heads = std::max<int64_t>(0, std::min(d.group_heads, p.heads_kv - head0));
+  const int64_t head0 = group * d.group_heads, heads = d.group_end(p, group) - head0;
   const auto partial = [&](int64_t hk) {
     return partials + ((b * p.heads_kv + hk) * d.splits + split) * d.partial_floats;
   };
@@ -487,8 +490,8 @@ void kvcache_forward(const AttentionParams& p) {
       });
       const int64_t group = task / d.splits;
       if (finished[group].fetch_add(1, std::memory_order_acq_rel) != d.splits - 1) return;
-      const int64_t b = group / d.head_groups, head0 = group % d.head_groups * d.group_heads;
-      for (int64_t hk = head0; hk < std::min(head0 + d.group_heads, p.heads_kv); ++hk)
+      const int64_t b = group / d.head_groups, g = group % d.head_groups;
+      for (int64_t hk = g * d.group_heads; hk < d.group_end(p, g); ++hk)
         combine<T>(p, d, partials, b * p.heads_kv + hk);
     });
   });

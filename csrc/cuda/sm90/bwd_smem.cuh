@@ -84,8 +84,8 @@ struct Smem {
 
 // The wide key kernel's: K, V, a ring of Q tiles (with their rows' lse2) and
 // one dO tile (with D), each with a full/empty barrier pair, P^T/dS^T pairs
-// and each consumer's two dQ stages, with a full/empty barrier pair each. Constructed by every thread (it
-// initialises the barriers).
+// and each consumer's two dQ stages, with a full/empty barrier pair each.
+// Constructed by every thread (it initialises the barriers).
 struct WideSmem {
   unsigned char *k, *v, *q, *dout, *grads;
   float *dq_stage, *lse2, *D;

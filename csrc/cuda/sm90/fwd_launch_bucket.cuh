@@ -66,8 +66,9 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
   constexpr int kBlockM = Cfg::kBlockM;
   static DeviceOnce configured;
   if (cudaError_t e = configured([] {
-        return cudaFuncSetAttribute(hopper_forward_kernel<T, TOut, kHeadDim, kLayouts, kTerms, kWideKeys>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        return cudaFuncSetAttribute(
+            hopper_forward_kernel<T, TOut, kHeadDim, kLayouts, kTerms, kWideKeys>,
+            cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
       });
       e != cudaSuccess)
     return e;
@@ -134,9 +135,9 @@ cudaError_t launch_layouts(const AttentionParams& p, void* workspace, cudaStream
 }
 
 // Whether a call takes the wide key tiles where its variant has them (has_wide_keys):
-// measured at head dim 256 (H200, twenty-seventh session), the forward ran 5-7%
-// faster at 4k-16k and 1-6% at 2k without a mask, but 2.6% slower at 2k causal,
-// where the diagonal's partly hidden tiles are a larger share of a row's keys;
+// measured at head dim 256 (H200, twenty-seventh session), the forward ran 4.6-6.4%
+// faster at 8k-16k, 1-4% at 4k and 1-8% at 2k without a mask, but 2.6% slower at 2k
+// causal, where the diagonal's partly hidden tiles are a larger share of a row's keys;
 // windows (a diagonal band throughout) were not measured: they keep 64 keys.
 inline bool wide_keys_pay(const AttentionParams& p) {
   // (causal from 4k on: +1.9%; a causal call's rows see seqlen_k - seqlen_q / 2 keys
