@@ -62,6 +62,16 @@ struct RowNormaliser {
   }
 };
 
+// Quotient and remainder of work-item indices that the host keeps below 2^31
+// (hopper_layouts_supported: kMaxWorkSlots): one 32-bit division, where a 64-bit one
+// calls a ~70-instruction routine (the forward's item set-up ran seven of them).
+__device__ __forceinline__ int64_t div_index(int64_t a, int64_t b) {
+  return static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+}
+__device__ __forceinline__ int64_t mod_index(int64_t a, int64_t b) {
+  return static_cast<uint32_t>(a) % static_cast<uint32_t>(b);
+}
+
 // This CTA's query tile and flat (batch, head) index. One head's tiles are
 // consecutive block indices, so that the CTAs resident together read the
 // same K and V from L2 rather than each streaming its own head's from DRAM;

@@ -50,7 +50,7 @@ template <class HeadOf>
 __device__ __forceinline__ ScheduleStep tile_of_pair(int64_t k, int64_t local, int64_t pairs,
                                                      int64_t q_tiles, QueryTile& out,
                                                      HeadOf&& head_of) {
-  const int64_t j = local % pairs, heavy = q_tiles - 1 - j;
+  const int64_t j = mod_index(local, pairs), heavy = q_tiles - 1 - j;
   if (k % 2 == 1 && j == heavy) return ScheduleStep::kSkip;
   out = {k % 2 == 0 ? heavy : j, head_of()};
   return ScheduleStep::kTile;
@@ -104,9 +104,9 @@ struct TileSchedule {
     if (item >= total_pairs) return ScheduleStep::kEnd;
     if (!middles_paired)
       return tile_of_pair(k, item, pairs_per_head, q_tiles, out,
-                          [&] { return item / pairs_per_head; });
-    const int64_t block = 2 * pairs_per_head + 1, first_head = item / block * 2,
-                  r = item % block;
+                          [&] { return div_index(item, pairs_per_head); });
+    const int64_t block = 2 * pairs_per_head + 1, first_head = div_index(item, block) * 2,
+                  r = mod_index(item, block);
     const int64_t middle_at = first_head + 1 < heads ? 2 * pairs_per_head : pairs_per_head;
     if (r < middle_at) {
       const int64_t second = r >= pairs_per_head ? 1 : 0;
@@ -137,16 +137,17 @@ struct TileSchedule {
   }
   // The i-th tile of the dynamic order.
   __device__ QueryTile dynamic_tile(int64_t i) const {
-    const int64_t remainder = heads % section_heads, remainder_tiles = remainder * q_tiles;
+    const int64_t remainder = mod_index(heads, section_heads);
+    const int64_t remainder_tiles = remainder * q_tiles;
     int64_t first = 0, in_section = remainder, r = i;  // (the remainder's section)
     if (i >= remainder_tiles) {
-      const int64_t j = i - remainder_tiles, section = j / (section_heads * q_tiles);
+      const int64_t j = i - remainder_tiles, section = div_index(j, section_heads * q_tiles);
       first = remainder + section * section_heads;
       in_section = section_heads;
       r = j - section * section_heads * q_tiles;
     }
-    const int64_t rank = r / in_section;
-    return {later_tiles_first ? q_tiles - 1 - rank : rank, first + r % in_section};
+    const int64_t rank = div_index(r, in_section);
+    return {later_tiles_first ? q_tiles - 1 - rank : rank, first + mod_index(r, in_section)};
   }
 };
 
@@ -163,7 +164,7 @@ struct VarlenTileSchedule {
     const VarlenWorkList::Entry e = list.find(item);
     const int64_t pairs = (e.tiles + 1) / 2;
     return tile_of_pair(k, e.local, pairs, e.tiles, out,
-                        [&] { return e.sequence * heads + e.local / pairs; });
+                        [&] { return e.sequence * heads + div_index(e.local, pairs); });
   }
 };
 
@@ -186,9 +187,10 @@ struct WorkItem {
   int64_t n_tiles;
   __device__ WorkItem(const AttentionParams& p, QueryTile t, bool packed,
                       const SegmentTiles& segment_tiles)
-      : b(t.bh / (packed ? p.heads_kv : p.heads_q)),
-        h(packed ? t.bh % p.heads_kv * p.group_size() : t.bh % p.heads_q),
-        hk(h / p.group_size()),
+      : b(div_index(t.bh, packed ? p.heads_kv : p.heads_q)),
+        h(packed ? mod_index(t.bh, p.heads_kv) * div_index(p.heads_q, p.heads_kv)
+                 : mod_index(t.bh, p.heads_q)),
+        hk(div_index(h, div_index(p.heads_q, p.heads_kv))),
         q0(t.tile * kBlockM),
         seq(sequence_info<kLayouts>(p, b)),
         last_row(min(q0 + kBlockM, seq.seqlen_q) - 1),

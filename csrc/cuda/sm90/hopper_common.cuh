@@ -10,6 +10,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "flashjax/params.h"
@@ -395,9 +396,16 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 }
 
 // Layouts the Hopper kernels take: uniform, packed, seqused and segment-id
-// ones; int32 TMA coordinates bound the packed rows.
+// ones; int32 TMA coordinates bound the packed rows. The schedules divide their
+// work indices (tiles of 64 or more rows of a head and sequence, (sequence, head)
+// pairs) in 32 bits (div_index): below 2^31 such slots (their q alone would take
+// 256 GB).
 inline bool hopper_layouts_supported(const AttentionParams& p) {
-  return p.uniform() || (p.total_q < (1 << 30) && p.total_k < (1 << 30));
+  static constexpr int64_t kMaxWorkSlots = int64_t{1} << 31, kSlotRows = 64;
+  const int64_t rows = std::max(p.seqlen_q, p.seqlen_k);
+  const int64_t slots = p.batch * p.heads_q * ((rows + kSlotRows - 1) / kSlotRows + 1);
+  return slots < kMaxWorkSlots &&
+         (p.uniform() || (p.total_q < (1 << 30) && p.total_k < (1 << 30)));
 }
 
 // The batch entries and rows of the query-side / key-side tensors as their
