@@ -268,7 +268,8 @@ PYEOF
     window)
       # The window (1024, 0) d128 16k shape of the peers harness (carried in .peers/), flashjax
       # alone, for each build of WINDOW_WHO (default "new base"; NAME.2: a second process),
-      # WINDOW_MODES (default fwd): an A/B of a shape --fa3-shapes does not cover.
+      # WINDOW_MODES (default fwd; "fwd,fwd+bwd" in the harness's names: "fwdbwd" runs
+      # nothing): an A/B of a shape --fa3-shapes does not cover.
       for who in ${WINDOW_WHO:-new base}; do
         pp=$(build_path "${who%%.*}")
         PYTHONPATH=$pp${pp:+:}${PYTHONPATH:-} timeout 120 $PY .peers/peers_gpu.py "$OUT/window_$who" \
