@@ -3,7 +3,8 @@
 # .baseline/), then the steps named, in order: the GPU tests, sanitizers, benchmarks,
 # the dense A/B, the peers side by side, profiles.
 # Usage: benchmarks/device_varlen.sh STEP...   (steps: build base alt patched builds variant ptx tests kvtests fuzz sanitize terms
-#   kvsanitize varlen decode decodebase trace ncu dense window ring peers traintrace bwdncu termsncu)
+#   kvsanitize varlen decode decodebase trace ncu dense window ring peers traintrace bwdncu termsncu
+#   fp8check)
 # `base` needs the baseline sources in .baseline/, made here (not on the device) with
 #   mkdir .baseline && git archive REV | tar -x -C .baseline && echo /.baseline/ >> .git/info/exclude
 # and passed to the device call with carry: [".baseline"]. REV: the commit to compare with
@@ -229,6 +230,14 @@ PYEOF
       ncu -i /tmp/split.ncu-rep --page details --print-details all > "$OUT/ncu_details_$impl.txt" 2>&1
       ncu -i /tmp/split.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_sass_$impl.csv" 2>&1
       grep -E "Duration|Memory Throughput|Registers|Achieved Occupancy|Warp Cycles Per Issued|Executed Ipc|Issue Slots Busy" "$OUT/ncu_details_$impl.txt" | head -14 ;;
+    fp8check)
+      # tools/fp8_wgmma_check.cu: the planned fp8 forward's operand layouts on the GPU
+      # (docs/architecture.md, "float8 inputs"); seconds, no flashjax build needed.
+      "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -std=c++17 -O2 \
+        -gencode=arch=compute_90a,code=sm_90a -Icsrc -Icsrc/include -Icsrc/cuda \
+        tools/fp8_wgmma_check.cu -o /tmp/fp8_wgmma_check > "$OUT/fp8check.log" 2>&1 \
+        && /tmp/fp8_wgmma_check >> "$OUT/fp8check.log" 2>&1
+      tail -5 "$OUT/fp8check.log" ;;
     ring)
       # benchmarks/ring_bench.py on the GPUs there are (one GPU: a smoke test; RING_ARGS).
       timeout 300 $PY benchmarks/ring_bench.py ${RING_ARGS:---seqlen 32k} > "$OUT/ring.log" 2>&1
