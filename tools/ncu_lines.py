@@ -6,6 +6,11 @@ one or more profiles side by side (e.g. ours next to a variant, or next to FA3's
     tools/ncu_lines.py [--top 25] A.csv [B.csv ...]
 
 (`benchmarks/device_varlen.sh termsncu` writes these as tsass_VARIANT_BUILD.csv.)
+With --source DIS (one profile), the samples by source line: DIS is `nvdisasm -gi -c` of
+the same kernel compiled here with -lineinfo (a translation unit instantiating just it;
+the SASS must match the profiled build's, which the line counts show), and each
+instruction counts for the innermost inlined frame whose file matches --frames (e.g.
+'sm90/bwd_(mainloop|dq_writer|producer|epilogue)': the roles' code, not the helpers').
 For each profile: the warp-stall samples by how often a line ran (execution counts
 grouped into decades: the tile loop's lines share the largest counts, a CTA's set-up
 the smallest), each group's share and top stall reasons, then the lines with the
@@ -16,6 +21,7 @@ import argparse
 import collections
 import csv
 import math
+import re
 import sys
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -75,11 +81,58 @@ def report(path, top):
               f"{reason:14s} {source[:70]}")
 
 
+def source_frames(dis_path):
+    """{address offset: [(file, line), ...] innermost first} from `nvdisasm -gi` output."""
+    frames, chains, in_header = [], {}, False
+    for text in open(dis_path):
+        m = re.search(r'//## File "([^"]+)", line (\d+)', text)
+        if m:
+            if not in_header:
+                frames = []
+            frames.append((m.group(1), int(m.group(2))))
+            in_header = True
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/", text)
+        if m:
+            in_header = False
+            chains[int(m.group(1), 16)] = frames
+    return chains
+
+
+def report_sources(path, dis_path, frames_regex, top):
+    lines = load(path)
+    chains = source_frames(dis_path)
+    wanted = re.compile(frames_regex)
+    base = int(lines[0][0], 16)
+    total = sum(l[2] for l in lines) or 1.0
+    by_line = collections.defaultdict(lambda: [0.0, 0.0, collections.Counter()])
+    for addr, _, samples, executed, _ in lines:
+        chain = chains.get(int(addr, 16) - base, [])
+        frame = next((f for f in chain if wanted.search(f[0])), chain[-1] if chain else ("?", 0))
+        entry = by_line[f"{frame[0].rsplit('/', 1)[-1]}:{frame[1]}"]
+        entry[0] += samples
+        entry[1] += executed
+        entry[2][int(executed)] += 1
+    print(f"== {path} by source line ({len(chains)} instructions in {dis_path}, "
+          f"{len(lines)} in the profile)")
+    for where, (samples, executed, counts) in sorted(by_line.items(), key=lambda kv: -kv[1][0])[:top]:
+        runs = ", ".join(f"x{c:.0f}: {n}" for c, n in counts.most_common(2))
+        print(f"  {samples:8.0f} {samples / total:6.1%} {executed / 1e6:8.2f}M instr  {where:32s} ({runs})")
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", nargs="+")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--source", help="nvdisasm -gi output of the profiled kernel")
+    parser.add_argument("--frames", default=r"sm90/(bwd|fwd)_",
+                        help="regex of the files whose frames lines count for")
     args = parser.parse_args(argv)
+    if args.source:
+        if len(args.csv) != 1:
+            parser.error("--source takes one profile")
+        report_sources(args.csv[0], args.source, args.frames, args.top)
+        return
     for path in args.csv:
         report(path, args.top)
 
