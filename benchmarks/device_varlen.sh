@@ -308,7 +308,8 @@ PYEOF
     bwdncu)
       # Nsight Compute on our key kernel and FA3's backward kernel, one fwd+bwd step each
       # (tools/profile_train.py --once), BWD_NCU_SHAPES "D:S:causal|full ...": details and
-      # the SASS with executed counts and stall samples (csv), tarred into $OUT.
+      # the SASS with executed counts and stall samples (csv), tarred into $OUT
+      # (tools/ncu_lines.py reads the csvs; --source maps ours to source lines).
       # NCU_KERNELS picks other kernels (e.g. "hopper_forward_kernel|FlashAttnFwd").
       for shape in ${BWD_NCU_SHAPES:-128:2048:causal}; do
         IFS=: read -r d s c <<< "$shape"
