@@ -37,7 +37,9 @@ build_main() {
 # dims), with this tree's timing code: NAME then serves TERMS_WHO / DENSE_WHO.
 build_into() {
   local dims=${BASE_DIMS:-${FJ_HEAD_DIMS:-}}
-  $PY -m pip install -q --no-build-isolation --no-deps --target "/tmp/$1" -C "build-dir=/tmp/fjb_$1" \
+  # (--upgrade: without it pip keeps an earlier call's install in /tmp/NAME, with its
+  # head dims, on a warm machine)
+  $PY -m pip install -q --no-build-isolation --no-deps --upgrade --target "/tmp/$1" -C "build-dir=/tmp/fjb_$1" \
     ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} -C cmake.define.FLASHJAX_CUDA_ARCHS=90a "$2" \
     > "$OUT/build_$1.log" 2>&1 || { tail -30 "$OUT/build_$1.log"; return 1; }
   cp src/flashjax/bench*.py "/tmp/$1/flashjax/"
@@ -59,7 +61,7 @@ check_builds() {
 # /tmp/variant (FJ_VARIANT_DIMS narrows its head dims): DENSE_WHO's and traintrace's
 # "variant".
 build_variant() {
-  $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/variant -C build-dir=/tmp/fjb_variant \
+  $PY -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/variant -C build-dir=/tmp/fjb_variant \
     -C cmake.define.FLASHJAX_CUDA_ARCHS=90a ${FJ_VARIANT_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_VARIANT_DIMS"} \
     -C "cmake.define.CMAKE_CUDA_FLAGS=${VARIANT_FLAGS:-}" . > "$OUT/build_variant.log" 2>&1 || { tail -30 "$OUT/build_variant.log"; return 1; }
 }

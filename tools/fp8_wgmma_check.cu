@@ -153,6 +153,13 @@ double from_e4m3(uint8_t x) {
     }                                                                                  \
   } while (0)
 
+// Hopper's float8 wgmma adds its products with fewer mantissa bits than float32 (about
+// 14: DeepSeek-V3's report, section 3.3.2): on this H200, 4.3e-4 (S) and 5.5e-4 (O) of
+// the largest value against float64 of the same float8 inputs (2026-11-29). A wrong
+// layout pairs the wrong keys: errors of the order of the values (1.4 for plain V).
+constexpr double kFp8AccumulationTolerance = 2e-3;
+constexpr double kLayoutErrorFloor = 1e-1;
+
 // Largest |got - want| over the largest |want|.
 double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
   double err = 0, scale = 0;
@@ -215,7 +222,8 @@ int main() {
         for (int key = 0; key < kKeys; ++key)
           o_ref[r * kDim + d] += double(p[r * kKeys + key]) * from_e4m3(v[key * kDim + d]);
     const double s_err = relative_error(s, s_ref), o_err = relative_error(o, o_ref);
-    const bool s_ok = s_err < 1e-5, o_ok = permuted ? o_err < 1e-5 : o_err > 1e-2;
+    const bool s_ok = s_err < kFp8AccumulationTolerance,
+               o_ok = permuted ? o_err < kFp8AccumulationTolerance : o_err > kLayoutErrorFloor;
     std::printf("%s V: S relative error %.2e (%s), O relative error %.2e (%s)\n",
                 permuted ? "permuted" : "plain (must disagree)", s_err, s_ok ? "ok" : "FAIL",
                 o_err, o_ok ? "ok" : "FAIL");

@@ -118,21 +118,25 @@ struct DqOrder {
   static constexpr int kSpinNanoseconds = 64;
 };
 
-// Threads that write a fused key kernel's dQ: one; two when ordered (DqOrder), taking
-// alternate tiles, so that one waits for its tile's reductions to complete before
-// passing the turn while the other takes the next tile (a single thread's writes ran
-// one tile per completion round trip: fifteenth session, v3).
-template <bool kOrdered>
-inline constexpr int kDqWriters = kOrdered ? 2 : 1;
+// Threads that write a fused key kernel's dQ: two. Unordered, one per consumer, each
+// sending its consumer's blocks only: the consumers drift apart (kDqLagsTile), and a
+// single writer serving both in turn freed a consumer's stage only once the other's
+// block of the same tile had come (the consumer ahead waited at every tile: ncu, d128 2k
+// causal, twenty-eighth session). Ordered (DqOrder): both consumers' blocks of
+// alternate tiles, so that one writer waits for its tile's reductions to complete
+// before passing the turn while the other takes the next tile (a single thread's
+// writes ran one tile per completion round trip: fifteenth session, v3).
+inline constexpr int kDqWriters = 2;
 
-// The fused key kernel's dQ writer `writer` of kDqWriters<kOrdered> (threads of the
-// producer warpgroup, each in a warp of its own): it sends each consumer's staged dQ
-// block (tile it, stage it % kDqStages) as a bulk reduction once all 128 of its
-// threads have arrived on dq_full, and frees a stage (dq_empty) once the reduction has
-// read it, so that consumers only wait when they are a whole ring ahead. kOrdered:
-// deterministic, in the order of DqOrder (counters at dq_order), writer w taking
-// tiles w, w + 2, ... once the other has freed the stage of the tile before (one
-// stage: its dq_empty phase orders the two; then dq_full's phase is the tile's).
+// The fused key kernel's dQ writer `writer` of kDqWriters (threads of the
+// producer warpgroup, each in a warp of its own): it sends a consumer's staged dQ
+// block (tile it, stage it % kDqStages) as a bulk reduction once the consumer's four
+// warps have arrived on dq_full, and frees a stage (dq_empty) once the reduction has
+// read it, so that consumers only wait when they are a whole ring ahead. Unordered:
+// consumer `writer`'s blocks of every tile. kOrdered: deterministic, in the order of
+// DqOrder (counters at dq_order), both consumers' blocks of tiles w, w + 2, ... (writer
+// w) once the other writer has freed the stage of the tile before (one stage: its
+// dq_empty phase orders the two; then dq_full's phase is the tile's).
 // tiles_of: the block's tiles as the producer walks them (bwd_scheduler.cuh).
 template <bool kOrdered, int kHeadDim, class Block, class Tiles>
 __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionParams& p,
@@ -141,26 +145,33 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
   using C = TileConfig<kHeadDim>;
   static_assert(C::kStreamRows == HopperBackwardWorkspace::kDqOrderRows, "a counter per tile");
   constexpr int kLag = C::kDqStages - 1;  // tiles whose reductions may still read
-  constexpr int kWriters = kDqWriters<kOrdered>;
+  constexpr int kWriters = kDqWriters;
   auto tile = kb.walk(p, stats.padded);
   // (kDqOfOwnKeys: both consumers add to one block, which an order would serialise)
   static_assert(!kOrdered || !C::kDqOfOwnKeys, "ordered dQ: consumers add to their own blocks");
   // (A mask's skipped tiles would break the order: ordered_dq leaves masks out.)
   static_assert(!kOrdered || !Tiles::kSkips, "ordered dQ visits every tile");
-  static_assert(!kOrdered || C::kDqStages == 1, "ordered dQ: the writers share one stage");
+  // (Ordered: the two writers share one stage, or own one each.)
+  constexpr bool kStagePerWriter = kOrdered && C::kDqStages == kWriters;
+  static_assert(!kOrdered || C::kDqStages == 1 || kStagePerWriter,
+                "ordered dQ: the writers share one stage or own one each");
+  static_assert(kOrdered || kWriters == C::kConsumers, "unordered: a writer per consumer");
+  // The consumers whose blocks this writer sends, and its reductions a tile.
+  const int first = kOrdered ? 0 : writer, end = kOrdered ? C::kConsumers : writer + 1;
+  constexpr int kBlocks = kOrdered ? C::kConsumers : 1;
   const DqOrder<Block> order(dq_order, p, kb);
   for (int64_t it = 0; it < kb.tiles; ++it, tile.next()) {
     // (the tile the consumers compute next: found while they do, off their path)
     if (Tiles::kSkips && tiles_of.find(tile).end()) break;
-    if (it % kWriters != writer) continue;
+    if (kOrdered && it % kWriters != writer) continue;
     const int s = it % C::kDqStages;
-    if (kWriters > 1 && it > 0) {
+    if (kOrdered && !kStagePerWriter && it > 0) {
 #pragma unroll
       for (int c = 0; c < C::kConsumers; ++c)
         mbar_wait_idle(&sm.dq_empty[c * C::kDqStages + s], (it - 1) & 1);
     }
 #pragma unroll
-    for (int c = 0; c < C::kConsumers; ++c) {
+    for (int c = first; c < end; ++c) {
       mbar_wait_idle(&sm.dq_full[c * C::kDqStages + s], (it / C::kDqStages) & 1);
       if (kOrdered && c == 0)
         order.wait_turn(tile.padded_row, kb.row_begin + tile.j * C::kStreamRows);
@@ -171,11 +182,17 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
                       sm.dq_stage + (c * C::kDqStages + s) * kDqBlock<C::kDqCols>,
                       kDqBlockBytes<C::kDqCols>);
     }
-    bulk_wait_reads<C::kConsumers * kLag>();
-    if (it >= kLag) {
-      const int freed = (it - kLag) % C::kDqStages;
+    if constexpr (kStagePerWriter) {  // (this writer's own stage, once read)
+      bulk_wait_reads<0>();
 #pragma unroll
-      for (int c = 0; c < C::kConsumers; ++c) mbar_arrive(&sm.dq_empty[c * C::kDqStages + freed]);
+      for (int c = first; c < end; ++c) mbar_arrive(&sm.dq_empty[c * C::kDqStages + s]);
+    } else {
+      bulk_wait_reads<kBlocks * kLag>();
+      if (it >= kLag) {
+        const int freed = (it - kLag) % C::kDqStages;
+#pragma unroll
+        for (int c = first; c < end; ++c) mbar_arrive(&sm.dq_empty[c * C::kDqStages + freed]);
+      }
     }
     // The tile's turn passes on once its reductions are complete (the stages are
     // free already: the consumers need not wait for the completion).
@@ -202,7 +219,7 @@ __device__ __forceinline__ void stage_dq_wide(WideSmem& sm, int consumer, const 
     mbar_wait(&sm.dq_empty[slot], phase ^ 1);
     stage_dq<C::kDqCols>(sm.dq_stage + slot * C::kDqStageFloats, dq, part);
     fence_proxy_async();
-    mbar_arrive(&sm.dq_full[slot]);
+    warp_arrive(&sm.dq_full[slot]);
   }
 }
 

@@ -94,11 +94,11 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
         if constexpr (kOrderedDq && kLayouts == Layouts::kUniform && !Config::kDqOfOwnKeys &&
                       !Tiles::kSkips)
           if (dq_order) {
-            if (writer < kDqWriters<true>)
+            if (writer < kDqWriters)
               write_dq<true>(sm, kb, p, stats, dq_accum, dq_order, tiles_of, writer);
             return;
           }
-        if (writer < kDqWriters<false>)
+        if (writer < kDqWriters)
           write_dq<false>(sm, kb, p, stats, dq_accum, nullptr, tiles_of, writer);
       }
       return;

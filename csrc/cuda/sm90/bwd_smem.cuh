@@ -69,8 +69,8 @@ struct Smem {
         mbar_init(&empty[s], 8);  // one arrival per consumer warp
       }
       for (int s = 0; s < Config::kConsumers * Config::kDqStages; ++s) {
-        mbar_init(&dq_full[s], 128);  // every thread of the consumer
-        mbar_init(&dq_empty[s], 1);   // the dQ writer
+        mbar_init(&dq_full[s], 4);   // one arrival per warp of the consumer
+        mbar_init(&dq_empty[s], 1);  // the dQ writer
       }
       for (int b = 0; b < 2; ++b) {  // (per dS^T buffer: one arrival per consumer warp)
         mbar_init(&ds_full[b], 4 * Config::kConsumers);
@@ -117,8 +117,8 @@ struct WideSmem {
       mbar_init(do_full, 1);
       mbar_init(do_empty, 8);
       for (int s = 0; s < WideTileConfig::kConsumers * WideTileConfig::kDqStagesPerConsumer; ++s) {
-        mbar_init(&dq_full[s], 128);  // every thread of the consumer
-        mbar_init(&dq_empty[s], 1);   // its dQ writer
+        mbar_init(&dq_full[s], 4);   // one arrival per warp of the consumer
+        mbar_init(&dq_empty[s], 1);  // its dQ writer
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }

@@ -104,12 +104,13 @@ struct TileConfig {
   // fused key kernel's dQ writer) gives its share to the consumers.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  // Streamed tile stages (3: the next tile loads while one is computed and one
-  // drains) and dQ stages per consumer (2 at head dim 64: a reduction's reads
-  // need not finish before the next tile stages dQ; at 128 the shared memory
-  // holds one).
-  static constexpr int kStages = 3;
-  static constexpr int kDqStages = kHeadDim == 64 ? 2 : 1;
+  // Streamed tile stages and dQ stages per consumer (2: a reduction's reads need
+  // not finish before the next tile stages dQ). Head dim 64: 3 streamed stages (the
+  // next tile loads while one is computed and one drains); 128: 2, for the shared
+  // memory of the second dQ stage (with one, the key kernel's consumers waited for
+  // each tile's reduction to be read: ncu, d128 2k causal, H200, 2026-11-29).
+  static constexpr int kStages = kHeadDim == 64 ? 3 : 2;
+  static constexpr int kDqStages = 2;
   static constexpr int kDqCols = 64;  // of a float32 dQ block
   // Fused dQ = dS K: at head dim 64 each consumer takes its own 64 keys and all
   // head dims (the reductions add the halves); at 128 the consumers split the
