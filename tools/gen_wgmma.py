@@ -65,10 +65,10 @@ def float8(n, registers):
     lines = [f"template <class T>\n__device__ __forceinline__ void {name}("
              f"float (&d)[{regs}], {a_decl}, uint64_t desc_b, int accumulate) {{"]
     extra = 4 if registers else 1  # operands before desc_b
+    a = (f"{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}" if registers else f"%{regs}")
+    a_bind = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])' if registers else '"l"(desc_a)')
     for i, (ctype, ptx) in enumerate(FP8_TYPES):
         lines.append(f"  if constexpr (std::is_same_v<T, {ctype}>) {{" if i == 0 else "  } else {")
-        a = (f"{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}" if registers else f"%{regs}")
-        a_bind = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])' if registers else '"l"(desc_a)')
         lines.append(
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + extra + 1}, 0;\\n"\n'
             f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.{ptx}.{ptx} {{{out}}}, '

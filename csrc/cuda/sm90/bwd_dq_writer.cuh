@@ -145,17 +145,16 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
   using C = TileConfig<kHeadDim>;
   static_assert(C::kStreamRows == HopperBackwardWorkspace::kDqOrderRows, "a counter per tile");
   constexpr int kLag = C::kDqStages - 1;  // tiles whose reductions may still read
-  constexpr int kWriters = kDqWriters;
   auto tile = kb.walk(p, stats.padded);
   // (kDqOfOwnKeys: both consumers add to one block, which an order would serialise)
   static_assert(!kOrdered || !C::kDqOfOwnKeys, "ordered dQ: consumers add to their own blocks");
   // (A mask's skipped tiles would break the order: ordered_dq leaves masks out.)
   static_assert(!kOrdered || !Tiles::kSkips, "ordered dQ visits every tile");
   // (Ordered: the two writers share one stage, or own one each.)
-  constexpr bool kStagePerWriter = kOrdered && C::kDqStages == kWriters;
+  constexpr bool kStagePerWriter = kOrdered && C::kDqStages == kDqWriters;
   static_assert(!kOrdered || C::kDqStages == 1 || kStagePerWriter,
                 "ordered dQ: the writers share one stage or own one each");
-  static_assert(kOrdered || kWriters == C::kConsumers, "unordered: a writer per consumer");
+  static_assert(kOrdered || kDqWriters == C::kConsumers, "unordered: a writer per consumer");
   // The consumers whose blocks this writer sends, and its reductions a tile.
   const int first = kOrdered ? 0 : writer, end = kOrdered ? C::kConsumers : writer + 1;
   constexpr int kBlocks = kOrdered ? C::kConsumers : 1;
@@ -163,7 +162,7 @@ __device__ void write_dq(Smem<kHeadDim>& sm, const Block& kb, const AttentionPar
   for (int64_t it = 0; it < kb.tiles; ++it, tile.next()) {
     // (the tile the consumers compute next: found while they do, off their path)
     if (Tiles::kSkips && tiles_of.find(tile).end()) break;
-    if (kOrdered && it % kWriters != writer) continue;
+    if (kOrdered && it % kDqWriters != writer) continue;
     const int s = it % C::kDqStages;
     if (kOrdered && !kStagePerWriter && it > 0) {
 #pragma unroll
