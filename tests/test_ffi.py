@@ -112,5 +112,6 @@ def test_python_and_cxx_tables_agree(name, target):
         (o.name, TYPE_NAMES[o.type]) for o in target.options)
     assert table[f"{name}.inputs"] == [(op.name, op.flag) for op in target.optional]
     if name == "attention":
-        for other in (_spec.BACKWARD, _spec.VARLEN_FORWARD, _spec.VARLEN_BACKWARD):
+        for other in (_spec.BACKWARD, _spec.VARLEN_FORWARD, _spec.VARLEN_BACKWARD,
+                      _spec.FLOAT8_FORWARD):
             assert (other.options, other.optional) == (target.options, target.optional)

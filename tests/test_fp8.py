@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import flashjax
-from flashjax import reference
+from flashjax import _fp8, reference
 
 B, SQ, SK, H, HK, D = 2, 40, 47, 4, 2, 32
 GROUP = H // HK
@@ -191,3 +191,53 @@ def test_varlen_out_dtype_forward_only_and_errors():
              q_descale=jnp.ones((3, HK), jnp.float32))
     with pytest.raises(TypeError, match="q, k, v must share one dtype"):
         call(bf16, k, v)
+
+
+def test_permuted_transpose_layout():
+    # V^T as the Hopper float8 kernel reads it (tests/test_gpu_fp8.py runs the kernel):
+    # slot 4t + j of each 16 of a 32-key block holds key 2t + (j & 1) + 8 (j >> 1),
+    # keys zero-padded to whole blocks (tools/fp8_wgmma_check.cu checks the packing
+    # this order matches on a GPU).
+    v = jnp.arange(2 * 70 * 3 * 4, dtype=jnp.float32).reshape(2, 70, 3, 4)
+    vt = np.asarray(_fp8.permuted_transpose(v))
+    assert vt.shape == (2, 3, 4, 96)
+    for slot in range(96):
+        block, j = divmod(slot, 32)
+        key = 32 * block + 16 * (j // 16) + 2 * ((j % 16) // 4) + (j % 2) + 8 * ((j % 4) // 2)
+        want = np.asarray(v)[:, key] if key < 70 else np.zeros((2, 3, 4))
+        np.testing.assert_array_equal(vt[:, :, :, slot], want)
+
+
+def test_native_operands_flip_q_where_the_score_descale_is_negative():
+    q = jnp.asarray(RNG.normal(size=(B, SQ, H, D)), jnp.float32).astype(jnp.float8_e4m3fn)
+    qd = jnp.asarray([[0.5, -0.25], [-1.0, 2.0]], jnp.float32)
+    kd = jnp.asarray([[1.0, 1.0], [-1.0, 1.0]], jnp.float32)
+    signed, score = _fp8.native_operands(q, qd, kd)
+    np.testing.assert_array_equal(np.asarray(score), np.abs(np.asarray(qd * kd)))
+    sign = np.repeat(np.sign(np.asarray(qd * kd)), GROUP, axis=1)[:, None, :, None]
+    np.testing.assert_array_equal(np.asarray(signed.astype(jnp.float32)),
+                                  np.asarray(q.astype(jnp.float32)) * sign)
+
+
+def test_a_call_the_float8_kernel_could_take_runs_the_fallback_off_hopper():
+    # e4m3, head dim 128, bf16 out, sinks and a window: a native candidate; on a machine
+    # without an sm_90 GPU (this one: the CPU) the same numbers as the dequantised call.
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.normal(size=s) * 2, jnp.float32).astype(jnp.float8_e4m3fn)
+               for s in ((1, 40, 4, 128), (1, 33, 2, 128), (1, 33, 2, 128)))
+    sinks = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+    options = dict(sinks=sinks, window_size=(8, 3), return_lse=True, **DESCALES_1)
+    assert _fp8.native_candidate(q, k, v, jnp.bfloat16, dict(
+        softmax_scale=None, causal=False, window_size=(8, 3), softcap=0.0, sinks=sinks,
+        return_lse=True, deterministic=False, q_segment_ids=None, kv_segment_ids=None,
+        seqused_q=None, seqused_k=None, q_offset=None, kv_offset=None, bias=None, mask=None,
+        alibi_slopes=None, dropout_rate=0.0, dropout_key=None, implementation=None))
+    auto = jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, **options))(q, k, v)
+    cpu = flashjax.flash_attention(q, k, v, implementation="cpu", **options)
+    for a, b in zip(auto, cpu):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))
+
+
+DESCALES_1 = dict(q_descale=jnp.float32(0.3), k_descale=jnp.full((1, 2), -0.2, jnp.float32),
+                  v_descale=jnp.full((1, 1), 0.5, jnp.float32))

@@ -35,25 +35,15 @@ constexpr int kTileBytes = 128 * 128;                // a 128 x 128-byte tile
 constexpr float kLog2Scale = 0.125f;                 // (any: P's values only vary)
 constexpr float kExponentOffset = 8.0f;              // P in (0, 256], as FA3's Max_offset
 
-// Operand slot k of a 32-key block holds key perm(k): the slot a thread fills from its
-// own accumulators (row g: keys 8 n + 2 t, 8 n + 2 t + 1 of 8-key tiles n = 0..3;
-// operand: row g, slots 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3).
-__host__ __device__ int permuted_key(int k) {
-  const int half = k / 16, t = (k % 16) / 4, j = k % 4;
-  return 16 * half + 2 * t + (j & 1) + 8 * (j >> 1);
-}
+// Operand slot k of a 32-key block holds key permuted_key(k) (params.h's Float8Inputs:
+// the slot a thread fills from its own accumulators, p_fragment_f8).
+using flashjax::Float8Inputs;
 
 // Byte (row, col) of a tile of 128-byte rows in the 128-byte swizzle TMA writes.
 __device__ int swizzled(int row, int col) {
   return row * 128 + ((((col >> 4) ^ (row & 7))) << 4) + (col & 15);
 }
 
-__device__ uint32_t pack_e4m3x4(float k0, float k1, float k2, float k3) {
-  uint16_t lo, hi;  // (cvt packs its first operand in the upper byte)
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(k1), "f"(k0));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(k3), "f"(k2));
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
 __device__ float e4m3_value(uint32_t word, int byte) {
   __nv_fp8_e4m3 x;
   x.__x = static_cast<__nv_fp8_storage_t>((word >> (8 * byte)) & 0xff);
@@ -106,23 +96,23 @@ __global__ void __launch_bounds__(128) check_kernel(const uint8_t* q, const uint
   for (int i = 0; i < 64; ++i)
     s[i] = exp2f(s[i] * kLog2Scale - row_max[(i / 2) % 2] + kExponentOffset);
 
-  // Key block b: register 0 row g (8-key tiles 4b, 4b + 1), 1 row g + 8, 2 and 3 the
-  // same of tiles 4b + 2, 4b + 3; a tile's two keys of a row are accumulators 4n + 2h
-  // and 4n + 2h + 1 (h: the row half).
+  // Key block b (the kernel's packing, p_fragment_f8): register 0 row g (8-key tiles
+  // 4b, 4b + 1), 1 row g + 8, 2 and 3 the same of tiles 4b + 2, 4b + 3; a tile's two
+  // keys of a row are accumulators 4n + 2h and 4n + 2h + 1 (h: the row half).
   uint32_t pa[kKeys / kKeyBlock][4];
 #pragma unroll
-  for (int b = 0; b < kKeys / kKeyBlock; ++b)
+  for (int b = 0; b < kKeys / kKeyBlock; ++b) {
+    p_fragment_f8<kKeys / 8>(pa[b], s, b);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int h = r % 2, n = 4 * b + 2 * (r / 2);
-      pa[b][r] = pack_e4m3x4(s[4 * n + 2 * h], s[4 * n + 2 * h + 1], s[4 * (n + 1) + 2 * h],
-                             s[4 * (n + 1) + 2 * h + 1]);
 #pragma unroll
       for (int byte = 0; byte < 4; ++byte) {
         const int i = 4 * (n + byte / 2) + 2 * h + byte % 2;
         p_out[row_of(i) * kKeys + key_of(i)] = e4m3_value(pa[b][r], byte);
       }
     }
+  }
 
   float o[64] = {};
   wgmma_fence();
@@ -183,7 +173,7 @@ int main() {
   for (int d = 0; d < kDim; ++d)
     for (int key = 0; key < kKeys; ++key) {
       const int block = key / kKeyBlock * kKeyBlock;
-      vt_permuted[d * kKeys + key] = v[(block + permuted_key(key % kKeyBlock)) * kDim + d];
+      vt_permuted[d * kKeys + key] = v[(block + Float8Inputs::permuted_key(key % kKeyBlock)) * kDim + d];
       vt_plain[d * kKeys + key] = v[key * kDim + d];
     }
 

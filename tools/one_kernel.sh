@@ -4,7 +4,7 @@
 # line-annotated disassembly for tools/ncu_lines.py --source.
 # Usage: tools/one_kernel.sh KERNEL [SRC]   (SRC: a source tree, default this one)
 #   KERNEL: key128 key64 (the fused uniform key kernels, bf16), wide (d256 key kernel),
-#           fwd128 (the uniform forward, bf16)
+#           fwd128 (the uniform forward, bf16), fp8fwd128 fp8fwd256 (its float8 kernels)
 # Output in /tmp/one_kernel/KERNEL.{log,cubin,dis}.
 set -euo pipefail
 kernel=$1 src=$(cd "${2:-$(dirname "$0")/..}" && pwd)
@@ -28,7 +28,14 @@ case $kernel in
       const __grid_constant__ flashjax::AttentionParams, const __grid_constant__ fc::hopper_fwd::TensorMaps,
       const __grid_constant__ fc::hopper_fwd::ScheduleOf<fc::Layouts::kUniform>,
       const __grid_constant__ fc::SegmentTiles, const __grid_constant__ fc::MaskTiles);" ;;
-  *) echo "unknown kernel $kernel (key128 key64 wide fwd128)" >&2; exit 2 ;;
+  fp8fwd128|fp8fwd256)
+    header=sm90/fwd_kernel.cuh
+    inst="template __global__ void fc::hopper_fwd::hopper_forward_kernel<__nv_fp8_e4m3, __nv_bfloat16,
+      ${kernel#fp8fwd}, fc::Layouts::kUniform, fc::TermSet::kNone, false>(
+      const __grid_constant__ flashjax::AttentionParams, const __grid_constant__ fc::hopper_fwd::TensorMaps,
+      const __grid_constant__ fc::hopper_fwd::ScheduleOf<fc::Layouts::kUniform>,
+      const __grid_constant__ fc::SegmentTiles, const __grid_constant__ fc::MaskTiles);" ;;
+  *) echo "unknown kernel $kernel (key128 key64 wide fwd128 fp8fwd128 fp8fwd256)" >&2; exit 2 ;;
 esac
 printf '#include "%s"\nnamespace fc = flashjax::cuda;\n%s\n' "$header" "$inst" > "$out/$kernel.cu"
 "$nvcc" -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \

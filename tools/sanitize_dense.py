@@ -1,8 +1,10 @@
 """Dense forward + backward through every GPU kernel path at small, odd shapes, for
 `compute-sanitizer --tool memcheck python tools/sanitize_dense.py`: the sanitizer must
 report 0 errors. Covers causal / window / sinks / GQA, bf16 d128 and d64, fp16 d96,
-float32 d40, the wide kernel (d192, d256), default and deterministic backward, and
-the Hopper forward's schedules over more than one round of tiles."""
+float32 d40, the wide kernel (d192, d256), default and deterministic backward, the
+Hopper forward's schedules over more than one round of tiles, and its float8 kernels
+(forward only: d128 GQA-packed and not, d256; keys off the 32-key blocks of V^T, a NaN
+in a hidden key's V for the recompute)."""
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,11 @@ MULTI_ROUND = [
     (jnp.bfloat16, 128, 1100, 1100, 36, 12, dict(window_size=(300, 0))),
 ]
 NAN_ROW = 70
+FLOAT8 = [  # (head_dim, seqlen_q, seqlen_k, heads_q, heads_kv, options)
+    (128, 200, 333, 4, 2, dict(causal=True)),
+    (128, 16, 301, 8, 2, dict(causal=True)),  # GQA-packed rows
+    (256, 130, 97, 2, 2, dict(window_size=(40, 0), sinks=jnp.zeros((2,), jnp.float32))),
+]
 
 
 def main():
@@ -45,6 +52,15 @@ def main():
             grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
             jax.block_until_ready(grads)
             print(dtype.__name__, d, options.keys(), deterministic, "ok", flush=True)
+    for d, sq, sk, hq, hk, options in FLOAT8:
+        keys = jax.random.split(jax.random.key(1), 3)
+        f8 = lambda key, shape: jax.random.normal(key, shape).astype(jnp.float8_e4m3fn)
+        q, k, v = f8(keys[0], (2, sq, hq, d)), f8(keys[1], (2, sk, hk, d)), f8(keys[2], (2, sk, hk, d))
+        v = v.at[1, sk - 1, 0, 3].set(jnp.nan)  # (hidden from the causal rows before the last)
+        out = jax.jit(lambda q, k, v: flashjax.flash_attention(
+            q, k, v, q_descale=jnp.float32(0.5), k_descale=jnp.float32(-0.25), **options))(q, k, v)
+        jax.block_until_ready(out)
+        print("float8_e4m3fn", d, options.keys(), "ok", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ namespace {
 
 struct CpuPlatform {
   static ffi::Error forward(const flashjax::AttentionParams& p) {
+    if (p.float8.active())
+      return ffi::Error::InvalidArgument(
+          "flashjax: float8 q, k, v run on the Hopper kernel only (flash_attention dequantises "
+          "them on every other path)");
     flashjax::cpu::attention_forward(p);
     return ffi::Error::Success();
   }
@@ -36,5 +40,6 @@ using CpuKvcacheHandler = flashjax::ffi_layer::KvcacheHandler<CpuPlatform>;
 }  // namespace
 
 FLASHJAX_DEFINE_HANDLERS(CpuHandlers, ffi::Ffi::Bind(), FlashjaxForwardCpu, FlashjaxBackwardCpu,
-                         FlashjaxVarlenForwardCpu, FlashjaxVarlenBackwardCpu);
+                         FlashjaxVarlenForwardCpu, FlashjaxVarlenBackwardCpu,
+                         FlashjaxFloat8ForwardCpu);
 FLASHJAX_DEFINE_KVCACHE_HANDLER(CpuKvcacheHandler, ffi::Ffi::Bind(), FlashjaxKvcacheCpu);

@@ -40,6 +40,11 @@ struct CudaPlatform {
   static ffi::Error forward(int32_t device, cudaStream_t stream,
                             ffi::ScratchAllocator& scratch, const AttentionParams& p) {
     if (ffi::Error e = use_device(device); e.failure()) return e;
+    if (p.float8.active() && flashjax::cuda::forward_kernel(p) != flashjax::cuda::Kernel::kHopper)
+      return ffi::Error::InvalidArgument(
+          "flashjax: float8 q, k, v need the Hopper kernel: an sm_90 GPU, float8_e4m3fn, "
+          "bfloat16 out, head dims 128 or 256 (equal, compiled), dense layouts without "
+          "segment ids, positions, bias, mask, ALiBi, dropout or softcap");
     std::optional<void*> ws = workspace(scratch, flashjax::cuda::forward_workspace_bytes(p));
     if (!ws) return ffi::Error::Internal("flashjax: could not allocate forward workspace");
     return to_ffi_error(flashjax::cuda::forward(p, *ws, stream), "forward kernel launch");
@@ -80,7 +85,7 @@ FLASHJAX_DEFINE_HANDLERS(CudaHandlers,
                              .Ctx<ffi::PlatformStream<cudaStream_t>>()
                              .Ctx<ffi::ScratchAllocator>(),
                          FlashjaxForwardCuda, FlashjaxBackwardCuda, FlashjaxVarlenForwardCuda,
-                         FlashjaxVarlenBackwardCuda);
+                         FlashjaxVarlenBackwardCuda, FlashjaxFloat8ForwardCuda);
 FLASHJAX_DEFINE_KVCACHE_HANDLER(CudaKvcacheHandler,
                                 ffi::Ffi::Bind()
                                     .Ctx<ffi::DeviceOrdinal>()

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <sstream>
+#include <string>
 
 namespace flashjax::ffi_layer {
 namespace {
@@ -75,7 +76,8 @@ template <class TargetOptions>
 ffi::Error check_and_set_common(AttentionParams& p, const ffi::AnyBuffer& q,
                                 const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                 const TargetOptions& options) {
-  if (!to_dtype(q.element_type(), p.dtype))
+  // (float8 q, k, v: start_float8 has set their type and p.dtype, out's)
+  if (!p.float8.active() && !to_dtype(q.element_type(), p.dtype))
     return invalid("q must be float16, bfloat16 or float32");
   const bool float8_cache = p.cache.active() && k.element_type() == v.element_type() &&
                             to_cache_element(k.element_type(), p.cache.element);
@@ -426,9 +428,49 @@ ffi::Error expect_per_head(const char* name, const ffi::AnyBuffer& buffer,
 ffi::Error expect_output(const char* name, const ffi::AnyBuffer& buffer,
                          const ffi::AnyBuffer& q, const AttentionParams& p) {
   auto bd = buffer.dimensions(), qd = q.dimensions();
-  const bool ok = buffer.element_type() == q.element_type() && same_leading(bd, 1, qd, 1) &&
-                  bd[bd.size() - 1] == p.head_dim_v;
+  DType dtype;  // (q's, or out's for float8 q)
+  const bool ok = to_dtype(buffer.element_type(), dtype) && dtype == p.dtype &&
+                  same_leading(bd, 1, qd, 1) && bd[bd.size() - 1] == p.head_dim_v;
   if (!ok) return invalid(std::string(name) + " has the wrong dtype or shape " + shape_string(bd));
+  return ffi::Error::Success();
+}
+
+ffi::Error start_float8(AttentionParams& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& out) {
+  if (!to_cache_element(q.element_type(), p.float8.element))
+    return invalid("the float8 forward takes float8_e4m3fn or float8_e5m2 q, k, v");
+  if (!to_dtype(out.element_type(), p.dtype) || p.dtype == DType::kFloat32)
+    return invalid("the float8 forward's out must be bfloat16 or float16");
+  return ffi::Error::Success();
+}
+
+ffi::Error fill_float8_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
+                              const ffi::AnyBuffer& vt,
+                              std::initializer_list<const ffi::AnyBuffer*> descales) {
+  if (p.packed()) return invalid("float8 q, k, v take the dense layout");
+  static const char* const kNames[] = {"score_descale", "v_descale"};
+  const float** fields[] = {&p.float8.score_descale, &p.float8.v_descale};
+  int i = 0;
+  for (const ffi::AnyBuffer* descale : descales) {  // (batch.., heads_kv): vmap folds batch
+    auto d = descale->dimensions();
+    if (descale->element_type() != ffi::DataType::F32 || d.size() == 0 ||
+        d[d.size() - 1] != p.heads_kv || leading_product(d, 1) != p.batch)
+      return invalid(std::string(kNames[i]) + " must be float32 (batch, heads_kv); got " +
+                     shape_string(d));
+    *fields[i++] = static_cast<const float*>(descale->untyped_data());
+  }
+  // V^T: (batch.., heads_kv, head_dim_v, keys), keys >= seqlen_k in whole permuted blocks.
+  auto d = vt.dimensions();
+  const size_t r = d.size();
+  if (vt.element_type() != q.element_type() || r < 3 || d[r - 3] != p.heads_kv ||
+      d[r - 2] != p.head_dim_v || d[r - 1] < p.seqlen_k || d[r - 1] % kFloat8KeyBlock != 0 ||
+      leading_product(d, 3) != p.batch)
+    return invalid("vt must be v's dtype, (batch, heads_kv, head_dim_v, keys) with keys >= "
+                   "seqlen_k a multiple of " + std::to_string(kFloat8KeyBlock) + "; got " +
+                   shape_string(d));
+  const int64_t keys = d[r - 1];
+  p.float8.vt_keys = keys;
+  p.float8.vt = TensorRef{vt.untyped_data(), p.heads_kv * p.head_dim_v * keys, keys,
+                          p.head_dim_v * keys};
   return ffi::Error::Success();
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 
 #include "flashjax/operands.h"
@@ -78,6 +79,14 @@ ffi::Error fill_packed_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
 // Checks each present optional input and points its AttentionParams field at
 // it (after fill_*_inputs).
 ffi::Error fill_optional_inputs(AttentionParams& p, const OptionalInputs& inputs);
+
+// The float8 forward (Float8Inputs): before fill_*_inputs, q's float8 type and out's
+// dtype (p.dtype); after, V^T and the descales (score_descale, v_descale), checked
+// against the call's shapes.
+ffi::Error start_float8(AttentionParams& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& out);
+ffi::Error fill_float8_inputs(AttentionParams& p, const ffi::AnyBuffer& q,
+                              const ffi::AnyBuffer& vt,
+                              std::initializer_list<const ffi::AnyBuffer*> descales);
 
 // A ScoreArray view of a checked kScores / kScoreMask buffer (or of dbias, shaped
 // like its bias).

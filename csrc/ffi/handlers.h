@@ -2,8 +2,10 @@
 // AttentionParams, then call the platform's `run(params)`. The CPU and CUDA
 // handler files only bind these to XLA with their own context.
 //
-// Targets (the same four on every platform):
+// Targets (the same five on every platform):
 //   forward         (q, k, v, [optional..]) -> (out, lse)
+//   float8_forward  (q, k, v, vt, score_descale, v_descale, [optional..]) -> (out, lse):
+//                   float8 q, k, v (Float8Inputs; the platforms say which calls run)
 //   backward        (q, k, v, out, dout, lse, dlse, [optional..]) -> (dq, dk, dv, dsinks
 //                   [, dbias]): dbias (bias's shape) when Options::bias_gradient
 //   varlen_forward  (q, k, v, cu_seqlens_q, cu_seqlens_k, [optional..]) -> (out, lse)
@@ -60,6 +62,30 @@ ffi::Error forward_handler(const Inputs& in, const ffi::RemainingArgs& rest, ffi
   p.out = row_tensor(p, out.untyped_data(), true, p.heads_q, p.head_dim_v);
   p.lse = row_stats(p, lse.untyped_data());
   if (p.batch == 0) return ffi::Error::Success();  // vmap over an empty axis: nothing to do
+  return run(p);
+}
+
+// The float8 forward (flash_attention's fp8 path, the Hopper kernel): float8 q, k, v
+// of one type, V^T with its keys permuted and the descales of q.k and of V
+// (Float8Inputs), then the forward's optional inputs; out in bfloat16 (or float16), lse.
+struct Float8Operands {
+  ffi::AnyBuffer vt, score_descale, v_descale;
+};
+template <class Run>
+ffi::Error float8_forward_handler(const Inputs& in, const Float8Operands& f,
+                                  const ffi::RemainingArgs& rest, ffi::AnyBuffer out,
+                                  ffi::AnyBuffer lse, const Options& options, Run&& run) {
+  AttentionParams p;
+  if (ffi::Error e = start_float8(p, in.q, out); e.failure()) return e;
+  if (ffi::Error e = fill_inputs(p, in, rest, options); e.failure()) return e;
+  if (ffi::Error e = fill_float8_inputs(p, in.q, f.vt, {&f.score_descale, &f.v_descale});
+      e.failure())
+    return e;
+  if (ffi::Error e = expect_output("out", out, in.q, p); e.failure()) return e;
+  if (ffi::Error e = expect_row_stats("lse", lse, p); e.failure()) return e;
+  p.out = row_tensor(p, out.untyped_data(), true, p.heads_q, p.head_dim_v);
+  p.lse = row_stats(p, lse.untyped_data());
+  if (p.batch == 0) return ffi::Error::Success();
   return run(p);
 }
 
@@ -156,6 +182,20 @@ auto bind_forward(Binding binding) {
 }
 
 template <class Binding>
+auto bind_float8_forward(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k
+      .template Arg<ffi::AnyBuffer>()  // v
+      .template Arg<ffi::AnyBuffer>()  // vt
+      .template Arg<ffi::AnyBuffer>()  // score_descale
+      .template Arg<ffi::AnyBuffer>()  // v_descale
+      .RemainingArgs()                 // optional inputs
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // lse
+      .template Attrs<Options>();
+}
+template <class Binding>
 auto bind_varlen_forward(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()  // q
@@ -231,6 +271,15 @@ struct Handlers {
     return forward_handler(Inputs{q, k, v}, rest, *out, *lse, options,
                            [&](const AttentionParams& p) { return Platform::forward(ctx..., p); });
   }
+  static ffi::Error float8_forward(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                   ffi::AnyBuffer v, ffi::AnyBuffer vt,
+                                   ffi::AnyBuffer score_descale, ffi::AnyBuffer v_descale,
+                                   ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::Result<ffi::AnyBuffer> lse, Options options) {
+    return float8_forward_handler(
+        Inputs{q, k, v}, Float8Operands{vt, score_descale, v_descale}, rest, *out, *lse,
+        options, [&](const AttentionParams& p) { return Platform::forward(ctx..., p); });
+  }
   static ffi::Error varlen_forward(Ctx... ctx, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                    ffi::AnyBuffer v, ffi::AnyBuffer cu_q, ffi::AnyBuffer cu_k,
                                    ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> out,
@@ -287,12 +336,16 @@ struct KvcacheHandler {
 
 // Defines the four exported handler symbols Prefix{Forward,Backward,VarlenForward,
 // VarlenBackward}Suffix of a platform; `bind` is its Ffi::Bind() with contexts.
-#define FLASHJAX_DEFINE_HANDLERS(H, bind, Forward, Backward, VarlenForward, VarlenBackward) \
+#define FLASHJAX_DEFINE_HANDLERS(H, bind, Forward, Backward, VarlenForward, VarlenBackward, \
+                                 Float8Forward)                                              \
   FLASHJAX_EXPORT_HANDLER(Forward);                                                          \
+  FLASHJAX_EXPORT_HANDLER(Float8Forward);                                                    \
   FLASHJAX_EXPORT_HANDLER(Backward);                                                         \
   FLASHJAX_EXPORT_HANDLER(VarlenForward);                                                    \
   FLASHJAX_EXPORT_HANDLER(VarlenBackward);                                                   \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(Forward, H::forward, flashjax::ffi_layer::bind_forward(bind)); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Float8Forward, H::float8_forward,                            \
+                                flashjax::ffi_layer::bind_float8_forward(bind));             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(Backward, H::backward,                                       \
                                 flashjax::ffi_layer::bind_backward(bind));                   \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(VarlenForward, H::varlen_forward,                            \

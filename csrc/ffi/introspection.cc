@@ -52,6 +52,14 @@ flashjax::AttentionParams params_of(const FlashjaxCallDescription& d) {
   if (d.segment_ids) p.q_segment_ids = p.kv_segment_ids = placeholder;
   if (d.positions) p.diagonal_offset = placeholder;
   if (d.score_terms) p.alibi_slopes = slope_placeholder;  // (any term picks the same kernels)
+  if (d.float8) {
+    static int8_t vt_placeholder[1];
+    p.float8.element = flashjax::CacheElement::kFloat8E4M3;
+    p.float8.score_descale = p.float8.v_descale = slope_placeholder;
+    p.float8.vt_keys = (d.seqlen_k + flashjax::kFloat8KeyBlock - 1) / flashjax::kFloat8KeyBlock *
+                       flashjax::kFloat8KeyBlock;
+    p.float8.vt = TensorRef{vt_placeholder, 0, p.float8.vt_keys, d.head_dim_v * p.float8.vt_keys};
+  }
   const int64_t rows_q = d.packed ? p.total_q : d.seqlen_q;
   const int64_t rows_k = d.packed ? p.total_k : d.seqlen_k;
   p.q = TensorRef::rows_heads_dim(nullptr, rows_q, d.heads_q, d.head_dim);
@@ -112,9 +120,12 @@ extern "C" int FlashjaxKernelChoice(int device, const FlashjaxCallDescription* c
   if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return e;
   const flashjax::AttentionParams p = params_of(*call);
   using namespace flashjax::cuda;
-  std::snprintf(forward, capacity, "%s", kernel_name(forward_kernel(p)));
+  // (float8: the Hopper kernel or none; flash_attention dequantises for the others)
+  const Kernel kernel = forward_kernel(p);
+  std::snprintf(forward, capacity, "%s",
+                call->float8 && kernel != Kernel::kHopper ? "none" : kernel_name(kernel));
   std::snprintf(backward, capacity, "%s",
-                call->kv_cache ? "none" : kernel_name(backward_kernel(p)));
+                call->kv_cache || call->float8 ? "none" : kernel_name(backward_kernel(p)));
   cudaSetDevice(previous);
   return 0;
 #else

@@ -14,10 +14,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._spec import EXTRA_OPERANDS, KVCACHE, OPERANDS, Config, Extras, Layout, attention_targets
+from ._spec import (EXTRA_OPERANDS, FLOAT8_FORWARD, KVCACHE, OPERANDS, Config, Extras, Layout,
+                    attention_targets)
 from ._vma import result_types, varying_axes
 
-__all__ = ["values", "extra_rows", "from_rows", "forward", "backward", "kvcache"]
+__all__ = ["values", "extra_rows", "from_rows", "forward", "float8_forward", "backward",
+           "kvcache"]
 
 
 def _ffi_call(target, like, operands, results, vmap_method=None, aliases=None):
@@ -72,6 +74,19 @@ def forward(q, k, v, rows: Extras, layout: Layout, cfg: Config):
     target, _ = attention_targets(cfg.packed)
     present, operands = target.operands(values(q, k, v, rows, layout))
     call = _ffi_call(target, q, operands, ((q.shape[:-1] + (v.shape[-1],), q.dtype),
+                                           (_lse_shape(q, cfg), jnp.float32)), _vmap_method(cfg))
+    return call(*operands, **target.attributes(cfg.options(), present))
+
+
+def float8_forward(q, k, v, vt, score_descale, v_descale, rows: Extras, layout: Layout,
+                   cfg: Config, out_dtype):
+    """(out in out_dtype, lse) of one dense call with float8 q, k, v (FLOAT8_FORWARD's
+    operands: _fp8.native_operands makes vt and the descales)."""
+    target = FLOAT8_FORWARD
+    present, operands = target.operands(values(q, k, v, rows, layout, vt=vt,
+                                               score_descale=score_descale,
+                                               v_descale=v_descale))
+    call = _ffi_call(target, q, operands, ((q.shape[:-1] + (v.shape[-1],), out_dtype),
                                            (_lse_shape(q, cfg), jnp.float32)), _vmap_method(cfg))
     return call(*operands, **target.attributes(cfg.options(), present))
 

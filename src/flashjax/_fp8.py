@@ -2,18 +2,22 @@
 float8_e4m3fn or float8_e5m2 with descale factors per (batch, kv head), the output in
 bf16 by default (`out_dtype=`), forward only.
 
-Today every platform runs the exact fallback: the inputs are dequantised
-(x * descale, in float32), rounded to out_dtype and attended by the kernels of that
-dtype. Rounding an
-e4m3 / e5m2 value to bfloat16 is exact, so the result is the bf16 kernel's on the
-dequantised inputs (issue 28's accuracy bound: within 1.5x of that kernel's error). The
-Hopper fp8 wgmma path is not built yet.
+On Hopper GPUs, calls the float8 kernel takes (`native_candidate`, then
+`_introspection.float8_kernel_runs` per device: e4m3, bfloat16 out, head dims 128 or
+256, dense without score terms, softcap or metadata beyond sinks and windows) read the
+float8 values themselves: S = Q K^T and O = P V in 8-bit wgmma, P rounded to e4m3 as
+FlashAttention 3 does (`native_operands` gives them V^T and the descales). Every other
+call runs the exact fallback: the inputs are dequantised (x * descale, in float32),
+rounded to out_dtype and attended by the kernels of that dtype. Rounding an e4m3 / e5m2
+value to bfloat16 is exact, so the result is the bf16 kernel's on the dequantised inputs
+(issue 28's accuracy bound: within 1.5x of that kernel's error).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -100,3 +104,60 @@ def forward_only(x):
 def _forward_only_jvp(primals, tangents):
     raise TypeError(f"flash_attention with {primals[0].dtype} inputs is forward only: q, k, v "
                     "have no gradient (differentiate a bfloat16 / float16 call instead)")
+
+
+# The float8 kernel (csrc/cuda/sm90, Float8Inputs in params.h): its head dims, and V^T's
+# key blocks: slot j of each block of FLOAT8_KEY_BLOCK keys holds key PERMUTED_KEYS[j]
+# (slots 4t..4t+3 of each 16: keys 2t, 2t+1, 2t+8, 2t+9), the order in which a thread's
+# accumulators of P pack into the 8-bit wgmma A operand.
+NATIVE_HEAD_DIMS = (128, 256)
+FLOAT8_KEY_BLOCK = 32
+PERMUTED_KEYS = np.array([16 * (j // 16) + 2 * ((j % 16) // 4) + (j % 2) + 8 * ((j % 4) // 2)
+                          for j in range(FLOAT8_KEY_BLOCK)])
+# flash_attention options the float8 kernel takes as the bf16 one does; the others must
+# be off (None, 0) for it: the call then dequantises.
+NATIVE_OPTIONS = ("softmax_scale", "causal", "window_size", "sinks", "return_lse",
+                  "deterministic", "implementation", "dropout_key")
+
+
+def native_candidate(q, k, v, out_dtype, options: dict) -> bool:
+    """Whether a float8 call is one the Hopper float8 kernel takes (the devices decide
+    the rest: _introspection.float8_kernel_runs)."""
+    return (q.dtype == jnp.float8_e4m3fn and jnp.dtype(out_dtype) == jnp.bfloat16
+            and q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in NATIVE_HEAD_DIMS
+            and min(q.shape[0], q.shape[1], k.shape[1]) > 0
+            and options["implementation"] in (None, "cuda")
+            and all(not _is_set(value) for name, value in options.items()
+                    if name not in NATIVE_OPTIONS))
+
+
+def _is_set(value) -> bool:
+    return value is not None and not (isinstance(value, (int, float)) and value == 0)
+
+
+def permuted_transpose(v):
+    """V (batch, seqlen_k, heads_kv, head_dim_v) as the float8 kernel reads it: (batch,
+    heads_kv, head_dim_v, keys), keys zero-padded to a multiple of FLOAT8_KEY_BLOCK and
+    permuted within each block (PERMUTED_KEYS). One XLA fusion, reading and writing V once."""
+    batch, seqlen_k, heads_kv, dim = v.shape
+    keys = -(-seqlen_k // FLOAT8_KEY_BLOCK) * FLOAT8_KEY_BLOCK
+    v = jnp.pad(v, ((0, 0), (0, keys - seqlen_k), (0, 0), (0, 0)))
+    blocks = v.reshape(batch, keys // FLOAT8_KEY_BLOCK, FLOAT8_KEY_BLOCK, heads_kv, dim)
+    blocks = blocks[:, :, PERMUTED_KEYS]
+    return blocks.transpose(0, 3, 4, 1, 2).reshape(batch, heads_kv, dim, keys)
+
+
+def native_operands(q, q_descale, k_descale, may_be_negative: bool = True):
+    """(q, score_descale) for the float8 kernel: the descale of q.k per (batch, kv head),
+    q_descale * k_descale, made >= 0 by flipping the sign of q's rows where it is
+    negative (a float8 sign bit), so that the kernel's row maxima of the raw products
+    stay the maxima of the scores. may_be_negative False (both descales omitted: 1):
+    q as it is."""
+    score_descale = q_descale * k_descale
+    if not may_be_negative:
+        return q, score_descale
+    group = q.shape[-2] // q_descale.shape[-1]
+    negative = per_row(score_descale < 0, group)  # (batch, 1, heads_q, 1)
+    bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+    flipped = jax.lax.bitcast_convert_type(bits ^ jnp.uint8(0x80), q.dtype)
+    return jnp.where(negative, flipped, q), jnp.abs(score_descale)

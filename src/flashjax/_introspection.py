@@ -30,7 +30,7 @@ class _CallDescription(ctypes.Structure):  # csrc/ffi/introspection.h
                                                   "window_left", "window_right")]
                 + [(n, ctypes.c_int32) for n in ("packed", "seqused", "segment_ids",
                                                   "positions", "kv_cache", "deterministic",
-                                                  "kernel_cap", "score_terms")])
+                                                  "kernel_cap", "score_terms", "float8")])
 
 
 def _build() -> dict:
@@ -86,16 +86,37 @@ def info(q=None, k=None, v=None, *, causal=False, window_size=(-1, -1), determin
         raise ValueError("info() describes a call by q, k and v together")
     fields = _route.implementation_fields(implementation)
     window = Window.of(causal, window_size)
+    float8 = jnp.dtype(q.dtype) == jnp.float8_e4m3fn  # (out: bfloat16; "none": dequantised)
     call = _CallDescription(
-        dtype=DTYPES.get(jnp.dtype(q.dtype), 0), batch=q.shape[0], seqlen_q=q.shape[1],
+        dtype=DTYPES[jnp.dtype(jnp.bfloat16)] if float8 else DTYPES.get(jnp.dtype(q.dtype), 0),
+        batch=q.shape[0], seqlen_q=q.shape[1],
         seqlen_k=k.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3],
         head_dim_v=v.shape[3], window_left=window.left, window_right=window.right,
         packed=int(varlen), seqused=int(seqused), segment_ids=int(segment_ids),
         positions=int(positions), kv_cache=int(kv_cache), deterministic=int(deterministic),
-        kernel_cap=fields["kernel_cap"], score_terms=int(score_terms))
+        kernel_cap=fields["kernel_cap"], score_terms=int(score_terms), float8=int(float8))
     result["kernels"] = {f"{d.platform}:{d.id}": _kernels(d, call, fields["implementation"])
                          for d in _all_devices()}
+    if float8:  # (forward only)
+        result["kernels"] = {d: dict(k, backward="none") for d, k in result["kernels"].items()}
     return result
+
+
+def float8_kernel_runs(q, k, v, window: Window, out_dtype) -> bool:
+    """Whether every CUDA device JAX has would run flash_attention's float8 call (float8
+    q, k, v; out in out_dtype) on the Hopper kernel, reading the float8 values itself
+    (else flash_attention dequantises them)."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    if not gpus or "CUDA" not in _ffi.load():
+        return False
+    call = _CallDescription(
+        dtype=DTYPES.get(jnp.dtype(out_dtype), 0), batch=q.shape[0], seqlen_q=q.shape[1],
+        seqlen_k=k.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3],
+        head_dim_v=v.shape[3], window_left=window.left, window_right=window.right, float8=1)
+    return all(_cuda_kernels(d, call)["forward"] == "hopper" for d in gpus)
 
 
 def _all_devices() -> list:

@@ -199,6 +199,20 @@ VARLEN_BACKWARD = dataclasses.replace(
     BACKWARD, name="flashjax_varlen_bwd", symbol="FlashjaxVarlenBackward",
     inputs=(Q, K, V, CU_SEQLENS_Q, CU_SEQLENS_K, OUT, DOUT, LSE, DLSE))
 
+# float8 q, k, v (flash_attention's fp8 forward on the Hopper kernel; every other path
+# dequantises them in JAX): V transposed with each 32-key block's keys permuted
+# (_fp8.permuted_transpose), the descale of q.k (q_descale * k_descale, >= 0: q's sign
+# flipped where it is negative) and of V per (sequence, kv head). Not sharded by
+# custom_partitioning (no dims): under a sharded jit XLA gathers its operands.
+# (v_descale: the KV-cache target's too, where it is optional, announced by has_descales)
+K_DESCALE = Operand("k_descale", "float32", "per_kv_head", "b h", flag="has_descales")
+V_DESCALE = Operand("v_descale", "float32", "per_kv_head", "b h", flag="has_descales")
+FLOAT8_FORWARD = Target(
+    "flashjax_fp8_fwd", "FlashjaxFloat8Forward",
+    (Q, K, V, Operand("vt", None, "transposed_values", None),
+     Operand("score_descale", "float32", "per_kv_head", None), V_DESCALE),
+    ATTENTION_OPTIONAL, (OUT, LSE), ATTENTION_OPTIONS)
+
 # The KV-cache target. A cache with one entry per sequence has dims "b r h .."; a pool
 # of entries or pages shared by the sequences has its own leading dim (kvcache.py).
 KVCACHE = Target(
@@ -211,14 +225,13 @@ KVCACHE = Target(
      Operand("page_table", "int32", "page_table", "b p", flag="has_page_table"),
      SINKS,
      # float8 caches: element x of sequence b, kv head h stands for x * descale[b, h]
-     Operand("k_descale", "float32", "per_kv_head", "b h", flag="has_descales"),
-     Operand("v_descale", "float32", "per_kv_head", "b h", flag="has_descales")),
+     K_DESCALE, V_DESCALE),
     # the workspace holds the split-KV partials, per (sequence, head) so that it shards
     # like q; when new rows are appended the caches follow (aliased to inputs 1 and 2)
     (OUT, LSE, Operand("workspace", "float32", "workspace", "b H z")),
     KVCACHE_OPTIONS)
 
-TARGETS = (FORWARD, BACKWARD, VARLEN_FORWARD, VARLEN_BACKWARD, KVCACHE)
+TARGETS = (FORWARD, BACKWARD, VARLEN_FORWARD, VARLEN_BACKWARD, FLOAT8_FORWARD, KVCACHE)
 OPERANDS = {op.name: op for target in TARGETS
             for op in target.inputs + target.optional + target.results}
 

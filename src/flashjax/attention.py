@@ -7,9 +7,10 @@ from the C++ backward through jax.custom_vjp (`_core.attention_core`).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from . import _checks, _core, _dropout, _ffi, _fp8
+from . import _checks, _core, _dropout, _ffi, _ffi_calls, _fp8, _introspection, _route
 from ._spec import Extras, Layout
 
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
@@ -148,23 +149,51 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
 
 
 def _fp8_attention(q, k, v, descales: dict, out_dtype, options: dict):
-    """flash_attention of float8 q, k, v: the exact fallback (_fp8): dequantised inputs
-    in the compute dtype, its kernels, out in out_dtype."""
+    """flash_attention of float8 q, k, v (_fp8): on Hopper GPUs the float8 kernel where
+    it takes the call, else the exact fallback (dequantised inputs in out's dtype, its
+    kernels); out in out_dtype."""
     _fp8.check_inputs(q, k, v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim), got "
                              f"shape {x.shape}")
-    batch, heads_kv = k.shape[0], k.shape[2]
-    compute = out_dtype = _fp8.out_dtype_of(out_dtype)  # (the kernels of out's dtype)
-    q = _fp8.dequantize_query(q, descales["q_descale"], batch, heads_kv, compute)
-    k, v = (_fp8.dequantize(_fp8.forward_only(x), _fp8.descale_of(name, descales[name], batch,
-                                                                   heads_kv), compute)
-            for x, name in ((k, "k_descale"), (v, "v_descale")))
-    result = flash_attention(q, k, v, **options)
-    if isinstance(result, tuple):
-        return (result[0].astype(out_dtype),) + result[1:]
-    return result.astype(out_dtype)
+    batch, heads_q, heads_kv = q.shape[0], q.shape[2], k.shape[2]
+    if heads_kv < 1 or heads_q % heads_kv != 0:
+        raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) "
+                         "for MQA/GQA")
+    out_dtype = _fp8.out_dtype_of(out_dtype)
+    scales = tuple(_fp8.descale_of(name, descales[name], batch, heads_kv)
+                   for name in _fp8.DESCALES)
+    q, k, v = map(_fp8.forward_only, (q, k, v))
+
+    def dequantised(q, k, v, q_descale, k_descale, v_descale):  # (out, lse)
+        # (rounding float8 to out's dtype is exact; the kernels of that dtype)
+        q = _fp8.dequantize(q, q_descale, out_dtype, heads_q // heads_kv)
+        k, v = _fp8.dequantize(k, k_descale, out_dtype), _fp8.dequantize(v, v_descale, out_dtype)
+        out, lse = flash_attention(q, k, v, **dict(options, return_lse=True))
+        return out.astype(out_dtype), lse
+
+    if _fp8.native_candidate(q, k, v, out_dtype, options):
+        # (the checks and Config of the call, on stand-ins of the dequantised inputs)
+        like = lambda x: jax.ShapeDtypeStruct(x.shape, out_dtype)
+        extras, layout, cfg = _describe(like(q), like(k), like(v), **options)
+        # (omitted descales are 1: no sign of q to flip)
+        signed = descales["q_descale"] is not None or descales["k_descale"] is not None
+
+        def on_cuda(*args):
+            if not _introspection.float8_kernel_runs(q, k, v, cfg.window, out_dtype):
+                return dequantised(*args)
+            q_, k_, v_, q_descale, k_descale, v_descale = args
+            q_, score_descale = _fp8.native_operands(q_, q_descale, k_descale, signed)
+            return _ffi_calls.float8_forward(
+                q_, k_, v_, _fp8.permuted_transpose(v_), score_descale, v_descale,
+                _ffi_calls.extra_rows(q_, extras, layout, cfg), layout, cfg, out_dtype)
+
+        out, lse = _route.run(cfg, (q, k, v) + scales, cuda=on_cuda, cpu=dequantised,
+                              xla=dequantised, arrays=(q,))
+    else:
+        out, lse = dequantised(q, k, v, *scales)
+    return (out, lse) if options["return_lse"] else out
 
 
 def _describe(q, k, v, softmax_scale, causal, window_size, softcap, sinks, return_lse,

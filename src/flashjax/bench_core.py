@@ -17,7 +17,9 @@ import jax.numpy as jnp
 
 MODES = ("fwd", "fwdbwd", "bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# (float8_e4m3fn: flash_attention's float8 forward, out in bfloat16; fwd mode only)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+          "float8_e4m3fn": jnp.float8_e4m3fn}
 
 FA3_TOKENS = 16384
 FA3_HIDDEN = 2048
@@ -89,10 +91,11 @@ def make_inputs(case: Case, seed: int = 0):
     dtype = DTYPES[case.dtype]
     kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
     b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
-    q = jax.random.normal(kq, (b, sq, case.heads, case.head_dim), dtype)
-    k = jax.random.normal(kk, (b, sk, case.heads_kv, case.head_dim), dtype)
-    v = jax.random.normal(kv, (b, sk, case.heads_kv, case.head_dim_v), dtype)
-    dout = jax.random.normal(kd, (b, sq, case.heads, case.head_dim_v), dtype)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    q = normal(kq, (b, sq, case.heads, case.head_dim))
+    k = normal(kk, (b, sk, case.heads_kv, case.head_dim))
+    v = normal(kv, (b, sk, case.heads_kv, case.head_dim_v))
+    dout = normal(kd, (b, sq, case.heads, case.head_dim_v))
     return q, k, v, dout
 
 

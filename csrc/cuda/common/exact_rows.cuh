@@ -163,13 +163,19 @@ __device__ __forceinline__ void exact_forward_row(const AttentionParams& p, int6
   const SegmentIds ids(p, b);
   const PairTerms<kTerms> terms(p, seq, b, h);
   const int64_t hk = h / p.group_size();
+  // (float8 inputs: q.k and V times their descales)
+  constexpr bool kFloat8 = sizeof(T) == 1;
+  const float score_descale = kFloat8 ? p.float8.score_factor(b, hk, p.heads_kv) : 1.0f;
   float q[kSlots], acc[kSlots] = {};
   load_lane(q, seq.q_at<const T>(p.q, i, h), p.head_dim, lane);
   float m = kNegInf, l = 0.0f;
   for (int64_t j = seq.first_key(i); j <= seq.last_key(i); ++j) {  // none past used rows
     if (!ids.visible(i, j) || !terms.allows(i, j)) continue;
     const float s = terms.add_term(
-        score(p, lane_dot(q, seq.k_at<const T>(p.k, j, hk), p.head_dim, lane)), i, j);
+        score(p, kFloat8 ? lane_dot(q, seq.k_at<const T>(p.k, j, hk), p.head_dim, lane) *
+                               score_descale
+                         : lane_dot(q, seq.k_at<const T>(p.k, j, hk), p.head_dim, lane)),
+        i, j);
     const float m_new = fmaxf(m, s);
     // Exponents from 0 while every score so far is -inf (a -inf bias, an inf input):
     // such a key adds exp(-inf) = 0, as in the reference, not exp(-inf - -inf) = NaN.
@@ -191,7 +197,8 @@ __device__ __forceinline__ void exact_forward_row(const AttentionParams& p, int6
   const RowNormaliser row(m, l, sink, used, [](float x) { return expf(x); },
                           [](float x) { return logf(x); });
   store_lane(seq.q_at<TOut>(p.out, i, h), acc, p.head_dim_v, lane,
-             row.factor * terms.keep_scale());
+             row.factor * terms.keep_scale() *
+                 (kFloat8 ? p.float8.value_factor(b, hk, p.heads_kv) : 1.0f));
   if (lane == 0) *seq.q_at<float>(p.lse, i, h) = row.lse;
 }
 

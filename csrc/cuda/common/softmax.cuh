@@ -67,10 +67,13 @@ struct RowSoftmax {
     return packed_rows ? static_cast<int>(tile_row) % packed_rows : tile_row;
   }
 
-  // s becomes exp2((s - m_new) * scale); alpha = exp2((m_old - m_new) * scale) is
-  // what the output accumulated so far must be scaled by. scale (> 0): 1 for scores
-  // in log2 units, exponent_scale(p) for scores<.., true>' (one FFMA a score).
-  template <int kKeyTiles>
+  // s becomes exp2((s - m_new) * scale + kOffset); alpha = exp2((m_old - m_new) *
+  // scale) is what the output accumulated so far must be scaled by. scale (> 0): 1 for
+  // scores in log2 units, exponent_scale(p) for scores<.., true>' (one FFMA a score).
+  // kOffset: P in (0, 2^kOffset], l and O 2^kOffset times theirs (log2_units takes it
+  // off m), so that a float8 P keeps its precision for small probabilities (FA3's
+  // Max_offset).
+  template <int kKeyTiles, int kOffset = 0>
   __device__ void exponentiate(float (&s)[kKeyTiles * 4], float (&alpha)[2],
                                float scale = 1.0f) {
 #pragma unroll
@@ -82,11 +85,12 @@ struct RowSoftmax {
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float base = mx == kNegInf ? 0.0f : mx * scale;  // nothing visible yet: keep zeros
       alpha[r] = fast_exp2(fmaf(m[r], scale, -base));
+      const float shifted = base - kOffset;
       float sum = 0.0f;
 #pragma unroll
       for (int n = 0; n < kKeyTiles; ++n) {
-        s[4 * n + 2 * r] = fast_exp2(fmaf(s[4 * n + 2 * r], scale, -base));
-        s[4 * n + 2 * r + 1] = fast_exp2(fmaf(s[4 * n + 2 * r + 1], scale, -base));
+        s[4 * n + 2 * r] = fast_exp2(fmaf(s[4 * n + 2 * r], scale, -shifted));
+        s[4 * n + 2 * r + 1] = fast_exp2(fmaf(s[4 * n + 2 * r + 1], scale, -shifted));
         sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
       }
       l[r] = l[r] * alpha[r] + sum;
@@ -94,11 +98,12 @@ struct RowSoftmax {
     }
   }
 
-  // After exponentiate with a scale other than 1: m to log2 units, as the epilogue
-  // reads it.
+  // After exponentiate with a scale other than 1 (or an offset): m to log2 units, as
+  // the epilogue reads it, less the offset that l and O carry (-inf stays -inf).
+  template <int kOffset = 0>
   __device__ void log2_units(float scale) {
-    m[0] *= scale;
-    m[1] *= scale;
+    m[0] = m[0] * scale - kOffset;
+    m[1] = m[1] * scale - kOffset;
   }
 
   template <int kDimTiles>

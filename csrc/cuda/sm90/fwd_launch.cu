@@ -25,8 +25,27 @@ constexpr HeadDims<64, 96, 128, 192, 256> kBuckets{};
 using hopper_fwd::ForwardWorkspace;
 using hopper_fwd::kBuckets;
 
+namespace {
+
+// float8 q, k, v (BucketLaunch's float8 kernels): e4m3, bfloat16 out, V^T and the
+// descales given, uniform layouts without score terms or softcap (its scores would
+// need the descales before the cap), head dims equal and one of float8_head_dim's
+// (their own bucket, compiled).
+bool float8_supported(const AttentionParams& p) {
+  const Float8Inputs& f = p.float8;
+  const int64_t bucket = head_dim_bucket(kBuckets, p);
+  return f.element == CacheElement::kFloat8E4M3 && p.dtype == DType::kBFloat16 && f.vt &&
+         f.score_descale && f.v_descale && f.vt_keys >= p.seqlen_k &&
+         f.vt_keys % kFloat8KeyBlock == 0 && p.uniform() && !p.has_pair_terms() &&
+         p.softcap == 0.0f && p.head_dim == p.head_dim_v && bucket == p.head_dim &&
+         hopper_fwd::float8_head_dim(static_cast<int>(bucket));
+}
+
+}  // namespace
+
 bool hopper_forward_supports(const AttentionParams& p) {
 #ifdef FLASHJAX_HOPPER
+  if (p.float8.active() && !float8_supported(p)) return false;
   // Layouts: see hopper_layouts_supported. TMA needs 16-byte row strides (head dims
   // % 8) and a 64-column box inside the tensor (head dims >= 64); int32 TMA
   // coordinates bound the sizes.

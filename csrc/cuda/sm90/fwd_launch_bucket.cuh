@@ -28,17 +28,24 @@ namespace flashjax::cuda::hopper_fwd {
 namespace {
 
 
-// gqa_packed: a tile holds a whole query-head group (TileSchedule).
+// gqa_packed: a tile holds a whole query-head group (TileSchedule). float8: byte
+// elements, and v's map is V^T's (Float8Inputs::vt: "rows" are head dims, columns
+// keys; a box is 128 keys of every head dim).
 template <class Cfg>
 bool make_maps(const AttentionParams& p, bool gqa_packed, TensorMaps& maps) {
   const MapExtent qe = query_extent(p), ke = key_extent(p);
-  return make_map(&maps.q, p.q, p.dtype, qe.batch, qe.rows, p.heads_q, p.head_dim,
+  const MapElement element = Cfg::kFloat8 ? kFloat8MapElement : map_element(p.dtype);
+  const bool values =
+      Cfg::kFloat8 ? make_map(&maps.v, p.float8.vt, element, p.batch, p.head_dim_v, p.heads_kv,
+                              p.float8.vt_keys, static_cast<int>(p.head_dim_v))
+                   : make_map(&maps.v, p.v, element, ke.batch, ke.rows, p.heads_kv,
+                              p.head_dim_v, Cfg::kBlockN);
+  return make_map(&maps.q, p.q, element, qe.batch, qe.rows, p.heads_q, p.head_dim,
                   gqa_packed ? static_cast<int>(p.seqlen_q) : Cfg::kBlockM,
                   gqa_packed ? static_cast<int>(p.group_size()) : 1) &&
-         make_map(&maps.k, p.k, p.dtype, ke.batch, ke.rows, p.heads_kv, p.head_dim,
+         make_map(&maps.k, p.k, element, ke.batch, ke.rows, p.heads_kv, p.head_dim,
                   Cfg::kBlockN) &&
-         make_map(&maps.v, p.v, p.dtype, ke.batch, ke.rows, p.heads_kv, p.head_dim_v,
-                  Cfg::kBlockN);
+         values;
 }
 
 // Heads per section of a dynamic schedule (fwd_scheduler.cuh): as many as keep the
@@ -170,6 +177,14 @@ cudaError_t launch(const AttentionParams& p, void* workspace, cudaStream_t strea
 template <int kHeadDim>
 cudaError_t BucketLaunch<kHeadDim>::run(const AttentionParams& p, void* workspace,
                                         cudaStream_t stream) {
+  // float8 e4m3 inputs, bfloat16 out, uniform layouts without score terms
+  // (hopper_forward_supports checks; float8_head_dim's buckets compile them).
+  if (p.float8.active()) {
+    if constexpr (float8_head_dim(kHeadDim))
+      return launch_layouts<__nv_fp8_e4m3, __nv_bfloat16, kHeadDim, Layouts::kUniform,
+                            TermSet::kNone, false>(p, workspace, stream);
+    return cudaErrorNotSupported;
+  }
   return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
     return launch<decltype(tag), kHeadDim>(p, workspace, stream);
   });

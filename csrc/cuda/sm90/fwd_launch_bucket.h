@@ -10,6 +10,10 @@
 
 namespace flashjax::cuda::hopper_fwd {
 
+// The head dims with a float8 kernel (the bucket is the head dim: 128-byte rows
+// of Q, K and V^T tiles, and an 8-bit wgmma of N = head dim for P V^T).
+constexpr bool float8_head_dim(int head_dim) { return head_dim == 128 || head_dim == 256; }
+
 template <int kHeadDim>
 struct BucketLaunch {
   // `workspace`: hopper_forward_workspace_bytes(p) bytes (ForwardWorkspace).

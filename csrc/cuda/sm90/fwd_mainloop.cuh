@@ -57,6 +57,16 @@ struct ForwardMainloop {
     if (consumer == kConsumers - 1) named_arrive(kTurnBarrier);
   }
 
+  // P's A operand of key step kk (16-bit: 16 keys; float8: 32, p_fragment_f8's order).
+  __device__ __forceinline__ static void pack_probabilities(uint32_t (&a)[4],
+                                                            const float (&s)[kKeyTiles * 4],
+                                                            int kk) {
+    if constexpr (Cfg::kFloat8)
+      p_fragment_f8<kKeyTiles>(a, s, kk);
+    else
+      p_fragment<T, kKeyTiles>(a, s, kk);
+  }
+
   // O (unnormalised, in o: zeros on entry) and the softmax statistics of the
   // consumer's rows of work item w.
   // keys: the item's ItemKeys; terms: a FragmentTerms (score_terms.cuh) of the
@@ -89,11 +99,15 @@ struct ForwardMainloop {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKeySteps; ++kk) {
-        // V is N-major: a k-step's keys are groups of 8 rows (1024 B apart);
-        // column blocks of head dims are kBlockN swizzle rows apart.
-        wgmma_rs<T, kHeadDim>(o, pa[kk],
-                              smem_desc(v_tile + kk * kMmaK * kSwizzleBytes,
-                                        kBlockN * kSwizzleBytes, 8 * kSwizzleBytes));
+        if constexpr (Cfg::kFloat8) {  // V^T: K-major, [head dims][128 keys]
+          wgmma_rs<T, kHeadDim>(o, pa[kk], k_major_desc<kHeadDim>(v_tile, kk));
+        } else {
+          // V is N-major: a k-step's keys are groups of 8 rows (1024 B apart);
+          // column blocks of head dims are kBlockN swizzle rows apart.
+          wgmma_rs<T, kHeadDim>(o, pa[kk],
+                                smem_desc(v_tile + kk * kMmaK * kSwizzleBytes,
+                                          kBlockN * kSwizzleBytes, 8 * kSwizzleBytes));
+        }
       }
       wgmma_commit();
     };
@@ -147,15 +161,21 @@ struct ForwardMainloop {
     };
     // Without score terms (which add in log2 units) the scale rides in the exponent's
     // FFMA (FA3's order: one instruction a score instead of a multiply and a subtraction).
+    // float8: the item's descale of q.k too (>= 0: Float8Inputs); P carries
+    // 2^kFloat8ExponentOffset.
     constexpr bool kFoldScale = !Terms::kActive;
-    const float scale = kFoldScale ? exponent_scale(p) : 1.0f;
+    static_assert(!Cfg::kFloat8 || (kFoldScale && kLayouts == Layouts::kUniform),
+                  "float8: uniform layouts without score terms");
+    constexpr int kOffset = Cfg::kFloat8 ? kFloat8ExponentOffset : 0;
+    float scale = kFoldScale ? exponent_scale(p) : 1.0f;
+    if constexpr (Cfg::kFloat8) scale *= p.float8.score_factor(w.b, w.hk, p.heads_kv);
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
       const TileKeys tile = tile_keys(it);
       const int64_t k0 = tile.k0;
       softmax.scores<kKeyTiles, kFoldScale>(s, p, w.seq, k0, tile.ranged);
       segments.template mask<kKeyTiles>(s, k0);
       if constexpr (Terms::kActive) terms.template add<kKeyTiles>(s, k0, tile.mask_mixed);
-      softmax.exponentiate<kKeyTiles>(s, alpha, scale);
+      softmax.exponentiate<kKeyTiles, kOffset>(s, alpha, scale);
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };
 
@@ -182,7 +202,7 @@ struct ForwardMainloop {
       scores_done(0);
       softmax_step(s, 0, alpha);
 #pragma unroll
-      for (int kk = 0; kk < kKeySteps; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
+      for (int kk = 0; kk < kKeySteps; ++kk) pack_probabilities(pa[kk], s, kk);
       for (int64_t it = 1; it < n_tiles; ++it) {
         wait_turn();
         issue_scores(s, it);
@@ -198,7 +218,7 @@ struct ForwardMainloop {
         values_done(it - 1);
         RowSoftmax::rescale<kDimTiles>(o, alpha);
 #pragma unroll
-        for (int kk = 0; kk < kKeySteps; ++kk) p_fragment<T, kKeyTiles>(pa[kk], s, kk);
+        for (int kk = 0; kk < kKeySteps; ++kk) pack_probabilities(pa[kk], s, kk);
       }
       if constexpr (kLayouts != Layouts::kUniform) clear_values_past_end(n_tiles - 1);
       // (without a turn, as FlashAttention 3 does: the item's last product goes in
@@ -211,7 +231,12 @@ struct ForwardMainloop {
     } else if (lane == 0) {
       mbar_arrive(sm.q_empty);
     }
-    if constexpr (kFoldScale) softmax.log2_units(scale);
+    if constexpr (kFoldScale) softmax.log2_units<kOffset>(scale);
+    if constexpr (Cfg::kFloat8) {  // (O = P V^T of the raw float8 values)
+      const float v_descale = p.float8.value_factor(w.b, w.hk, p.heads_kv);
+#pragma unroll
+      for (int i = 0; i < kDimTiles * 4; ++i) o[i] *= v_descale;
+    }
     kv += n_tiles;
   }
 };

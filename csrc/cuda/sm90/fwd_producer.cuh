@@ -15,8 +15,9 @@
 
 namespace flashjax::cuda::hopper_fwd {
 
-// TMA maps of q, k and v (fwd_launch.cu makes them), and of out where the
-// consumers store their rows by TMA (`store_out`: fwd_epilogue.cuh says when).
+// TMA maps of q, k and v (fwd_launch.cu makes them; float8: v's is V^T's,
+// Float8Inputs::vt), and of out where the consumers store their rows by TMA
+// (`store_out`: fwd_epilogue.cuh says when).
 struct TensorMaps {
   CUtensorMap q, k, v, out;
   bool store_out = false;
@@ -57,8 +58,12 @@ __device__ __forceinline__ void load_work_item(const ForwardSmem<Cfg>& sm,
                                              &sm.k_full[stage], w.k_row(k0), w.hk, w.batch());
     mbar_wait(&sm.v_empty[stage], phase ^ 1);
     mbar_expect_tx(&sm.v_full[stage], Cfg::kKVBytes);
-    tma_tile<kHeadDim, Cfg::kBlockN, kBytes>(sm.v + stage * Cfg::kKVBytes, &maps.v,
-                                             &sm.v_full[stage], w.k_row(k0), w.hk, w.batch());
+    if constexpr (Cfg::kFloat8)  // (V^T: [head dims][keys k0 ..], one box of 128-byte rows)
+      tma_load(sm.v + stage * Cfg::kKVBytes, &maps.v, &sm.v_full[stage], k0, 0, w.hk,
+               w.batch());
+    else
+      tma_tile<kHeadDim, Cfg::kBlockN, kBytes>(sm.v + stage * Cfg::kKVBytes, &maps.v,
+                                               &sm.v_full[stage], w.k_row(k0), w.hk, w.batch());
   }
 }
 

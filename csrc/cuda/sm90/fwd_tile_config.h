@@ -22,6 +22,9 @@ constexpr int kItemSlots = 2;
 constexpr int kConsumerRows = 64;  // query rows of a consumer warpgroup
 constexpr int kWarpRows = 16;      // of a consumer warp (one wgmma row slice)
 constexpr int kWarpsPerGroup = 4;
+// float8 P = exp2(score - max + 8), in (0, 256] (e4m3 reaches 448): small
+// probabilities keep e4m3's precision (FA3's Max_offset).
+constexpr int kFloat8ExponentOffset = 8;
 
 // Named barriers (id 0 is __syncthreads'): 1 + c is consumer c's turn to
 // issue; kClearBarrier + c orders consumer c's zeroing of a V tile before its
@@ -60,6 +63,11 @@ struct TileConfig {
   using Element = T;
   static constexpr int kHeadDim = kHeadDimBucket;
   static constexpr int kElementBytes = sizeof(T);
+  // float8 inputs (Float8Inputs): the 8-bit wgmma, V's tiles from its permuted
+  // transpose ([head dims][keys], K-major: the only B operand 8-bit wgmma reads),
+  // P packed to e4m3 from each thread's own accumulators.
+  static constexpr bool kFloat8 = kElementBytes == 1;
+  static_assert(!kFloat8 || !kWideKeys, "float8 tiles have 128 keys");
   // Consumer warpgroups, 64 query rows each: three at head dim 64, where the
   // products are short and the softmax needs more warps to hide behind them
   // (FLASHJAX_FWD_D64_CONSUMERS=2: an A/B knob; at 3 the consumers' 160
@@ -67,13 +75,20 @@ struct TileConfig {
   static constexpr int kConsumers = kHeadDim == 64 ? FLASHJAX_FWD_D64_CONSUMERS : 2;
   static constexpr int kBlockM = kConsumerRows * kConsumers;  // query rows per tile
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  // Registers per thread: the producer gives its share to the consumers.
-  static constexpr int kProducerRegs = kConsumers == 3 ? 24 : 40;
-  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
+  // Registers per thread: the producer gives its share to the consumers (float8 at
+  // head dim 256: all but 24, as FA3, for S, O and P's 208 a thread; with 232 ptxas
+  // serialised the wgmmas, C7512).
+  static constexpr bool kWideFloat8 = kFloat8 && kHeadDim > 128;
+  static constexpr int kProducerRegs = kConsumers == 3 || kWideFloat8 ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : (kWideFloat8 ? 240 : 232);
   // Keys per tile: 128 up to head dim 128; above, 64, or 80 with kWideKeys (FA3's
   // d256 tile: fewer, longer products).
+  // float8: 128 at every head dim (a tile of V^T is one 128-byte swizzle row of keys
+  // per head dim).
   static constexpr int kWideBlockN = 80;
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : (kWideKeys ? kWideBlockN : 64);
+  static constexpr int kBlockN =
+      kHeadDim <= 128 || kFloat8 ? 128 : (kWideKeys ? kWideBlockN : 64);
+  static_assert(!kFloat8 || kBlockN * kElementBytes == kSwizzleBytes, "V^T rows of 128 B");
   // Tiles are whole swizzle column blocks (96 -> 128 columns, zero-filled).
   static constexpr int kPaddedDim =
       kColumnBlocks<kHeadDim, kElementBytes> * kSwizzleCols<kElementBytes>;

@@ -364,16 +364,58 @@ __device__ __forceinline__ void fence_operands(float (&regs)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(regs[i])::"memory");
 }
 
+// float8 T (k32 steps; both operands K-major: B of wgmma_rs too, e.g. V^T).
+template <class T, int N>
+__device__ __forceinline__ void wgmma_ss_f8(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
+  if constexpr (N == 64) wgmma_ss_f8_n64<T>(d, a, b, acc);
+  else if constexpr (N == 128) wgmma_ss_f8_n128<T>(d, a, b, acc);
+  else wgmma_ss_f8_n256<T>(d, a, b, acc);
+}
+template <class T, int N>
+__device__ __forceinline__ void wgmma_rs_f8(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (N == 64) wgmma_rs_f8_n64<T>(d, a, b, 1);
+  else if constexpr (N == 128) wgmma_rs_f8_n128<T>(d, a, b, 1);
+  else wgmma_rs_f8_n256<T>(d, a, b, 1);
+}
+
+// Four floats as e4m3 bytes of one register, k0 in the lowest byte (saturated to the
+// finite range; cvt puts its first operand in the upper byte of a pair).
+__device__ __forceinline__ uint32_t pack_e4m3x4(float k0, float k1, float k2, float k3) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(k1), "f"(k0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(k3), "f"(k2));
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// The 8-bit A fragment (16 rows x 32 keys) of P for key step kk, from the accumulator
+// fragment s (fragment.cuh's layout) without shuffles: register r takes row g + 8 (r %
+// 2)'s keys 2t, 2t + 1 of 8-key tiles n and n + 1 (n = 4 kk + 2 (r / 2)), which puts
+// key 2t + (j & 1) + 8 (j >> 1) (+ 16 for r >= 2) in operand slot 4t + j: the order of
+// Float8Inputs::permuted_key, in which V^T's keys come (checked on a GPU by
+// tools/fp8_wgmma_check.cu).
+template <int kKeyTiles>
+__device__ __forceinline__ void p_fragment_f8(uint32_t (&a)[4], const float (&s)[kKeyTiles * 4],
+                                              int kk) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int h = r % 2, n = 4 * kk + 2 * (r / 2);
+    a[r] = pack_e4m3x4(s[4 * n + 2 * h], s[4 * n + 2 * h + 1], s[4 * (n + 1) + 2 * h],
+                       s[4 * (n + 1) + 2 * h + 1]);
+  }
+}
+
 template <class T, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
-  if constexpr (N == 64) wgmma_ss_n64<T>(d, a, b, acc);
+  if constexpr (sizeof(T) == 1) wgmma_ss_f8<T, N>(d, a, b, acc);
+  else if constexpr (N == 64) wgmma_ss_n64<T>(d, a, b, acc);
   else if constexpr (N == 128) wgmma_ss_n128<T>(d, a, b, acc);
   else if constexpr (N == 80) wgmma_ss_n80<T>(d, a, b, acc);
   else wgmma_ss_n256<T>(d, a, b, acc);
 }
 template <class T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
-  if constexpr (N == 64) wgmma_rs_n64<T>(d, a, b, 1);
+  if constexpr (sizeof(T) == 1) wgmma_rs_f8<T, N>(d, a, b);
+  else if constexpr (N == 64) wgmma_rs_n64<T>(d, a, b, 1);
   else if constexpr (N == 96) wgmma_rs_n96<T>(d, a, b, 1);
   else if constexpr (N == 128) wgmma_rs_n128<T>(d, a, b, 1);
   else if constexpr (N == 192) wgmma_rs_n192<T>(d, a, b, 1);
@@ -423,11 +465,23 @@ inline MapExtent key_extent(const AttentionParams& p) {
 // Bytes per element of the tensor-core kernels' dtypes (fp16, bf16).
 inline int element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
+// A tensor map's element: its TMA type and bytes (float8 moves as bytes).
+struct MapElement {
+  CUtensorMapDataType type;
+  int bytes;
+};
+inline MapElement map_element(DType dtype) {
+  return {dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                   : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+          element_bytes(dtype)};
+}
+inline constexpr MapElement kFloat8MapElement{CU_TENSOR_MAP_DATA_TYPE_UINT8, 1};
+
 // 4-d map (dim, seqlen, heads, batch) of a (batch, seqlen, heads, dim) tensor t
 // (packed: batch 1 and seqlen the total rows);
 // a box is one swizzle row of columns (64 16-bit ones) of box_rows rows of
 // box_heads heads (head-major in shared memory).
-inline bool make_map(CUtensorMap* map, const TensorRef& t, DType dtype, int64_t batch,
+inline bool make_map(CUtensorMap* map, const TensorRef& t, MapElement element, int64_t batch,
                      int64_t seqlen, int64_t heads, int64_t dim, int box_rows, int box_heads = 1) {
   const cuuint64_t sizes[4] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(seqlen),
                                static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
@@ -435,7 +489,7 @@ inline bool make_map(CUtensorMap* map, const TensorRef& t, DType dtype, int64_t 
   // address: give the encoder the entry's extent instead of a zero stride.
   const int64_t batch_stride =
       batch == 1 && t.batch_stride == 0 ? seqlen * t.row_stride : t.batch_stride;
-  const int64_t bytes = element_bytes(dtype);
+  const int64_t bytes = element.bytes;
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.row_stride * bytes),
                                  static_cast<cuuint64_t>(t.head_stride * bytes),
                                  static_cast<cuuint64_t>(batch_stride * bytes)};
@@ -443,13 +497,15 @@ inline bool make_map(CUtensorMap* map, const TensorRef& t, DType dtype, int64_t 
                              static_cast<cuuint32_t>(box_rows),
                              static_cast<cuuint32_t>(box_heads), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const auto type = dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   auto encode = encode_fn();
-  return encode && encode(map, type, 4, t.data, sizes, strides, box, unit,
+  return encode && encode(map, element.type, 4, t.data, sizes, strides, box, unit,
                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+inline bool make_map(CUtensorMap* map, const TensorRef& t, DType dtype, int64_t batch,
+                     int64_t seqlen, int64_t heads, int64_t dim, int box_rows, int box_heads = 1) {
+  return make_map(map, t, map_element(dtype), batch, seqlen, heads, dim, box_rows, box_heads);
 }
 
 }  // namespace flashjax::cuda

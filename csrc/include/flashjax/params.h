@@ -139,6 +139,39 @@ struct KvCache {
   }
 };
 
+// float8 q, k, v (flash_attention's fp8 forward, the Hopper kernel; the other paths
+// dequantise in Python): for sequence b, kv head h (q's heads by their kv head), q.k
+// stands for q.k * score_descale[b * heads_kv + h] (q_descale * k_descale, made >= 0 by
+// flipping q's sign in Python, so that the kernels' row maxima stay maxima) and V's
+// element x for x * v_descale[..]. `vt` is V transposed to (batch, heads_kv,
+// head_dim_v, vt_keys) with each kFloat8KeyBlock keys permuted into the order in which
+// a thread's accumulators pack into the 8-bit wgmma A operand (permuted_key;
+// docs/architecture.md, "float8 inputs"); AttentionParams::v stays V (the exact
+// recompute of non-finite rows reads it). AttentionParams::dtype is out's then.
+inline constexpr int64_t kFloat8KeyBlock = 32;
+struct Float8Inputs {
+  CacheElement element = CacheElement::kAsQuery;  // kAsQuery: not float8
+  const float* score_descale = nullptr;           // [batch, heads_kv]
+  const float* v_descale = nullptr;               // [batch, heads_kv]
+  TensorRef vt;         // row_stride: vt_keys; "rows" are head dims
+  int64_t vt_keys = 0;  // seqlen_k rounded up to kFloat8KeyBlock
+
+  FJ_HOST_DEVICE bool active() const { return element != CacheElement::kAsQuery; }
+  // Slot k of a kFloat8KeyBlock-key block of vt holds key permuted_key(k) of the block:
+  // slots 4 t .. 4 t + 3 of each 16 hold keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9.
+  FJ_HOST_DEVICE static int permuted_key(int k) {
+    const int half = k / 16, t = (k % 16) / 4, j = k % 4;
+    return 16 * half + 2 * t + (j & 1) + 8 * (j >> 1);
+  }
+  // The factors of q.k and of V for sequence b, kv head hk (1 when not float8).
+  FJ_HOST_DEVICE float score_factor(int64_t b, int64_t hk, int64_t heads_kv) const {
+    return active() ? score_descale[b * heads_kv + hk] : 1.0f;
+  }
+  FJ_HOST_DEVICE float value_factor(int64_t b, int64_t hk, int64_t heads_kv) const {
+    return active() ? v_descale[b * heads_kv + hk] : 1.0f;
+  }
+};
+
 // A (batch.., heads, seqlen_q, seqlen_k) array of per-score values (bias: float32,
 // mask: bool) whose batch and heads may broadcast: sequence b, query head h read
 // entry (b / batch_div, h / head_div) (batch entries 1 or batch: batch_div = batch
@@ -222,6 +255,7 @@ struct AttentionParams {
   // a longer sequence). null: bottom-right alignment, used seqlen_k - seqlen_q.
   const int32_t* diagonal_offset = nullptr;
   KvCache cache;                           // keys from a KV cache (seqlen_k = its capacity)
+  Float8Inputs float8;                     // float8 q, k, v (dense, Hopper)
 
   // Score terms (dense layout only for bias and mask): the score of query i, key j is
   // softcap(scale * q.k) + bias - slope * |i + diagonal - j| (SeqlenInfo's diagonal),
