@@ -312,14 +312,15 @@ PYEOF
       # (tools/profile_train.py --once), BWD_NCU_SHAPES "D:S:causal|full ...": details and
       # the SASS with executed counts and stall samples (csv), tarred into $OUT
       # (tools/ncu_lines.py reads the csvs; --source maps ours to source lines).
-      # NCU_KERNELS picks other kernels (e.g. "hopper_forward_kernel|FlashAttnFwd").
+      # NCU_KERNELS picks other kernels (e.g. "hopper_forward_kernel|FlashAttnFwd"),
+      # NCU_MODE=fwd profiles a forward-only step (BWD_NCU_IMPLS may name flashjax_fp8).
       for shape in ${BWD_NCU_SHAPES:-128:2048:causal}; do
         IFS=: read -r d s c <<< "$shape"
         for impl in ${BWD_NCU_IMPLS:-flashjax fa3}; do
           tag="${impl}_d${d}_s${s}_${c}"
           ncu --clock-control none --set full --kernel-name-base demangled \
             -k regex:"${NCU_KERNELS:-hopper_key_kernel|FlashAttnBwd}" -c 1 --launch-skip 1 \
-            -o "/tmp/ncu_$tag" $PY tools/profile_train.py --once "$d" "$s" "$c" "$impl" > "/tmp/ncu_$tag.log" 2>&1 \
+            -o "/tmp/ncu_$tag" $PY tools/profile_train.py --once "$d" "$s" "$c" "$impl" ${NCU_MODE:-} > "/tmp/ncu_$tag.log" 2>&1 \
             || tail -5 "/tmp/ncu_$tag.log"
           ncu -i "/tmp/ncu_$tag.ncu-rep" --page details --print-units base > "/tmp/details_$tag.txt" 2>&1
           ncu -i "/tmp/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$tag.csv" 2>&1

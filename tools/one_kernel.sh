@@ -2,7 +2,8 @@
 # One Hopper kernel instantiation compiled alone (seconds, not a bucket's minutes): its
 # registers, spills and whether ptxas serialised its wgmmas (C7512), and with DIS=1 its
 # line-annotated disassembly for tools/ncu_lines.py --source.
-# Usage: tools/one_kernel.sh KERNEL [SRC]   (SRC: a source tree, default this one)
+# Usage: tools/one_kernel.sh KERNEL [SRC]   (SRC: a source tree, default this one;
+#   KERNEL_FLAGS: more nvcc flags, e.g. -DFLASHJAX_FP8_D128_KEYS=192)
 #   KERNEL: key128 key64 (the fused uniform key kernels, bf16), wide (d256 key kernel),
 #           fwd128 (the uniform forward, bf16), fp8fwd128 fp8fwd256 (its float8 kernels)
 # Output in /tmp/one_kernel/KERNEL.{log,cubin,dis}.
@@ -40,7 +41,7 @@ esac
 printf '#include "%s"\nnamespace fc = flashjax::cuda;\n%s\n' "$header" "$inst" > "$out/$kernel.cu"
 "$nvcc" -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
   -I"$src/csrc" -I"$src/csrc/include" -I"$src/csrc/cuda" -DFLASHJAX_TC_HEAD_DIM_64=1 \
-  -DFLASHJAX_TC_HEAD_DIM_128=1 -DFLASHJAX_TC_HEAD_DIM_256=1 -cubin -o "$out/$kernel.cubin" \
+  -DFLASHJAX_TC_HEAD_DIM_128=1 -DFLASHJAX_TC_HEAD_DIM_256=1 ${KERNEL_FLAGS:-} -cubin -o "$out/$kernel.cubin" \
   "$out/$kernel.cu" -Xptxas -v > "$out/$kernel.log" 2>&1 || { tail -20 "$out/$kernel.log"; exit 1; }
 echo "$kernel ($src): $(grep -o '[0-9]* bytes spill stores' "$out/$kernel.log" | head -1)," \
   "$(grep -o 'Used [0-9]* registers' "$out/$kernel.log" | head -1)," \

@@ -4,9 +4,10 @@ profiler, for flashjax and its peers, on the FA3 paper's shapes (batch * seqlen 
 heads * d = 2048, bf16).
 
     python tools/profile_train.py D SEQLEN causal|full [IMPL...]
-    python tools/profile_train.py --once D SEQLEN causal|full IMPL   # for ncu
+    python tools/profile_train.py --once D SEQLEN causal|full IMPL [fwd]   # for ncu
 
-IMPL: flashjax | fa3 (flash-attn3-jax, from the peers' wheels) | cudnn (default: all).
+IMPL: flashjax | fa3 (flash-attn3-jax, from the peers' wheels) | cudnn (default: all);
+with --once also flashjax_fp8 (float8_e4m3fn q, k, v, forward only: pass fwd).
 Prints per implementation the GPU busy time per step and each kernel's count and mean
 time per step (profile_decode.summarize). --once runs two plain steps, no trace: run it
 under ncu with a kernel filter (benchmarks/device_varlen.sh bwdncu), the second step's
@@ -60,11 +61,18 @@ def inputs(d, s):
     return tuple(jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
 
 
-def once(d, s, mask, impl):
-    attn = attention(impl)
-    step = jax.jit(lambda q, k, v, do: jax.vjp(
-        lambda q, k, v: attn(q, k, v, mask == "causal"), q, k, v)[1](do))
+def once(d, s, mask, impl, mode="train"):
+    causal = mask == "causal"
     args = inputs(int(d), int(s))
+    if impl == "flashjax_fp8":  # (cast before the step: ncu sees the kernel, not the casts)
+        impl = "flashjax"
+        args = tuple(x.astype(jnp.float8_e4m3fn) for x in args[:3]) + args[3:]
+    attn = attention(impl)
+    if mode == "fwd":
+        step = jax.jit(lambda q, k, v, do: attn(q, k, v, causal))
+    else:
+        step = jax.jit(lambda q, k, v, do: jax.vjp(
+            lambda q, k, v: attn(q, k, v, causal), q, k, v)[1](do))
     for _ in range(2):
         jax.block_until_ready(step(*args))
 

@@ -50,11 +50,13 @@ __global__ void __launch_bounds__(TileConfig<T, kHeadDim, kWideKeys>::kThreads, 
   const int q_bytes = packed ? static_cast<int>(schedule.packed_rows * p.group_size()) *
                                    Cfg::kPaddedDim * Cfg::kElementBytes
                              : Cfg::kQBytes;
-  // (kTerms: through a shuffle, so that the Q descriptors live in uniform registers:
-  // half the spills in the masked tile loop; the plain kernels keep threadIdx.x, not
-  // measured better the other way)
-  const int warpgroup =
-      has_terms(kTerms) ? warpgroup_index() : static_cast<int>(threadIdx.x / 128);
+  // (kTerms and float8: through a shuffle, so that the Q descriptors live in uniform
+  // registers: half the spills in the masked tile loop; float8 at head dim 256: no
+  // reloads of spilled descriptors per tile; the plain 16-bit kernels keep
+  // threadIdx.x, not measured better the other way)
+  const int warpgroup = has_terms(kTerms) || Cfg::kFloat8
+                            ? warpgroup_index()
+                            : static_cast<int>(threadIdx.x / 128);
   if (warpgroup == 0) {  // producer
     release_registers<Cfg::kProducerRegs>();
     if (threadIdx.x / 32 == kRecomputeWarp)

@@ -82,7 +82,7 @@ struct ForwardMainloop {
     // S_j = Q K_j^T for ring slot kv + j; the caller waits for it.
     auto issue_scores = [&](float (&s)[kKeyTiles * 4], int64_t it) {
       const int64_t g = kv + it;
-      const unsigned char* k_tile = sm.k + (g % kStages) * Cfg::kKVBytes;
+      const unsigned char* k_tile = sm.k + (g % kStages) * Cfg::kKBytes;
       mbar_wait(&sm.k_full[g % kStages], (g / kStages) & 1);
       wgmma_fence();
 #pragma unroll
@@ -94,12 +94,12 @@ struct ForwardMainloop {
     // O += P_j V_j; the caller waits for it.
     auto issue_values = [&](const uint32_t (&pa)[kKeySteps][4], int64_t it) {
       const int64_t g = kv + it;
-      const unsigned char* v_tile = sm.v + (g % kStages) * Cfg::kKVBytes;
+      const unsigned char* v_tile = sm.v + (g % kStages) * Cfg::kVBytes;
       mbar_wait(&sm.v_full[g % kStages], (g / kStages) & 1);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKeySteps; ++kk) {
-        if constexpr (Cfg::kFloat8) {  // V^T: K-major, [head dims][128 keys]
+        if constexpr (Cfg::kFloat8) {  // V^T: K-major, column blocks [head dims][128 keys]
           wgmma_rs<T, kHeadDim>(o, pa[kk], k_major_desc<kHeadDim>(v_tile, kk));
         } else {
           // V is N-major: a k-step's keys are groups of 8 rows (1024 B apart);
@@ -133,14 +133,19 @@ struct ForwardMainloop {
         prefetched = {tile.k0, ((tile.mixed >> consumer) & 1u) != 0, tile.ranged};
       }
     };
+    // (the others: tile_needs_mask as the range of its false answers, found once an
+    // item: two 32-bit compares a tile instead of ~30 instructions of 64-bit ones)
+    int32_t unranged_lo = 0, unranged_hi = -1;
+    if constexpr (!Keys::kMasked)
+      RowSoftmax::unmasked_tiles(w.seq, w.q0, w.last_row, kBlockN, w.keys.key_begin,
+                                 w.keys.key_end, unranged_lo, unranged_hi);
     auto tile_keys = [&](int64_t it) {
       if constexpr (Keys::kMasked) {
         return prefetched;
       } else {
         const int64_t k0 = keys.k0(it);
-        return TileKeys{k0, false,
-                        RowSoftmax::tile_needs_mask(w.seq, w.q0, w.last_row, k0, kBlockN,
-                                                    w.keys.key_begin, w.keys.key_end)};
+        const int32_t k0_32 = static_cast<int32_t>(k0);  // (keys are < 2^31)
+        return TileKeys{k0, false, k0_32 < unranged_lo || k0_32 > unranged_hi};
       }
     };
     // kVarlen: V rows of key tile it past the sequence's used keys are zeroed
@@ -152,7 +157,7 @@ struct ForwardMainloop {
       const int64_t g = kv + it;
       mbar_wait(&sm.v_full[g % kStages], (g / kStages) & 1);
       zero_tile_rows<kBlockN, Cfg::kPaddedDim, Cfg::kElementBytes>(
-          sm.v + (g % kStages) * Cfg::kKVBytes,
+          sm.v + (g % kStages) * Cfg::kVBytes,
           static_cast<int>(w.seq.seqlen_k > k0 ? w.seq.seqlen_k - k0 : 0),
           kClearBarrier + consumer);
     };

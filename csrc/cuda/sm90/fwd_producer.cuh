@@ -53,17 +53,20 @@ __device__ __forceinline__ void load_work_item(const ForwardSmem<Cfg>& sm,
     }
     mbar_wait(&sm.k_empty[stage], phase ^ 1);
     if constexpr (Keys::kMasked) tile.publish(&sm.tiles[stage]);
-    mbar_expect_tx(&sm.k_full[stage], Cfg::kKVBytes);
-    tma_tile<kHeadDim, Cfg::kBlockN, kBytes>(sm.k + stage * Cfg::kKVBytes, &maps.k,
+    mbar_expect_tx(&sm.k_full[stage], Cfg::kKBytes);
+    tma_tile<kHeadDim, Cfg::kBlockN, kBytes>(sm.k + stage * Cfg::kKBytes, &maps.k,
                                              &sm.k_full[stage], w.k_row(k0), w.hk, w.batch());
     mbar_wait(&sm.v_empty[stage], phase ^ 1);
-    mbar_expect_tx(&sm.v_full[stage], Cfg::kKVBytes);
-    if constexpr (Cfg::kFloat8)  // (V^T: [head dims][keys k0 ..], one box of 128-byte rows)
-      tma_load(sm.v + stage * Cfg::kKVBytes, &maps.v, &sm.v_full[stage], k0, 0, w.hk,
-               w.batch());
-    else
-      tma_tile<kHeadDim, Cfg::kBlockN, kBytes>(sm.v + stage * Cfg::kKVBytes, &maps.v,
+    mbar_expect_tx(&sm.v_full[stage], Cfg::kVBytes);
+    if constexpr (Cfg::kFloat8) {  // (V^T: [head dims][keys k0 ..], boxes of 128-byte rows)
+#pragma unroll
+      for (int c = 0; c < Cfg::kVtBlocks; ++c)
+        tma_load(sm.v + stage * Cfg::kVBytes + c * Cfg::kPaddedDim * kSwizzleBytes, &maps.v,
+                 &sm.v_full[stage], k0 + c * kSwizzleBytes, 0, w.hk, w.batch());
+    } else {
+      tma_tile<kHeadDim, Cfg::kBlockN, kBytes>(sm.v + stage * Cfg::kVBytes, &maps.v,
                                                &sm.v_full[stage], w.k_row(k0), w.hk, w.batch());
+    }
   }
 }
 

@@ -10,6 +10,10 @@
 #include "../common/sequence_layout.h"
 #include "hopper_common.cuh"
 
+// Keys per float8 tile up to head dim 128 (an A/B knob: 128, 192 or 224, FA3's).
+#ifndef FLASHJAX_FP8_D128_KEYS
+#define FLASHJAX_FP8_D128_KEYS 192
+#endif
 #ifndef FLASHJAX_FWD_D64_CONSUMERS
 #define FLASHJAX_FWD_D64_CONSUMERS 3
 #endif
@@ -67,7 +71,7 @@ struct TileConfig {
   // transpose ([head dims][keys], K-major: the only B operand 8-bit wgmma reads),
   // P packed to e4m3 from each thread's own accumulators.
   static constexpr bool kFloat8 = kElementBytes == 1;
-  static_assert(!kFloat8 || !kWideKeys, "float8 tiles have 128 keys");
+  static_assert(!kFloat8 || !kWideKeys, "float8 tiles have their own key count");
   // Consumer warpgroups, 64 query rows each: three at head dim 64, where the
   // products are short and the softmax needs more warps to hide behind them
   // (FLASHJAX_FWD_D64_CONSUMERS=2: an A/B knob; at 3 the consumers' 160
@@ -75,27 +79,33 @@ struct TileConfig {
   static constexpr int kConsumers = kHeadDim == 64 ? FLASHJAX_FWD_D64_CONSUMERS : 2;
   static constexpr int kBlockM = kConsumerRows * kConsumers;  // query rows per tile
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  // Registers per thread: the producer gives its share to the consumers (float8 at
-  // head dim 256: all but 24, as FA3, for S, O and P's 208 a thread; with 232 ptxas
-  // serialised the wgmmas, C7512).
-  static constexpr bool kWideFloat8 = kFloat8 && kHeadDim > 128;
-  static constexpr int kProducerRegs = kConsumers == 3 || kWideFloat8 ? 24 : 40;
-  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : (kWideFloat8 ? 240 : 232);
+  // Registers per thread: the producer gives its share to the consumers (float8: all
+  // but 24, as FA3, for S, O and P: 208 a thread at head dim 256, 204 at 128 with 224
+  // keys; with 232 ptxas serialised d256's wgmmas, C7512).
+  static constexpr int kProducerRegs = kConsumers == 3 || kFloat8 ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : (kFloat8 ? 240 : 232);
   // Keys per tile: 128 up to head dim 128; above, 64, or 80 with kWideKeys (FA3's
   // d256 tile: fewer, longer products).
-  // float8: 128 at every head dim (a tile of V^T is one 128-byte swizzle row of keys
-  // per head dim).
+  // float8: 128 at head dim 256; up to 128, FLASHJAX_FP8_D128_KEYS (FA3's 224: with
+  // 8-bit products twice as fast, the per-tile work of the softmax, the O rescale,
+  // the barriers and turns, is spread over more keys).
   static constexpr int kWideBlockN = 80;
   static constexpr int kBlockN =
-      kHeadDim <= 128 || kFloat8 ? 128 : (kWideKeys ? kWideBlockN : 64);
-  static_assert(!kFloat8 || kBlockN * kElementBytes == kSwizzleBytes, "V^T rows of 128 B");
+      kFloat8 ? (kHeadDim <= 128 ? FLASHJAX_FP8_D128_KEYS : 128)
+              : (kHeadDim <= 128 ? 128 : (kWideKeys ? kWideBlockN : 64));
   // Tiles are whole swizzle column blocks (96 -> 128 columns, zero-filled).
   static constexpr int kPaddedDim =
       kColumnBlocks<kHeadDim, kElementBytes> * kSwizzleCols<kElementBytes>;
   // Elements of a wgmma k-step: Q K^T steps over head dims, P V over keys.
   static constexpr int kMmaK = kMmaKBytes / kElementBytes;
   static constexpr int kQBytes = kBlockM * kPaddedDim * kElementBytes;
-  static constexpr int kKVBytes = kBlockN * kPaddedDim * kElementBytes;
+  static constexpr int kKBytes = kBlockN * kPaddedDim * kElementBytes;
+  // float8's V^T tile ([head dims][keys]): whole 128-key swizzle column blocks, as TMA
+  // boxes of 128-byte rows load them (keys past kBlockN come in unused: 224 keys load
+  // 256, zeros past the end).
+  static constexpr int kVtBlocks = kFloat8 ? (kBlockN + kSwizzleBytes - 1) / kSwizzleBytes : 0;
+  static constexpr int kVBytes = kFloat8 ? kVtBlocks * kSwizzleBytes * kPaddedDim : kKBytes;
+  static_assert(!kFloat8 || kBlockN % kMmaK == 0, "whole k-steps of P V");
   static constexpr int kOutBytes = kConsumerRows * kPaddedDim * 2;  // a consumer's rows
   // Shared memory (ForwardSmem carves it): Q, the K ring, the V ring, each consumer's
   // out rows (16-bit; kStagesOut), the mbarriers (Q full and empty, K and V full and
@@ -114,8 +124,8 @@ struct TileConfig {
     SmemPlan plan;
     Offsets at{};
     at.q = plan.append(kQBytes, kTileAlign);
-    at.k = plan.append(kStages * kKVBytes, kTileAlign);
-    at.v = plan.append(kStages * kKVBytes, kTileAlign);
+    at.k = plan.append(kStages * kKBytes, kTileAlign);
+    at.v = plan.append(kStages * kVBytes, kTileAlign);
     at.out = out_rows ? plan.append(kConsumers * kOutBytes, kTileAlign) : plan.end;
     at.q_full = plan.barriers(1);
     at.q_empty = plan.barriers(1);
