@@ -81,7 +81,7 @@ struct TileConfig {
   static constexpr int kBlockM = kConsumerRows * kConsumers;  // query rows per tile
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // Registers per thread: the producer gives its share to the consumers (float8: all
-  // but 24, as FA3, for S, O and P: 208 a thread at head dim 256, 204 at 128 with 224
+  // but 24, as FA3, for S, O and P: 208 a thread at head dim 256, 184 at 128 with 192
   // keys; with 232 ptxas serialised d256's wgmmas, C7512).
   static constexpr int kProducerRegs = kConsumers == 3 || kFloat8 ? 24 : 40;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : (kFloat8 ? 240 : 232);
