@@ -15,6 +15,11 @@
 #ifndef FLASHJAX_FP8_D128_KEYS
 #define FLASHJAX_FP8_D128_KEYS 192
 #endif
+// Consumer warpgroups of the float8 tiles up to head dim 128 (an A/B knob: 3 hides one
+// consumer's softmax behind two others' products, at 160 registers: with 96 keys).
+#ifndef FLASHJAX_FP8_D128_CONSUMERS
+#define FLASHJAX_FP8_D128_CONSUMERS 2
+#endif
 #ifndef FLASHJAX_FWD_D64_CONSUMERS
 #define FLASHJAX_FWD_D64_CONSUMERS 3
 #endif
@@ -77,7 +82,9 @@ struct TileConfig {
   // products are short and the softmax needs more warps to hide behind them
   // (FLASHJAX_FWD_D64_CONSUMERS=2: an A/B knob; at 3 the consumers' 160
   // registers are at the edge of spilling).
-  static constexpr int kConsumers = kHeadDim == 64 ? FLASHJAX_FWD_D64_CONSUMERS : 2;
+  static constexpr int kConsumers =
+      kHeadDim == 64 ? FLASHJAX_FWD_D64_CONSUMERS
+                     : (kFloat8 && kHeadDim <= 128 ? FLASHJAX_FP8_D128_CONSUMERS : 2);
   static constexpr int kBlockM = kConsumerRows * kConsumers;  // query rows per tile
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // Registers per thread: the producer gives its share to the consumers (float8: all
