@@ -34,13 +34,15 @@ build_main() {
     -C "cmake.define.FLASHJAX_CUDA_ARCHS=${FJ_ARCHS:-90a}" ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; return 1; }
 }
 # Source tree $2 built into /tmp/$1 (BASE_DIMS, default FJ_HEAD_DIMS, narrows its head
-# dims), with this tree's timing code: NAME then serves TERMS_WHO / DENSE_WHO.
+# dims; $3: CUDA flags, e.g. a knob's -D), with this tree's timing code: NAME then serves
+# TERMS_WHO / DENSE_WHO / TESTS_WHO.
 build_into() {
   local dims=${BASE_DIMS:-${FJ_HEAD_DIMS:-}}
   # (--upgrade: without it pip keeps an earlier call's install in /tmp/NAME, with its
   # head dims, on a warm machine)
   $PY -m pip install -q --no-build-isolation --no-deps --upgrade --target "/tmp/$1" -C "build-dir=/tmp/fjb_$1" \
-    ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} -C cmake.define.FLASHJAX_CUDA_ARCHS=90a "$2" \
+    ${dims:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$dims"} -C cmake.define.FLASHJAX_CUDA_ARCHS=90a \
+    ${3:+-C "cmake.define.CMAKE_CUDA_FLAGS=$3"} "$2" \
     > "$OUT/build_$1.log" 2>&1 || { tail -30 "$OUT/build_$1.log"; return 1; }
   cp src/flashjax/bench*.py "/tmp/$1/flashjax/"
   echo "$2, built $(date -u +%FT%TZ)" > "/tmp/$1/.fj_built"
@@ -99,8 +101,10 @@ for step in "$@"; do
         echo "$name built (${spec#*=})"
       done ;;
     builds)
-      # build, base (with .baseline/), alt (with .alt/), variant (with VARIANT_FLAGS) and
-      # every PATCHED build at once:
+      # build, base (with .baseline/), alt (with .alt/), variant (with VARIANT_FLAGS),
+      # every FLAGGED build ("NAME:FLAGS;NAME:FLAGS", this tree with those CUDA flags into
+      # /tmp/NAME, e.g. "c3:-DFLASHJAX_FP8_D128_CONSUMERS=3 -DFLASHJAX_FP8_D128_KEYS=96")
+      # and every PATCHED build at once:
       # a narrowed build has fewer units than the cores, so together they take about
       # the longest one's time (four d128 builds in a row took 367 s).
       start=$(date +%s); pids=(); names=()
@@ -109,6 +113,11 @@ for step in "$@"; do
       [ -d .baseline ] || rm -rf /tmp/base  # (not carried: no stale base from an earlier call)
       [ -d .alt ] && { build_into alt ./.alt & pids+=($!); names+=(alt); }
       [ -n "${VARIANT_FLAGS:-}" ] && { build_variant & pids+=($!); names+=(variant); }
+      IFS=';' read -ra flagged <<< "${FLAGGED:-}"
+      for spec in "${flagged[@]}"; do
+        [ -n "$spec" ] || continue
+        build_into "${spec%%:*}" . "${spec#*:}" & pids+=($!); names+=("${spec%%:*}")
+      done
       for spec in ${PATCHED:-}; do
         name=$(patched_tree "$spec") || exit 1
         build_into "$name" "/tmp/src_$name" & pids+=($!); names+=("$name")
