@@ -23,6 +23,11 @@
 #ifndef FLASHJAX_FP8_FMA_EXP_EVERY
 #define FLASHJAX_FP8_FMA_EXP_EVERY 0
 #endif
+// float8: out staged in shared memory and stored by TMA, as at head dim 64 (an A/B knob,
+// 0: off; float8's tiles leave the room, and its items' fixed costs weigh more).
+#ifndef FLASHJAX_FP8_STAGED_OUT
+#define FLASHJAX_FP8_STAGED_OUT 0
+#endif
 #ifndef FLASHJAX_FP8_D128_CONSUMERS
 #define FLASHJAX_FP8_D128_CONSUMERS 2
 #endif
@@ -160,7 +165,8 @@ struct TileConfig {
   // only: there the 2k causal kernel took 475 us instead of 485; at 128 it
   // took 308 instead of 293 and the 16k ones 6.5% longer (its spills grew
   // from 344 to 384 B), and at 256 the rows do not fit (H200, 2026-11-27).
-  static constexpr bool kStagesOut = kHeadDim == 64 && layout(true).bytes <= kSmemLimit;
+  static constexpr bool kStagesOut = (kHeadDim == 64 || (kFloat8 && FLASHJAX_FP8_STAGED_OUT)) &&
+                                     layout(true).bytes <= kSmemLimit;
   static constexpr Offsets kSmem = layout(kStagesOut);
   static constexpr int kSmemBytes = kSmem.bytes;
   static_assert(kSmemBytes <= kSmemLimit, "exceeds the opt-in shared memory of sm_90");
