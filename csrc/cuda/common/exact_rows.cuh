@@ -171,11 +171,8 @@ __device__ __forceinline__ void exact_forward_row(const AttentionParams& p, int6
   float m = kNegInf, l = 0.0f;
   for (int64_t j = seq.first_key(i); j <= seq.last_key(i); ++j) {  // none past used rows
     if (!ids.visible(i, j) || !terms.allows(i, j)) continue;
-    const float s = terms.add_term(
-        score(p, kFloat8 ? lane_dot(q, seq.k_at<const T>(p.k, j, hk), p.head_dim, lane) *
-                               score_descale
-                         : lane_dot(q, seq.k_at<const T>(p.k, j, hk), p.head_dim, lane)),
-        i, j);
+    const float dot = lane_dot(q, seq.k_at<const T>(p.k, j, hk), p.head_dim, lane);
+    const float s = terms.add_term(score(p, dot * score_descale), i, j);
     const float m_new = fmaxf(m, s);
     // Exponents from 0 while every score so far is -inf (a -inf bias, an inf input):
     // such a key adds exp(-inf) = 0, as in the reference, not exp(-inf - -inf) = NaN.

@@ -15,8 +15,6 @@
 #ifndef FLASHJAX_FP8_D128_KEYS
 #define FLASHJAX_FP8_D128_KEYS 192
 #endif
-// Consumer warpgroups of the float8 tiles up to head dim 128 (an A/B knob: 3 hides one
-// consumer's softmax behind two others' products, at 160 registers: with 96 keys).
 // float8: every Nth 8-key tile's exponentials on the FMA pipe, in tiles without masked
 // scores (an A/B knob, 0: none; the MUFU's ex2 is as long as the 8-bit products at
 // head dim 128).
@@ -28,6 +26,8 @@
 #ifndef FLASHJAX_FP8_STAGED_OUT
 #define FLASHJAX_FP8_STAGED_OUT 0
 #endif
+// Consumer warpgroups of the float8 tiles up to head dim 128 (an A/B knob: 3 hides one
+// consumer's softmax behind two others' products, at 160 registers: with 96 keys).
 #ifndef FLASHJAX_FP8_D128_CONSUMERS
 #define FLASHJAX_FP8_D128_CONSUMERS 2
 #endif
