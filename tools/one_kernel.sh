@@ -13,6 +13,10 @@ out=/tmp/one_kernel; mkdir -p "$out"
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 args='const flashjax::AttentionParams, const __grid_constant__ fc::hopper_bwd::BackwardMaps,
       const fc::hopper_bwd::RowStats, float*'
+fwd_args='const __grid_constant__ flashjax::AttentionParams,
+      const __grid_constant__ fc::hopper_fwd::TensorMaps,
+      const __grid_constant__ fc::hopper_fwd::ScheduleOf<fc::Layouts::kUniform>,
+      const __grid_constant__ fc::SegmentTiles, const __grid_constant__ fc::MaskTiles'
 case $kernel in
   key128|key64)
     header=sm90/bwd_kernel.cuh
@@ -25,17 +29,11 @@ case $kernel in
   fwd128)
     header=sm90/fwd_kernel.cuh
     inst="template __global__ void fc::hopper_fwd::hopper_forward_kernel<__nv_bfloat16, __nv_bfloat16,
-      128, fc::Layouts::kUniform, fc::TermSet::kNone, false>(
-      const __grid_constant__ flashjax::AttentionParams, const __grid_constant__ fc::hopper_fwd::TensorMaps,
-      const __grid_constant__ fc::hopper_fwd::ScheduleOf<fc::Layouts::kUniform>,
-      const __grid_constant__ fc::SegmentTiles, const __grid_constant__ fc::MaskTiles);" ;;
+      128, fc::Layouts::kUniform, fc::TermSet::kNone, false>($fwd_args);" ;;
   fp8fwd128|fp8fwd256)
     header=sm90/fwd_kernel.cuh
     inst="template __global__ void fc::hopper_fwd::hopper_forward_kernel<__nv_fp8_e4m3, __nv_bfloat16,
-      ${kernel#fp8fwd}, fc::Layouts::kUniform, fc::TermSet::kNone, false>(
-      const __grid_constant__ flashjax::AttentionParams, const __grid_constant__ fc::hopper_fwd::TensorMaps,
-      const __grid_constant__ fc::hopper_fwd::ScheduleOf<fc::Layouts::kUniform>,
-      const __grid_constant__ fc::SegmentTiles, const __grid_constant__ fc::MaskTiles);" ;;
+      ${kernel#fp8fwd}, fc::Layouts::kUniform, fc::TermSet::kNone, false>($fwd_args);" ;;
   *) echo "unknown kernel $kernel (key128 key64 wide fwd128 fp8fwd128 fp8fwd256)" >&2; exit 2 ;;
 esac
 printf '#include "%s"\nnamespace fc = flashjax::cuda;\n%s\n' "$header" "$inst" > "$out/$kernel.cu"

@@ -87,13 +87,10 @@ def info(q=None, k=None, v=None, *, causal=False, window_size=(-1, -1), determin
     fields = _route.implementation_fields(implementation)
     window = Window.of(causal, window_size)
     float8 = jnp.dtype(q.dtype) == jnp.float8_e4m3fn  # (out: bfloat16; "none": dequantised)
-    call = _CallDescription(
-        dtype=DTYPES[jnp.dtype(jnp.bfloat16)] if float8 else DTYPES.get(jnp.dtype(q.dtype), 0),
-        batch=q.shape[0], seqlen_q=q.shape[1],
-        seqlen_k=k.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3],
-        head_dim_v=v.shape[3], window_left=window.left, window_right=window.right,
-        packed=int(varlen), seqused=int(seqused), segment_ids=int(segment_ids),
-        positions=int(positions), kv_cache=int(kv_cache), deterministic=int(deterministic),
+    call = _call_description(
+        q, k, v, window, jnp.bfloat16 if float8 else q.dtype, packed=int(varlen),
+        seqused=int(seqused), segment_ids=int(segment_ids), positions=int(positions),
+        kv_cache=int(kv_cache), deterministic=int(deterministic),
         kernel_cap=fields["kernel_cap"], score_terms=int(score_terms), float8=int(float8))
     result["kernels"] = {f"{d.platform}:{d.id}": _kernels(d, call, fields["implementation"])
                          for d in _all_devices()}
@@ -112,11 +109,17 @@ def float8_kernel_runs(q, k, v, window: Window, out_dtype) -> bool:
         return False
     if not gpus or "CUDA" not in _ffi.load():
         return False
-    call = _CallDescription(
-        dtype=DTYPES.get(jnp.dtype(out_dtype), 0), batch=q.shape[0], seqlen_q=q.shape[1],
-        seqlen_k=k.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3],
-        head_dim_v=v.shape[3], window_left=window.left, window_right=window.right, float8=1)
+    call = _call_description(q, k, v, window, out_dtype, float8=1)
     return all(_cuda_kernels(d, call)["forward"] == "hopper" for d in gpus)
+
+
+def _call_description(q, k, v, window: Window, dtype, **flags) -> _CallDescription:
+    """The call of q, k, v (flash_attention's layout) with `window`, in `dtype` (its
+    kernels' dtype: q's, or out's for float8 q), and the flags given."""
+    return _CallDescription(
+        dtype=DTYPES.get(jnp.dtype(dtype), 0), batch=q.shape[0], seqlen_q=q.shape[1],
+        seqlen_k=k.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3],
+        head_dim_v=v.shape[3], window_left=window.left, window_right=window.right, **flags)
 
 
 def _all_devices() -> list:
