@@ -103,7 +103,7 @@ for step in "$@"; do
     builds)
       # build, base (with .baseline/), alt (with .alt/), variant (with VARIANT_FLAGS),
       # every FLAGGED build ("NAME:FLAGS;NAME:FLAGS", this tree with those CUDA flags into
-      # /tmp/NAME, e.g. "c3:-DFLASHJAX_FP8_D128_CONSUMERS=3 -DFLASHJAX_FP8_D128_KEYS=96")
+      # /tmp/NAME, e.g. "k224:-DFLASHJAX_FP8_D128_KEYS=224;d64c2:-DFLASHJAX_FWD_D64_CONSUMERS=2")
       # and every PATCHED build at once:
       # a narrowed build has fewer units than the cores, so together they take about
       # the longest one's time (four d128 builds in a row took 367 s).

@@ -22,23 +22,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 2^x on the FMA pipe, not the MUFU (FlashAttention 4's trick, for kernels whose
-// exponentials are as many as their tensor-core cycles): x = n + f, n = round(x) by the
-// 1.5 * 2^23 shifter, 2^f for f in [-0.5, 0.5] by a cubic fitted to relative error
-// 1.1e-4, n added to the exponent's bits. For x < 128; below -126 it gives 2^-126, not
-// 0 (callers keep -inf, i.e. masked scores, on fast_exp2); NaN stays NaN.
-__device__ __forceinline__ float fma_exp2(float x) {
-  constexpr float kShifter = 12582912.0f;  // 1.5 * 2^23
-  const float clamped = x < -126.0f ? -126.0f : x;
-  const float shifted = __fadd_rn(clamped, kShifter);
-  const float f = __fsub_rn(clamped, __fsub_rn(shifted, kShifter));
-  float p = fmaf(f, 0.05459282f, 0.24221784f);
-  p = fmaf(p, f, 0.6933686f);
-  p = fmaf(p, f, 1.0f);
-  const float y = __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-  return x != x ? x : y;
-}
-
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -73,9 +73,7 @@ struct RowSoftmax {
   // kOffset: P in (0, 2^kOffset], l and O 2^kOffset times theirs (log2_units takes it
   // off m), so that a float8 P keeps its precision for small probabilities (FA3's
   // Max_offset).
-  // kFmaEvery > 0: every kFmaEvery-th 8-key tile's exponentials by fma_exp2 (finite
-  // scores only: a tile without masked ones).
-  template <int kKeyTiles, int kOffset = 0, int kFmaEvery = 0>
+  template <int kKeyTiles, int kOffset = 0>
   __device__ void exponentiate(float (&s)[kKeyTiles * 4], float (&alpha)[2],
                                float scale = 1.0f) {
 #pragma unroll
@@ -91,11 +89,8 @@ struct RowSoftmax {
       float sum = 0.0f;
 #pragma unroll
       for (int n = 0; n < kKeyTiles; ++n) {
-        constexpr int kEvery = kFmaEvery > 0 ? kFmaEvery : 1;
-        const bool on_fma = kFmaEvery > 0 && n % kEvery == kEvery - 1;  // (unrolled: folded)
-        const auto exp2 = [on_fma](float x) { return on_fma ? fma_exp2(x) : fast_exp2(x); };
-        s[4 * n + 2 * r] = exp2(fmaf(s[4 * n + 2 * r], scale, -shifted));
-        s[4 * n + 2 * r + 1] = exp2(fmaf(s[4 * n + 2 * r + 1], scale, -shifted));
+        s[4 * n + 2 * r] = fast_exp2(fmaf(s[4 * n + 2 * r], scale, -shifted));
+        s[4 * n + 2 * r + 1] = fast_exp2(fmaf(s[4 * n + 2 * r + 1], scale, -shifted));
         sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
       }
       l[r] = l[r] * alpha[r] + sum;

@@ -180,11 +180,7 @@ struct ForwardMainloop {
       softmax.scores<kKeyTiles, kFoldScale>(s, p, w.seq, k0, tile.ranged);
       segments.template mask<kKeyTiles>(s, k0);
       if constexpr (Terms::kActive) terms.template add<kKeyTiles>(s, k0, tile.mask_mixed);
-      constexpr int kFmaEvery = Cfg::kFloat8 ? FLASHJAX_FP8_FMA_EXP_EVERY : 0;
-      if (kFmaEvery > 0 && !tile.ranged)
-        softmax.exponentiate<kKeyTiles, kOffset, kFmaEvery>(s, alpha, scale);
-      else
-        softmax.exponentiate<kKeyTiles, kOffset>(s, alpha, scale);
+      softmax.exponentiate<kKeyTiles, kOffset>(s, alpha, scale);
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };
 

@@ -15,22 +15,6 @@
 #ifndef FLASHJAX_FP8_D128_KEYS
 #define FLASHJAX_FP8_D128_KEYS 192
 #endif
-// float8: every Nth 8-key tile's exponentials on the FMA pipe, in tiles without masked
-// scores (an A/B knob, 0: none; the MUFU's ex2 is as long as the 8-bit products at
-// head dim 128).
-#ifndef FLASHJAX_FP8_FMA_EXP_EVERY
-#define FLASHJAX_FP8_FMA_EXP_EVERY 0
-#endif
-// float8: out staged in shared memory and stored by TMA, as at head dim 64 (an A/B knob,
-// 0: off; float8's tiles leave the room, and its items' fixed costs weigh more).
-#ifndef FLASHJAX_FP8_STAGED_OUT
-#define FLASHJAX_FP8_STAGED_OUT 0
-#endif
-// Consumer warpgroups of the float8 tiles up to head dim 128 (an A/B knob: 3 hides one
-// consumer's softmax behind two others' products, at 160 registers: with 96 keys).
-#ifndef FLASHJAX_FP8_D128_CONSUMERS
-#define FLASHJAX_FP8_D128_CONSUMERS 2
-#endif
 #ifndef FLASHJAX_FWD_D64_CONSUMERS
 #define FLASHJAX_FWD_D64_CONSUMERS 3
 #endif
@@ -93,9 +77,7 @@ struct TileConfig {
   // products are short and the softmax needs more warps to hide behind them
   // (FLASHJAX_FWD_D64_CONSUMERS=2: an A/B knob; at 3 the consumers' 160
   // registers are at the edge of spilling).
-  static constexpr int kConsumers =
-      kHeadDim == 64 ? FLASHJAX_FWD_D64_CONSUMERS
-                     : (kFloat8 && kHeadDim <= 128 ? FLASHJAX_FP8_D128_CONSUMERS : 2);
+  static constexpr int kConsumers = kHeadDim == 64 ? FLASHJAX_FWD_D64_CONSUMERS : 2;
   static constexpr int kBlockM = kConsumerRows * kConsumers;  // query rows per tile
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // Registers per thread: the producer gives its share to the consumers (float8: all
@@ -161,11 +143,12 @@ struct TileConfig {
     at.bytes = plan.smem_bytes();
     return at;
   }
-  // Out stored by TMA from shared memory (fwd_epilogue.cuh) at head dim 64
-  // only: there the 2k causal kernel took 475 us instead of 485; at 128 it
-  // took 308 instead of 293 and the 16k ones 6.5% longer (its spills grew
-  // from 344 to 384 B), and at 256 the rows do not fit (H200, 2026-11-27).
-  static constexpr bool kStagesOut = (kHeadDim == 64 || (kFloat8 && FLASHJAX_FP8_STAGED_OUT)) &&
+  // Out stored by TMA from shared memory (fwd_epilogue.cuh) at head dim 64 and
+  // in float8: at d64 the 2k causal kernel took 475 us instead of 485, float8
+  // gained 0.4-2% at d128 and 0.6-3.6% at d256 (8k/16k, H200, 2026-11-30); 16-bit
+  // d128 took 308 instead of 293 and 6.5% longer at 16k (its spills grew from
+  // 344 to 384 B), and 16-bit d256 rows do not fit (H200, 2026-11-27).
+  static constexpr bool kStagesOut = (kHeadDim == 64 || kFloat8) &&
                                      layout(true).bytes <= kSmemLimit;
   static constexpr Offsets kSmem = layout(kStagesOut);
   static constexpr int kSmemBytes = kSmem.bytes;
