@@ -104,6 +104,11 @@ struct TileConfig {
   // fused key kernel's dQ writer) gives its share to the consumers.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+  // (setmaxnreg.inc takes registers only from those its CTA's other warps gave up: more
+  // than the launch's share in all and the consumers wait for them forever)
+  static_assert(kProducerRegs + kConsumers * kConsumerRegs <=
+                    (1 + kConsumers) * (kRegisterFile / kThreads / 8 * 8),
+                "the warpgroups' registers exceed the CTA's");
   // Streamed tile stages and dQ stages per consumer (2: a reduction's reads need
   // not finish before the next tile stages dQ). Head dim 64: 3 streamed stages (the
   // next tile loads while one is computed and one drains); 128: 2, for the shared

@@ -19,6 +19,7 @@
 namespace flashjax::cuda {
 
 constexpr int kSmemLimit = 227 * 1024;  // the opt-in shared memory of an sm_90 CTA
+constexpr int kRegisterFile = 64 * 1024;  // 32-bit registers of an sm_90 SM
 constexpr int kSwizzleBytes = 128;      // a swizzle row (of one column block)
 // Elements per swizzle row: the columns of one column block.
 template <int kElementBytes>
