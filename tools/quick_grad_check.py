@@ -1,6 +1,8 @@
 """Fast GPU backward sanity check: flashjax's gradients (default and deterministic)
 against the pure-JAX path in float32, at a few dense shapes (relative Frobenius errors).
 Usage: python tools/quick_grad_check.py"""
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ def main():
               (1, 3000, 3000, 8, 8, 64, True, (-1, -1)), (4, 1024, 1024, 8, 2, 64, False, (-1, -1)),
               (3, 700, 700, 4, 4, 128, True, (-1, -1)), (4, 256, 2048, 8, 8, 128, False, (128, 0))]
     worst = 0.0
+    start = time.perf_counter()
     for b, s, sk, h, hk, d, causal, window in shapes:
         ks = jax.random.split(jax.random.PRNGKey(s + d), 4)
         q = jax.random.normal(ks[0], (b, s, h, d), jnp.bfloat16)
@@ -40,7 +43,9 @@ def main():
             out = grads(None, det)
             errs = [rel(a, r) for a, r in zip(out, ref)]
             worst = max(worst, *errs)
-            print(f"b{b} s{s}/{sk} h{h}/{hk} d{d} causal={causal} window={window} det={det}: dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}", flush=True)
+            print(f"b{b} s{s}/{sk} h{h}/{hk} d{d} causal={causal} window={window} det={det}: "
+                  f"dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
     print("worst", worst, "OK" if worst < 2e-2 else "FAIL")
 
 
