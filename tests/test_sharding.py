@@ -70,11 +70,38 @@ SCRIPT = textwrap.dedent("""
 # batch and head shards keep the unsharded call's mask (the dropout operand shards with
 # q: each sequence and head carries its indices); a sequence-sharded call is gathered.
 JIT_SCRIPT = textwrap.dedent("""
-    import re, sys
+    import inspect, re, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import flashjax
-    from flashjax import reference
+    from flashjax import _ffi_calls, _fp8, reference
+
+    # flash_attention's default options, as attention._describe takes them (float8_case)
+    FLOAT8_OPTIONS = {name: p.default for name, p in
+                      inspect.signature(flashjax.flash_attention).parameters.items()
+                      if p.kind == p.KEYWORD_ONLY and name not in _fp8.DESCALES + ("out_dtype",)}
+
+    def float8_stand_in(q, k, v, vt, score_descale, v_descale, rows, layout, cfg, out_dtype):
+        # (the local call's operands, as the Hopper kernel would get them: V from V^T)
+        b, s, hk, e = v.shape
+        assert vt.shape[:3] == (b, hk, e) and score_descale.shape == v_descale.shape == (b, hk)
+        # (a block's slot 16a + 4b + 2c + d holds key 16a + 8c + 2b + d, _fp8.PERMUTED_KEYS:
+        # undone by reshapes, since custom_partitioning takes no constant arrays)
+        assert _fp8.FLOAT8_KEY_BLOCK == 32
+        blocks = vt.reshape(b, hk, e, -1, 2, 4, 2, 2).transpose(0, 1, 2, 3, 4, 6, 5, 7)
+        v_back = blocks.reshape(b, hk, e, -1).transpose(0, 3, 1, 2)[:, :s]
+        g = q.shape[2] // hk
+        group = lambda x: jnp.repeat(x, g, axis=1)[:, None, :, None]
+        k_, v_ = (jnp.repeat(x, g, axis=2) for x in (k, v_back))
+        scores = jnp.einsum("bshd,bthd->bhst", q * group(score_descale), k_) * cfg.softmax_scale
+        rows = jax.lax.broadcasted_iota(jnp.int32, scores.shape, 2)
+        cols = jax.lax.broadcasted_iota(jnp.int32, scores.shape, 3)
+        assert (cfg.window_left, cfg.window_right) == (-1, 0)  # (causal, square)
+        scores = jnp.where(cols <= rows, scores, -jnp.inf)
+        lse = jax.nn.logsumexp(scores, axis=-1)
+        out = jnp.einsum("bhst,bthe->bshe", jnp.exp(scores - lse[..., None]), v_)
+        return (out * group(v_descale)).astype(out_dtype), lse
+    _ffi_calls.float8_forward = float8_stand_in  # (no float8 FFI handler on the CPU)
 
     COLLECTIVE = r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
     n = len(jax.devices())
@@ -218,8 +245,42 @@ JIT_SCRIPT = textwrap.dedent("""
         case(P("data", "model", None, None), 4, 1, "gather", segments=True, offsets=True,
              causal=True)
 
+    def float8_case():
+        # The float8 forward's partitioning (_core.float8_forward): V^T (_fp8.permuted_
+        # transpose) and the descales shard with k along batch and kv heads, no
+        # collective. The Hopper kernel runs only on a GPU: a stand-in takes its operands
+        # (float32 here), checks their local shapes and computes out and lse from them
+        # (V from V^T, the descales applied), against the reference on the inputs.
+        from flashjax import _core
+        from flashjax.attention import _describe
+        heads = n // 2
+        b, s, hq, hk, d = 4, 40, 2 * heads, heads, 16
+        q, k, v = normal(b, s, hq, d), normal(b, s, hk, d), normal(b, s, hk, d)
+        score_descale = jnp.asarray(rng.uniform(0.5, 2.0, (b, hk)), jnp.float32)
+        v_descale = jnp.asarray(rng.uniform(0.5, 2.0, (b, hk)), jnp.float32)
+        extras, layout, cfg = _describe(q, k, v, **dict(FLOAT8_OPTIONS, causal=True))
+
+        def call(q, k, v, score_descale, v_descale):
+            return _core.float8_forward(q, k, v, _fp8.permuted_transpose(v), score_descale,
+                                        v_descale, extras, layout, cfg, jnp.dtype(jnp.float32))
+        spec = P("data", None, "model", None)
+        per_kv_head = NamedSharding(mesh, P("data", "model"))
+        args = (*(jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)),
+                jax.device_put(score_descale, per_kv_head), jax.device_put(v_descale, per_kv_head))
+        program, hlo = compiled(jax.jit(call), *args)
+        out, lse = program(*args)
+        group = lambda x: jnp.repeat(x, hq // hk, axis=1)[:, None, :, None]
+        want_out, want_lse = reference.attention(q * group(score_descale), k, v, causal=True,
+                                                 return_lse=True, compute_dtype=jnp.float64)
+        check(out, want_out * group(v_descale), "float8 partitioned out")
+        check(lse, want_lse, "float8 partitioned lse")
+        assert collectives(hlo) == [], collectives(hlo)
+        assert tuple(out.sharding.spec)[:3] == ("data", None, "model"), out.sharding.spec
+
     # 4 devices: the local cases; 8 devices: a ring of 4 and a gather over 4
     local_cases() if n == 4 else sequence_cases()
+    if n == 4:
+        float8_case()
     print("ok")
 """)
 

@@ -20,10 +20,10 @@ import dataclasses
 
 from . import _ffi_calls, _partitioning, _route, _sharded, xla_attention
 from ._autodiff import differentiable
-from ._spec import (DQ, DK, DV, EXTRA_OPERANDS, LSE, OPERANDS, OUT, Config, Extras, Layout,
-                    attention_targets, gradients)
+from ._spec import (DQ, DK, DV, EXTRA_OPERANDS, FLOAT8_FORWARD, LSE, OPERANDS, OUT, Config,
+                    Extras, Layout, attention_targets, gradients)
 
-__all__ = ["attention", "attention_backward", "attention_core"]
+__all__ = ["attention", "attention_backward", "attention_core", "float8_forward"]
 
 
 def _structured(target, present, operands):
@@ -46,8 +46,16 @@ def _local_backward(cfg: Config, present: tuple, *operands):
     return (dq, dk, dv, *d_rows.given())
 
 
-def _partitioned(target, local, ring, results, values: dict, cfg: Config):
-    """The partitioned call of `target` on `values` (name -> array)."""
+def _local_float8_forward(cfg: Config, present: tuple, out_dtype, *operands):
+    values, rows, layout = _structured(FLOAT8_FORWARD, present, operands)
+    return _ffi_calls.float8_forward(
+        *(values[n] for n in ("q", "k", "v", "vt", "score_descale", "v_descale")), rows, layout,
+        cfg, out_dtype)
+
+
+def _partitioned(target, local, ring, results, values: dict, cfg: Config, static: tuple = ()):
+    """The partitioned call of `target` on `values` (name -> array); `static`: local's
+    hashable arguments after (cfg, present)."""
     present, operands = target.operands(values)
     q, k = values["q"], values["k"]
     # Score arrays (bias, mask) and dbias: dims of their own broadcast shape.
@@ -57,7 +65,7 @@ def _partitioned(target, local, ring, results, values: dict, cfg: Config):
     scores.update({"dbias": scores["bias"]} if "bias" in scores else {})
     dims = lambda names, default: tuple(scores.get(n, d) for n, d in zip(names, default))
     spec = _partitioning.CallSpec(
-        target.name, local, (cfg, present),
+        target.name, local, (cfg, present) + static,
         dims([op.name for op in target.inputs] + list(present),
              target.operand_dims(present, cfg.packed)),
         dims([op.name for op in results], [op.dims_in(cfg.packed) for op in results]),
@@ -90,6 +98,18 @@ def _backward(q, k, v, out, dout, lse, dlse, extras: Extras, layout: Layout, cfg
     by_name = dict(zip((g.name for g in grads), d_rows))
     d_rows = Extras(*(by_name.get(op.gradient) for op in EXTRA_OPERANDS))
     return dq, dk, dv, _ffi_calls.from_rows(d_rows, extras)
+
+
+def float8_forward(q, k, v, vt, score_descale, v_descale, extras: Extras, layout: Layout,
+                   cfg: Config, out_dtype):
+    """(out in out_dtype, lse) of the Hopper float8 forward (_ffi_calls.float8_forward's
+    operands), sharded as the bf16 forward along batch and heads (no ring: a
+    sequence-sharded call is gathered). Forward only."""
+    rows = _ffi_calls.extra_rows(q, extras, layout, cfg)
+    values = _ffi_calls.values(q, k, v, rows, layout, vt=vt, score_descale=score_descale,
+                               v_descale=v_descale)
+    return _partitioned(FLOAT8_FORWARD, _local_float8_forward, None, (OUT, LSE), values, cfg,
+                        static=(out_dtype,))
 
 
 attention_core = differentiable(_forward, _backward)

@@ -36,11 +36,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 # (h kv heads x g heads per group), h kv heads, d q/k head dim, e v head dim; packed
 # calls: T query tokens, U key tokens, m sequences, n = m + 1 (cu_seqlens); KV-cache
 # calls: r cache rows, c cache entries or pages (a pool shared by the sequences), w new
-# rows, p pages per sequence, z workspace; j the dropout operand's words.
+# rows, p pages per sequence, z workspace; j the dropout operand's words; u the float8
+# forward's V^T keys (padded to whole blocks).
 # Never sharded by the rule (s, t: unless a ring).
 # x, y: a score array's broadcast (size-1) batch and heads (score_dims).
 KEPT_WHOLE = ("s", "t", "d", "e", "g", "T", "U", "m", "n", "r", "c", "w", "p", "z", "x", "y",
-              "j")
+              "j", "u")
 
 
 def score_dims(shape, batch: int, heads_q: int, heads_kv: int) -> str:

@@ -201,16 +201,17 @@ VARLEN_BACKWARD = dataclasses.replace(
 
 # float8 q, k, v (flash_attention's fp8 forward on the Hopper kernel; every other path
 # dequantises them in JAX): V transposed with each 32-key block's keys permuted
-# (_fp8.permuted_transpose), the descale of q.k (q_descale * k_descale, >= 0: q's sign
-# flipped where it is negative) and of V per (sequence, kv head). Not sharded by
-# custom_partitioning (no dims): under a sharded jit XLA gathers its operands.
+# (_fp8.permuted_transpose; u: its keys, padded to whole blocks), the descale of q.k
+# (q_descale * k_descale, >= 0: q's sign flipped where it is negative) and of V per
+# (sequence, kv head). Sharded along batch and heads as the bf16 forward (_core); a
+# sequence-sharded call is gathered (no ring).
 # (v_descale: the KV-cache target's too, where it is optional, announced by has_descales)
 K_DESCALE = Operand("k_descale", "float32", "per_kv_head", "b h", flag="has_descales")
 V_DESCALE = Operand("v_descale", "float32", "per_kv_head", "b h", flag="has_descales")
 FLOAT8_FORWARD = Target(
     "flashjax_fp8_fwd", "FlashjaxFloat8Forward",
-    (Q, K, V, Operand("vt", None, "transposed_values", None),
-     Operand("score_descale", "float32", "per_kv_head", None), V_DESCALE),
+    (Q, K, V, Operand("vt", None, "transposed_values", "b h e u"),
+     Operand("score_descale", "float32", "per_kv_head", "b h"), V_DESCALE),
     ATTENTION_OPTIONAL, (OUT, LSE), ATTENTION_OPTIONS)
 
 # The KV-cache target. A cache with one entry per sequence has dims "b r h .."; a pool

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _core, _dropout, _ffi, _ffi_calls, _fp8, _introspection, _route
+from . import _checks, _core, _dropout, _ffi, _fp8, _introspection, _route
 from ._spec import Extras, Layout
 
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
@@ -185,9 +185,8 @@ def _fp8_attention(q, k, v, descales: dict, out_dtype, options: dict):
                 return dequantised(*args)
             q_, k_, v_, q_descale, k_descale, v_descale = args
             q_, score_descale = _fp8.native_operands(q_, q_descale, k_descale, signed)
-            return _ffi_calls.float8_forward(
-                q_, k_, v_, _fp8.permuted_transpose(v_), score_descale, v_descale,
-                _ffi_calls.extra_rows(q_, extras, layout, cfg), layout, cfg, out_dtype)
+            return _core.float8_forward(q_, k_, v_, _fp8.permuted_transpose(v_), score_descale,
+                                        v_descale, extras, layout, cfg, jnp.dtype(out_dtype))
 
         out, lse = _route.run(cfg, (q, k, v) + scales, cuda=on_cuda, cpu=dequantised,
                               xla=dequantised, arrays=(q,))
