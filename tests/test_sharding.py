@@ -278,9 +278,11 @@ JIT_SCRIPT = textwrap.dedent("""
         assert tuple(out.sharding.spec)[:3] == ("data", None, "model"), out.sharding.spec
 
     # 4 devices: the local cases; 8 devices: a ring of 4 and a gather over 4
-    local_cases() if n == 4 else sequence_cases()
     if n == 4:
+        local_cases()
         float8_case()
+    else:
+        sequence_cases()
     print("ok")
 """)
 

@@ -11,7 +11,7 @@ TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 # float8 (k32; both operands K-major: the 8-bit forms take no transpose): the planned
 # Hopper fp8 forward's S = Q K^T and O += P V^T (V transposed by the caller).
 FP8_TYPES = (("__nv_fp8_e4m3", "e4m3"), ("__nv_fp8_e5m2", "e5m2"))
-FP8_SHAPES_N = (64, 96, 128, 192, 224, 256)  # (96-224: key tiles of S at head dim 128)
+FP8_SHAPES_N = (64, 128, 192, 224, 256)  # (192, 224: key tiles of S at head dim 128)
 
 
 def operands(n):

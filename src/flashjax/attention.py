@@ -186,7 +186,7 @@ def _fp8_attention(q, k, v, descales: dict, out_dtype, options: dict):
             q_, k_, v_, q_descale, k_descale, v_descale = args
             q_, score_descale = _fp8.native_operands(q_, q_descale, k_descale, signed)
             return _core.float8_forward(q_, k_, v_, _fp8.permuted_transpose(v_), score_descale,
-                                        v_descale, extras, layout, cfg, jnp.dtype(out_dtype))
+                                        v_descale, extras, layout, cfg, out_dtype)
 
         out, lse = _route.run(cfg, (q, k, v) + scales, cuda=on_cuda, cpu=dequantised,
                               xla=dequantised, arrays=(q,))

@@ -11,7 +11,8 @@
 #include "hopper_common.cuh"
 
 // Keys per float8 tile up to head dim 128: 192 measured 3-5% faster than 128 and ~1%
-// than FA3's 224 (H200, thirtieth session); an A/B knob (a multiple of 32, <= 256).
+// than FA3's 224 (H200, thirtieth session); an A/B knob (an S width wgmma_ss_f8 has:
+// 64, 128, 192, 224 or 256).
 #ifndef FLASHJAX_FP8_D128_KEYS
 #define FLASHJAX_FP8_D128_KEYS 192
 #endif

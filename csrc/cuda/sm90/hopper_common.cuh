@@ -369,7 +369,6 @@ __device__ __forceinline__ void fence_operands(float (&regs)[kN]) {
 template <class T, int N>
 __device__ __forceinline__ void wgmma_ss_f8(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
   if constexpr (N == 64) wgmma_ss_f8_n64<T>(d, a, b, acc);
-  else if constexpr (N == 96) wgmma_ss_f8_n96<T>(d, a, b, acc);
   else if constexpr (N == 128) wgmma_ss_f8_n128<T>(d, a, b, acc);
   else if constexpr (N == 192) wgmma_ss_f8_n192<T>(d, a, b, acc);
   else if constexpr (N == 224) wgmma_ss_f8_n224<T>(d, a, b, acc);
