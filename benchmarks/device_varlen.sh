@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PY=python3
 if [ -d .peers ] && [ -z "${FJ_NO_PEERS:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .peers/*.whl > "$OUT/peers_install.log" 2>&1 && export PYTHONPATH=/tmp/site
+    --target /tmp/site .peers/*.whl > "$OUT/peers_install.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # The PYTHONPATH entry of build NAME: none for `new` (this tree, the `build` step),
 # else /tmp/NAME (base, alt, variant, patched builds).
@@ -33,11 +33,12 @@ build_main() {
   $PY -m pip install -q --no-build-isolation --no-deps -C build-dir=/tmp/fjb \
     -C "cmake.define.FLASHJAX_CUDA_ARCHS=${FJ_ARCHS:-90a}" ${FJ_HEAD_DIMS:+-C "cmake.define.FLASHJAX_HEAD_DIMS=$FJ_HEAD_DIMS"} . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; return 1; }
 }
-# Source tree $2 built into /tmp/$1 (BASE_DIMS, default FJ_HEAD_DIMS, narrows its head
-# dims; $3: CUDA flags, e.g. a knob's -D), with this tree's timing code: NAME then serves
-# TERMS_WHO / DENSE_WHO / TESTS_WHO.
+# Source tree $2 built into /tmp/$1 (DIMS_NAME, else BASE_DIMS, else FJ_HEAD_DIMS, narrows
+# its head dims; $3: CUDA flags, e.g. a knob's -D), with this tree's timing code: NAME then
+# serves TERMS_WHO / DENSE_WHO / TESTS_WHO.
 build_into() {
-  local dims=${BASE_DIMS:-${FJ_HEAD_DIMS:-}}
+  local own="DIMS_$1" dims
+  dims=${!own:-${BASE_DIMS:-${FJ_HEAD_DIMS:-}}}
   # (--upgrade: without it pip keeps an earlier call's install in /tmp/NAME, with its
   # head dims, on a warm machine)
   $PY -m pip install -q --no-build-isolation --no-deps --upgrade --target "/tmp/$1" -C "build-dir=/tmp/fjb_$1" \

@@ -220,15 +220,15 @@ def test_native_operands_flip_q_where_the_score_descale_is_negative():
 
 
 def test_a_call_the_float8_kernel_could_take_runs_the_fallback_off_hopper():
-    # e4m3, head dim 128, bf16 out, sinks and a window: a native candidate; on a machine
+    # e4m3, head dim 128, bf16 out, sinks, a window and softcap: a native candidate; on a machine
     # without an sm_90 GPU (this one: the CPU) the same numbers as the dequantised call.
     rng = np.random.default_rng(5)
     q, k, v = (jnp.asarray(rng.normal(size=s) * 2, jnp.float32).astype(jnp.float8_e4m3fn)
                for s in ((1, 40, 4, 128), (1, 33, 2, 128), (1, 33, 2, 128)))
     sinks = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
-    options = dict(sinks=sinks, window_size=(8, 3), return_lse=True, **DESCALES_1)
+    options = dict(sinks=sinks, window_size=(8, 3), softcap=2.0, return_lse=True, **DESCALES_1)
     assert _fp8.native_candidate(q, k, v, jnp.bfloat16, dict(
-        softmax_scale=None, causal=False, window_size=(8, 3), softcap=0.0, sinks=sinks,
+        softmax_scale=None, causal=False, window_size=(8, 3), softcap=2.0, sinks=sinks,
         return_lse=True, deterministic=False, q_segment_ids=None, kv_segment_ids=None,
         seqused_q=None, seqused_k=None, q_offset=None, kv_offset=None, bias=None, mask=None,
         alibi_slopes=None, dropout_rate=0.0, dropout_key=None, implementation=None))

@@ -3,7 +3,7 @@ Float8Inputs): S = Q K^T and O = P V in 8-bit wgmma, P rounded to e4m3, V read f
 permuted transpose. Against the float64 reference of the dequantised inputs: out within
 issue 28's bound for a kernel that rounds P to e4m3 (relative Frobenius error <= 4e-2),
 lse within a float8 product's accumulation error; causal, windows, GQA (packed rows and
-not), sinks, head dims 128 and 256, lengths off every tile size, negative descales (q's
+not), sinks, head dims 128 and 256, lengths off every tile size, softcap, negative descales (q's
 sign flipped), descale broadcasting, vmap, outputs written everywhere (poisoned first),
 a NaN in a hidden key's V (the exact recompute of the flagged row). Each test first
 checks that the device runs the float8 kernel for its call, so that it cannot pass on
@@ -41,6 +41,7 @@ class Fp8Case:
     head_dim: int = 128
     causal: bool = False
     window: tuple = (-1, -1)
+    softcap: float = 0.0
     sinks: bool = False
     negative: bool = False  # some descales < 0
 
@@ -58,6 +59,10 @@ CASES = [
     Fp8Case(head_dim=256, seqlen_q=200, seqlen_k=333, causal=True, negative=True),
     Fp8Case(head_dim=256, heads_q=4, heads_kv=1, seqlen_q=129, seqlen_k=97, sinks=True),
     Fp8Case(batch=1, seqlen_q=64, seqlen_k=31),  # fewer keys than a permuted block
+    # Softcap below the scores' spread (their std is ~0.04 here: descales 0.02-0.2), so
+    # that the cap bends them: the descale must go on the products before the tanh.
+    Fp8Case(seqlen_q=300, seqlen_k=777, causal=True, softcap=0.03, negative=True),
+    Fp8Case(head_dim=256, seqlen_q=129, seqlen_k=200, softcap=0.03, sinks=True),
 ]
 
 
@@ -77,7 +82,7 @@ def make_inputs(case: Fp8Case, device, seed=0):
 
 
 def options(case: Fp8Case) -> dict:
-    return dict(causal=case.causal, window_size=case.window)
+    return dict(causal=case.causal, window_size=case.window, softcap=case.softcap)
 
 
 def reference_of(case, q, k, v, descales, sinks):

@@ -4,7 +4,7 @@ bf16 by default (`out_dtype=`), forward only.
 
 On Hopper GPUs, calls the float8 kernel takes (`native_candidate`, then
 `_introspection.float8_kernel_runs` per device: e4m3, bfloat16 out, head dims 128 or
-256, dense without score terms, softcap or metadata beyond sinks and windows) read the
+256, dense without score terms or metadata beyond sinks, windows and softcap) read the
 float8 values themselves: S = Q K^T and O = P V in 8-bit wgmma, P rounded to e4m3 as
 FlashAttention 3 does (`native_operands` gives them V^T and the descales). Every other
 call runs the exact fallback: the inputs are dequantised (x * descale, in float32),
@@ -116,7 +116,7 @@ PERMUTED_KEYS = np.array([16 * (j // 16) + 2 * ((j % 16) // 4) + (j % 2) + 8 * (
                           for j in range(FLOAT8_KEY_BLOCK)])
 # flash_attention options the float8 kernel takes as the bf16 one does; the others must
 # be off (None, 0) for it: the call then dequantises.
-NATIVE_OPTIONS = ("softmax_scale", "causal", "window_size", "sinks", "return_lse",
+NATIVE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "sinks", "return_lse",
                   "deterministic", "implementation", "dropout_key")
 
 

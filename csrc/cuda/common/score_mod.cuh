@@ -16,15 +16,18 @@ __device__ __forceinline__ float score(const AttentionParams& p, float dot) {
   return p.softcap > 0.0f ? p.softcap * tanhf(s / p.softcap) : s;
 }
 
-// scale and softcap: raw q.k products become scores in log2 units.
+// scale and softcap: raw q.k products become scores in log2 units. dot_factor: what
+// the products are to be multiplied by first (float8: their descale).
 template <int kN>
-__device__ __forceinline__ void scores_log2(float (&s)[kN], const AttentionParams& p) {
+__device__ __forceinline__ void scores_log2(float (&s)[kN], const AttentionParams& p,
+                                            float dot_factor = 1.0f) {
   if (p.softcap > 0.0f) {
-    const float inv_cap = p.softmax_scale / p.softcap, cap_log2 = p.softcap * kLog2e;
+    const float inv_cap = dot_factor * p.softmax_scale / p.softcap,
+                cap_log2 = p.softcap * kLog2e;
 #pragma unroll
     for (int i = 0; i < kN; ++i) s[i] = cap_log2 * tanhf(s[i] * inv_cap);
   } else {
-    const float scale_log2 = p.softmax_scale * kLog2e;
+    const float scale_log2 = dot_factor * p.softmax_scale * kLog2e;
 #pragma unroll
     for (int i = 0; i < kN; ++i) s[i] *= scale_log2;
   }

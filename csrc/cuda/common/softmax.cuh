@@ -45,10 +45,12 @@ struct RowSoftmax {
   // exponentiate(s, alpha, exponent_scale(p)), the products stay raw (the scale rides
   // in the exponent's FFMA) unless scores_prescaled(p); m is then in the same units
   // until log2_units.
+  // dot_factor: scores_log2's (float8: the products' descale).
   template <int kKeyTiles, bool kFoldScale = false>
   __device__ void scores(float (&s)[kKeyTiles * 4], const AttentionParams& p,
-                         const SeqlenInfo& seq, int64_t k0, bool needs_mask) const {
-    if (!kFoldScale || scores_prescaled(p)) scores_log2(s, p);
+                         const SeqlenInfo& seq, int64_t k0, bool needs_mask,
+                         float dot_factor = 1.0f) const {
+    if (!kFoldScale || scores_prescaled(p)) scores_log2(s, p, dot_factor);
     if (needs_mask) mask<kKeyTiles>(s, seq, k0);
   }
 

@@ -28,16 +28,16 @@ using hopper_fwd::kBuckets;
 namespace {
 
 // float8 q, k, v (BucketLaunch's float8 kernels): e4m3, bfloat16 out, V^T and the
-// descales given, uniform layouts without score terms or softcap (its scores would
-// need the descales before the cap), head dims equal and one of float8_head_dim's
-// (their own bucket, compiled).
+// descales given, uniform layouts without score terms (softcap is fine: the descale goes
+// on the products before the cap), head dims equal and one of float8_head_dim's (their
+// own bucket, compiled).
 bool float8_supported(const AttentionParams& p) {
   const Float8Inputs& f = p.float8;
   const int64_t bucket = head_dim_bucket(kBuckets, p);
   return f.element == CacheElement::kFloat8E4M3 && p.dtype == DType::kBFloat16 && f.vt &&
          f.score_descale && f.v_descale && f.vt_keys >= p.seqlen_k &&
          f.vt_keys % kFloat8KeyBlock == 0 && p.uniform() && !p.has_pair_terms() &&
-         p.softcap == 0.0f && p.head_dim == p.head_dim_v && bucket == p.head_dim &&
+         p.head_dim == p.head_dim_v && bucket == p.head_dim &&
          hopper_fwd::float8_head_dim(static_cast<int>(bucket));
 }
 

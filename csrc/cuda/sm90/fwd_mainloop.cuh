@@ -174,13 +174,18 @@ struct ForwardMainloop {
     constexpr int kOffset = Cfg::kFloat8 ? kFloat8ExponentOffset : 0;
     float scale = kFoldScale ? exponent_scale(p) : 1.0f;
     if constexpr (Cfg::kFloat8) scale *= p.float8.score_factor(w.b, w.hk, p.heads_kv);
+    // float8 with softcap (or a scale <= 0): the raw products become scores before the
+    // exponent (scale is then the descale alone), so the descale goes on them there,
+    // before the cap's tanh, which is not linear.
+    const bool descale_first = Cfg::kFloat8 && scores_prescaled(p);
     auto softmax_step = [&](float (&s)[kKeyTiles * 4], int64_t it, float (&alpha)[2]) {
       const TileKeys tile = tile_keys(it);
       const int64_t k0 = tile.k0;
-      softmax.scores<kKeyTiles, kFoldScale>(s, p, w.seq, k0, tile.ranged);
+      softmax.scores<kKeyTiles, kFoldScale>(s, p, w.seq, k0, tile.ranged,
+                                            descale_first ? scale : 1.0f);
       segments.template mask<kKeyTiles>(s, k0);
       if constexpr (Terms::kActive) terms.template add<kKeyTiles>(s, k0, tile.mask_mixed);
-      softmax.exponentiate<kKeyTiles, kOffset>(s, alpha, scale);
+      softmax.exponentiate<kKeyTiles, kOffset>(s, alpha, descale_first ? 1.0f : scale);
       terms.template drop<kKeyTiles>(s, k0);  // (after the row sums: lse is undropped)
     };
 
@@ -236,7 +241,7 @@ struct ForwardMainloop {
     } else if (lane == 0) {
       mbar_arrive(sm.q_empty);
     }
-    if constexpr (kFoldScale) softmax.log2_units<kOffset>(scale);
+    if constexpr (kFoldScale) softmax.log2_units<kOffset>(descale_first ? 1.0f : scale);
     if constexpr (Cfg::kFloat8) {  // (O = P V^T of the raw float8 values)
       const float v_descale = p.float8.value_factor(w.b, w.hk, p.heads_kv);
 #pragma unroll

@@ -16,12 +16,6 @@
 #ifndef FLASHJAX_FP8_D128_KEYS
 #define FLASHJAX_FP8_D128_KEYS 192
 #endif
-// 16-bit head dim 128: out staged in shared memory and stored by TMA too (an A/B knob,
-// 0: off; measured slower on 2026-11-27, when it grew the loop's spills; it no longer
-// does: tools/one_kernel.sh fwd128 624 B either way, thirty-first session).
-#ifndef FLASHJAX_FWD_D128_STAGED_OUT
-#define FLASHJAX_FWD_D128_STAGED_OUT 0
-#endif
 #ifndef FLASHJAX_FWD_D64_CONSUMERS
 #define FLASHJAX_FWD_D64_CONSUMERS 3
 #endif
@@ -150,15 +144,13 @@ struct TileConfig {
     at.bytes = plan.smem_bytes();
     return at;
   }
-  // Out stored by TMA from shared memory (fwd_epilogue.cuh) at head dim 64 and
-  // in float8: at d64 the 2k causal kernel took 475 us instead of 485, float8
-  // gained 0.4-2% at d128 and 0.6-3.6% at d256 (8k/16k, H200, 2026-11-30); 16-bit
-  // d128 took 308 instead of 293 and 6.5% longer at 16k (its spills grew from
-  // 344 to 384 B), and 16-bit d256 rows do not fit (H200, 2026-11-27).
-  // (16-bit d128: FLASHJAX_FWD_D128_STAGED_OUT, to be measured again.)
+  // Out stored by TMA from shared memory (fwd_epilogue.cuh) at head dims 64 and
+  // 128 and in float8: at d64 the 2k causal kernel took 475 us instead of 485,
+  // float8 gained 0.4-2% at d128 and 0.6-3.6% at d256 (8k/16k), 16-bit d128 1-4%
+  // at 2k and 4% with a (1024, 0) window, level at 16k (H200, 2026-11-30; its
+  // spills no longer grow: 624 B either way); 16-bit d256 rows do not fit.
   static constexpr bool kStagesOut =
-      (kHeadDim == 64 || kFloat8 || (kHeadDim == 128 && FLASHJAX_FWD_D128_STAGED_OUT)) &&
-      layout(true).bytes <= kSmemLimit;
+      (kHeadDim == 64 || kHeadDim == 128 || kFloat8) && layout(true).bytes <= kSmemLimit;
   static constexpr Offsets kSmem = layout(kStagesOut);
   static constexpr int kSmemBytes = kSmem.bytes;
   static_assert(kSmemBytes <= kSmemLimit, "exceeds the opt-in shared memory of sm_90");
