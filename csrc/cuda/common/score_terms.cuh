@@ -19,7 +19,15 @@
 #include "segments.cuh"
 #include "sequence_layout.h"
 
+// Tiles ahead of their use that the Hopper kernels prefetch a bias's lines into L2
+// (FragmentTerms::prefetch_bias; an A/B knob, 0: none).
+#ifndef FLASHJAX_BIAS_AHEAD_TILES
+#define FLASHJAX_BIAS_AHEAD_TILES 2
+#endif
+
 namespace flashjax::cuda {
+
+constexpr int kBiasAheadTiles = FLASHJAX_BIAS_AHEAD_TILES;
 
 template <TermSet kSet, FragmentRows kRows>
 struct FragmentTerms;
@@ -45,6 +53,8 @@ struct FragmentTerms<TermSet::kNone, kRows> {
   template <int kTiles>
   __device__ void apply_keep(float (&)[kTiles * 4], uint32_t) const {}
   __device__ bool dropping() const { return false; }
+  template <int kCols>
+  __device__ void prefetch_bias(int64_t) const {}
   __device__ void add_bias_gradient_at(int, int64_t, float) const {}
   template <int kTiles>
   __device__ void add_bias_gradient(const float (&)[kTiles * 4], int64_t) const {}
@@ -119,6 +129,39 @@ struct FragmentTerms {
     const int64_t c = c0 + (index / 4) * 8 + 2 * (threadIdx.x % 4) + (index & 1);
     pair(r, c, i, j);
     return used(r, c);
+  }
+
+  // The bias of the tile from column c0 (kCols columns) into L2, for add() tiles
+  // later: without it add()'s loads, issued once S is in, waited for DRAM every tile
+  // (ncu: 59% of the bias forward's stalls, "long_sb", sixteenth session). Query rows
+  // (the forward): a row's four threads take its 128-byte lines in turn. Key rows
+  // (the backward's key kernel): a warp's 16 keys are 64 bytes of each query row,
+  // its lanes take the tile's query rows in turn.
+  template <int kCols>
+  __device__ void prefetch_bias(int64_t c0) const {
+    if constexpr (kAll) {
+      if (!terms.bias || c0 >= cols_used) return;
+      if constexpr (kQueryRows) {
+        constexpr int kLineFloats = 128 / sizeof(float);
+#pragma unroll
+        for (int line = threadIdx.x % 4; line * kLineFloats < kCols; line += 4) {
+          const int64_t c = c0 + line * kLineFloats;
+          if (c >= cols_used) break;
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            if (row + 8 * r < rows_used) prefetch_l2(terms.bias + (row + 8 * r) * terms.bias_ld + c);
+        }
+      } else {
+        const int lane = threadIdx.x % 32;
+        const int64_t key0 = row - lane / kPartnerLanes;  // (the warp's first key)
+        if (key0 >= rows_used) return;
+#pragma unroll
+        for (int i = lane; i < kCols; i += 32) {
+          if (c0 + i >= cols_used) break;
+          prefetch_l2(terms.bias + (c0 + i) * terms.bias_ld + key0);
+        }
+      }
+    }
   }
 
   // The bias and ALiBi terms (log2 units) of fragment element `index` of the tile

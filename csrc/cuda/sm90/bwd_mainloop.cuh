@@ -259,6 +259,10 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         wgmma_commit();
         issue_abt<T, kHeadDim>(dpt, v_rows, desc_advance(do_k_major, stream_offset()));
         wgmma_commit();
+        // (a bias's rows of a later tile into L2: the walk's next tiles, of this head
+        // but where a mask skips some or the head changes: lines then unused)
+        if constexpr (has_terms(kTerms) && kBiasAheadTiles > 0)
+          terms.template prefetch_bias<kStreamRows>(q0 + kBiasAheadTiles * kStreamRows);
         return true;
       },
       [&](int64_t it) {  // P^T, dS^T

@@ -164,6 +164,12 @@ struct ForwardMainloop {
     auto values_done = [&](int64_t it) {
       if (lane == 0) mbar_arrive(&sm.v_empty[(kv + it) % kStages]);
     };
+    // A bias's rows of the tile `ahead` tiles after tile it into L2 (kBiasAheadTiles):
+    // the walk's next tiles, but where a mask skips some (lines then unused).
+    auto prefetch_bias = [&](int64_t it, int ahead) {
+      if constexpr (Terms::kActive && kBiasAheadTiles > 0)
+        terms.template prefetch_bias<kBlockN>(tile_keys(it).k0 + ahead * kBlockN);
+    };
     // Without score terms (which add in log2 units) the scale rides in the exponent's
     // FFMA (FA3's order: one instruction a score instead of a multiply and a subtraction).
     // float8: the item's descale of q.k too (>= 0: Float8Inputs); P carries
@@ -207,6 +213,8 @@ struct ForwardMainloop {
       issue_scores(s, 0);
       pass_turn();
       prefetch_keys(0);
+#pragma unroll
+      for (int ahead = 1; ahead <= kBiasAheadTiles; ++ahead) prefetch_bias(0, ahead);
       wgmma_wait<0>();
       fence_operands(s);
       scores_done(0);
@@ -219,6 +227,7 @@ struct ForwardMainloop {
         issue_values(pa, it - 1);
         pass_turn();
         prefetch_keys(it);
+        prefetch_bias(it, kBiasAheadTiles);
         wgmma_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
         fence_operands(s);
         scores_done(it);
