@@ -132,14 +132,15 @@ struct FragmentTerms {
   }
 
   // The bias of the tile from column c0 (kCols columns) into L2, for add() tiles
-  // later: without it add()'s loads, issued once S is in, waited for DRAM every tile
-  // (ncu: 59% of the bias forward's stalls, "long_sb", sixteenth session). Query rows
-  // (the forward): a row's four threads take its 128-byte lines in turn. Key rows
-  // (the backward's key kernel): a warp's 16 keys are 64 bytes of each query row,
-  // its lanes take the tile's query rows in turn.
+  // later (kBiasAheadTiles; none at 0; the one place that decides, so callers call it
+  // unconditionally): without it add()'s loads, issued once S is in, waited for DRAM
+  // every tile (ncu: 59% of the bias forward's stalls, "long_sb", sixteenth session).
+  // Query rows (the forward): a row's four threads take its 128-byte lines in turn.
+  // Key rows (the backward's key kernel): a warp's 16 keys are 64 bytes of each query
+  // row, its lanes take the tile's query rows in turn.
   template <int kCols>
   __device__ void prefetch_bias(int64_t c0) const {
-    if constexpr (kAll) {
+    if constexpr (kAll && kBiasAheadTiles > 0) {
       if (!terms.bias || c0 >= cols_used) return;
       if constexpr (kQueryRows) {
         constexpr int kLineFloats = 128 / sizeof(float);

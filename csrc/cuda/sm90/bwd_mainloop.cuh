@@ -261,8 +261,7 @@ __device__ __forceinline__ void key_consumer(Smem<kHeadDim>& sm,
         wgmma_commit();
         // (a bias's rows of a later tile into L2: the walk's next tiles, of this head
         // but where a mask skips some or the head changes: lines then unused)
-        if constexpr (has_terms(kTerms) && kBiasAheadTiles > 0)
-          terms.template prefetch_bias<kStreamRows>(q0 + kBiasAheadTiles * kStreamRows);
+        terms.template prefetch_bias<kStreamRows>(q0 + kBiasAheadTiles * kStreamRows);
         return true;
       },
       [&](int64_t it) {  // P^T, dS^T

@@ -167,8 +167,7 @@ struct ForwardMainloop {
     // A bias's rows of the tile `ahead` tiles after tile it into L2 (kBiasAheadTiles):
     // the walk's next tiles, but where a mask skips some (lines then unused).
     auto prefetch_bias = [&](int64_t it, int ahead) {
-      if constexpr (Terms::kActive && kBiasAheadTiles > 0)
-        terms.template prefetch_bias<kBlockN>(tile_keys(it).k0 + ahead * kBlockN);
+      terms.template prefetch_bias<kBlockN>(tile_keys(it).k0 + ahead * kBlockN);
     };
     // Without score terms (which add in log2 units) the scale rides in the exponent's
     // FFMA (FA3's order: one instruction a score instead of a multiply and a subtraction).
