@@ -69,20 +69,33 @@ endforeach()
 
 # The tensor-core kernels of each head-dim bucket in a translation unit of their own,
 # generated from launch_bucket.cu.in for the compiled buckets (each kind: the header
-# with its BucketLaunch, the namespace, the buckets: the Hopper forward's kBuckets,
-# fwd_launch.cu, and kTensorCoreBuckets, common/dispatch.h, for the others).
-set(_bucket_kinds hopper_fwd hopper_bwd sm80_fwd sm80_bwd)
+# with its launch struct (BucketLaunch unless said), the namespace (the kind's unless
+# said), the buckets: the Hopper forward's kBuckets and kFloat8Buckets, fwd_launch.cu,
+# and kTensorCoreBuckets, common/dispatch.h, for the others). The Hopper forward's
+# float8 kernels (hopper_fp8) compile beside its 16-bit ones, not after them.
+set(_bucket_kinds hopper_fwd hopper_fp8 hopper_bwd sm80_fwd sm80_bwd)
 set(_header_hopper_fwd cuda/sm90/fwd_launch_bucket.cuh)
+set(_header_hopper_fp8 cuda/sm90/fwd_float8_bucket.cuh)
+set(_launch_hopper_fp8 Float8BucketLaunch)
+set(_namespace_hopper_fp8 hopper_fwd)
 set(_header_hopper_bwd cuda/sm90/bwd_launch_bucket.cuh)
 set(_header_sm80_fwd cuda/sm80/tensor_core_forward_bucket.cuh)
 set(_header_sm80_bwd cuda/sm80/tensor_core_backward_bucket.cuh)
 set(_buckets_hopper_fwd 64 96 128 192 256)
+set(_buckets_hopper_fp8 128 256)
 set(_buckets_hopper_bwd 64 128 256)
 set(_buckets_sm80_fwd 64 128 256)
 set(_buckets_sm80_bwd 64 128 256)
 foreach(kind IN LISTS _bucket_kinds)
   set(HEADER ${_header_${kind}})
   set(NAMESPACE flashjax::cuda::${kind})
+  if(DEFINED _namespace_${kind})
+    set(NAMESPACE flashjax::cuda::${_namespace_${kind}})
+  endif()
+  set(LAUNCH BucketLaunch)
+  if(DEFINED _launch_${kind})
+    set(LAUNCH ${_launch_${kind}})
+  endif()
   foreach(DIM IN LISTS _buckets_${kind})
     if(DIM IN_LIST FLASHJAX_HEAD_DIMS)
       set(_unit ${CMAKE_CURRENT_BINARY_DIR}/${kind}_d${DIM}.cu)

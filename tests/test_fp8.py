@@ -239,5 +239,19 @@ def test_a_call_the_float8_kernel_could_take_runs_the_fallback_off_hopper():
                                       np.asarray(b.astype(jnp.float32)))
 
 
+def test_the_float8_kernel_takes_e4m3_and_e5m2_with_16_bit_out():
+    options = dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                   sinks=None, return_lse=False, deterministic=False, q_segment_ids=None,
+                   kv_segment_ids=None, seqused_q=None, seqused_k=None, q_offset=None,
+                   kv_offset=None, bias=None, mask=None, alibi_slopes=None, dropout_rate=0.0,
+                   dropout_key=None, implementation=None)
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        q = jax.ShapeDtypeStruct((1, 40, 4, 256), dtype)
+        kv = jax.ShapeDtypeStruct((1, 33, 2, 256), dtype)
+        for out_dtype, native in ((jnp.bfloat16, True), (jnp.float16, True), (jnp.float32, False)):
+            assert _fp8.native_candidate(q, kv, kv, out_dtype, options) == native, (dtype, out_dtype)
+        assert _fp8.ELEMENT_CODES[jnp.dtype(dtype)] in (1, 2)
+
+
 DESCALES_1 = dict(q_descale=jnp.float32(0.3), k_descale=jnp.full((1, 2), -0.2, jnp.float32),
                   v_descale=jnp.full((1, 1), 0.5, jnp.float32))

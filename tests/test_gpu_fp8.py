@@ -2,9 +2,10 @@
 Float8Inputs): S = Q K^T and O = P V in 8-bit wgmma, P rounded to e4m3, V read from its
 permuted transpose. Against the float64 reference of the dequantised inputs: out within
 issue 28's bound for a kernel that rounds P to e4m3 (relative Frobenius error <= 4e-2),
-lse within a float8 product's accumulation error; causal, windows, GQA (packed rows and
-not), sinks, head dims 128 and 256, lengths off every tile size, softcap, negative descales (q's
-sign flipped), descale broadcasting, vmap, outputs written everywhere (poisoned first),
+lse within a float8 product's accumulation error; e4m3 and e5m2 inputs, bfloat16 and
+float16 out; causal, windows, GQA (packed rows and not), sinks, head dims 128 and 256,
+lengths off every tile size, softcap, negative descales (q's sign flipped), descale
+broadcasting, vmap, outputs written everywhere (poisoned first),
 a NaN in a hidden key's V (the exact recompute of the flagged row). Each test first
 checks that the device runs the float8 kernel for its call, so that it cannot pass on
 the fallback."""
@@ -44,6 +45,8 @@ class Fp8Case:
     softcap: float = 0.0
     sinks: bool = False
     negative: bool = False  # some descales < 0
+    dtype: str = "float8_e4m3fn"  # q's, k's and v's
+    out_dtype: str = "bfloat16"
 
     def __str__(self):
         return "-".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
@@ -63,6 +66,13 @@ CASES = [
     # that the cap bends them: the descale must go on the products before the tanh.
     Fp8Case(seqlen_q=300, seqlen_k=777, causal=True, softcap=0.03, negative=True),
     Fp8Case(head_dim=256, seqlen_q=129, seqlen_k=200, softcap=0.03, sinks=True),
+    # e5m2 (S in e5m2 products, P V with P in e4m3) and float16 out
+    Fp8Case(dtype="float8_e5m2", seqlen_q=300, seqlen_k=777, causal=True, negative=True),
+    Fp8Case(dtype="float8_e5m2", head_dim=256, heads_q=8, heads_kv=2, seqlen_q=129,
+            seqlen_k=200, sinks=True),
+    Fp8Case(out_dtype="float16", heads_q=8, heads_kv=2, seqlen_q=257, seqlen_k=513, causal=True),
+    Fp8Case(dtype="float8_e5m2", out_dtype="float16", head_dim=256, seqlen_q=200, seqlen_k=333,
+            window=(64, 0)),
 ]
 
 
@@ -70,7 +80,7 @@ def make_inputs(case: Fp8Case, device, seed=0):
     rng = np.random.default_rng(seed)
     b, hq, hk, d = case.batch, case.heads_q, case.heads_kv, case.head_dim
     put = lambda x, dtype: jax.device_put(jnp.asarray(x, dtype), device)
-    fp8 = lambda shape: put(rng.normal(size=shape) * 2.0, jnp.float32).astype(jnp.float8_e4m3fn)
+    fp8 = lambda shape: put(rng.normal(size=shape) * 2.0, jnp.float32).astype(case.dtype)
     q, k, v = (fp8((b, case.seqlen_q, hq, d)), fp8((b, case.seqlen_k, hk, d)),
                fp8((b, case.seqlen_k, hk, d)))
     descale = lambda: rng.uniform(0.02, 0.2, (b, hk)) * (
@@ -85,6 +95,10 @@ def options(case: Fp8Case) -> dict:
     return dict(causal=case.causal, window_size=case.window, softcap=case.softcap)
 
 
+def call_options(case: Fp8Case) -> dict:  # (flash_attention's: out's dtype too)
+    return dict(options(case), out_dtype=jnp.dtype(case.out_dtype))
+
+
 def reference_of(case, q, k, v, descales, sinks):
     group = case.heads_q // case.heads_kv
     deq = lambda x, s, g: (np.asarray(x.astype(jnp.float32), np.float64) *
@@ -97,7 +111,7 @@ def reference_of(case, q, k, v, descales, sinks):
 
 def require_float8_kernel(case, q, k, v):
     window = Window.of(case.causal, case.window)
-    if not _introspection.float8_kernel_runs(q, k, v, window, jnp.bfloat16):
+    if not _introspection.float8_kernel_runs(q, k, v, window, jnp.dtype(case.out_dtype)):
         pytest.skip("the float8 kernel does not run here (needs an sm_90 GPU and a build "
                     "with its head dims)")
 
@@ -109,7 +123,7 @@ def rel_err(x, ref):
 
 def check(case, out, lse, q, k, v, descales, sinks):
     ref_out, ref_lse = reference_of(case, q, k, v, descales, sinks)
-    assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+    assert out.dtype == jnp.dtype(case.out_dtype) and out.shape == q.shape
     out32 = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out32).all()
     assert rel_err(out32, ref_out) <= OUT_TOLERANCE, rel_err(out32, ref_out)
@@ -124,7 +138,7 @@ def test_against_the_dequantised_reference(case, gpu_device):
     q, k, v, descales, sinks = make_inputs(case, gpu_device)
     require_float8_kernel(case, q, k, v)
     f = jax.jit(lambda q, k, v, d, s: flashjax.flash_attention(
-        q, k, v, sinks=s, return_lse=True, **d, **options(case)))
+        q, k, v, sinks=s, return_lse=True, **d, **call_options(case)))
     # (NaN results of the same shapes in the allocator's free list: stale ones would show)
     poisoned = f(jnp.full_like(q, np.nan), k, v, descales, sinks)
     jax.block_until_ready(poisoned)

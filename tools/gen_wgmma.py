@@ -58,7 +58,9 @@ def registers_shared(n):
 
 
 def float8(n, registers):
-    """wgmma_ss_f8_nN (A, B in smem) or wgmma_rs_f8_nN (A in registers), both K-major."""
+    """wgmma_ss_f8_nN (A, B in smem, both of type T) or wgmma_rs_f8_nN (A in registers,
+    always e4m3: the forward's P, whose values (0, 256] keep e4m3's 3-bit mantissa; B of
+    type T), both K-major."""
     regs, out, bind = operands(n)
     name = f"wgmma_{'rs' if registers else 'ss'}_f8_n{n}"
     a_decl = "const uint32_t (&a)[4]" if registers else "uint64_t desc_a"
@@ -71,7 +73,7 @@ def float8(n, registers):
         lines.append(f"  if constexpr (std::is_same_v<T, {ctype}>) {{" if i == 0 else "  } else {")
         lines.append(
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + extra + 1}, 0;\\n"\n'
-            f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.{ptx}.{ptx} {{{out}}}, '
+            f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.{"e4m3" if registers else ptx}.{ptx} {{{out}}}, '
             f'{a}, %{regs + extra}, p, 1, 1;\\n}}\\n"\n'
             f'        : {bind}\n'
             f'        : {a_bind}, "l"(desc_b), "r"(accumulate));')
@@ -86,7 +88,7 @@ def main():
         "// wgmma_ss_mn_nN: the same with A and B both MN-major (transposed) in smem.",
         "// wgmma_ss_bmn_nN: A K-major, B MN-major (N contiguous) in smem.",
         "// wgmma_rs_nN: D(64xN) += A(64x16, registers) * B(16xN, smem, N-major).",
-        "// wgmma_ss_f8_nN, wgmma_rs_f8_nN: float8 (k32), A and B K-major.",
+        "// wgmma_ss_f8_nN, wgmma_rs_f8_nN: float8 (k32), A and B K-major (rs: A e4m3).",
         "#pragma once\n",
         "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cuda_fp8.h>\n",
         "#include <cstdint>\n#include <type_traits>\n",

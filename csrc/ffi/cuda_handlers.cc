@@ -42,9 +42,9 @@ struct CudaPlatform {
     if (ffi::Error e = use_device(device); e.failure()) return e;
     if (p.float8.active() && flashjax::cuda::forward_kernel(p) != flashjax::cuda::Kernel::kHopper)
       return ffi::Error::InvalidArgument(
-          "flashjax: float8 q, k, v need the Hopper kernel: an sm_90 GPU, float8_e4m3fn, "
-          "bfloat16 out, head dims 128 or 256 (equal, compiled), dense layouts without "
-          "segment ids, positions, bias, mask, ALiBi, dropout or softcap");
+          "flashjax: float8 q, k, v need the Hopper kernel: an sm_90 GPU, float8_e4m3fn or "
+          "float8_e5m2, bfloat16 or float16 out, head dims 128 or 256 (equal, compiled), "
+          "dense layouts without segment ids, positions, bias, mask, ALiBi or dropout");
     std::optional<void*> ws = workspace(scratch, flashjax::cuda::forward_workspace_bytes(p));
     if (!ws) return ffi::Error::Internal("flashjax: could not allocate forward workspace");
     return to_ffi_error(flashjax::cuda::forward(p, *ws, stream), "forward kernel launch");

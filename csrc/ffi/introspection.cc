@@ -54,7 +54,7 @@ flashjax::AttentionParams params_of(const FlashjaxCallDescription& d) {
   if (d.score_terms) p.alibi_slopes = slope_placeholder;  // (any term picks the same kernels)
   if (d.float8) {
     static int8_t vt_placeholder[1];
-    p.float8.element = flashjax::CacheElement::kFloat8E4M3;
+    p.float8.element = static_cast<flashjax::CacheElement>(d.float8);
     p.float8.score_descale = p.float8.v_descale = slope_placeholder;
     p.float8.vt_keys = (d.seqlen_k + flashjax::kFloat8KeyBlock - 1) / flashjax::kFloat8KeyBlock *
                        flashjax::kFloat8KeyBlock;

@@ -12,7 +12,7 @@ struct FlashjaxCallDescription {
   int64_t window_left, window_right;  // causal: window_right = 0
   int32_t packed, seqused, segment_ids, positions, kv_cache, deterministic, kernel_cap;
   int32_t score_terms;  // bias, mask, ALiBi or dropout (the kernels' kTerms variants)
-  int32_t float8;       // float8_e4m3fn q, k, v (dtype: out's)
+  int32_t float8;       // float8 q, k, v: their flashjax::CacheElement (dtype: out's); 0: none
 };
 
 extern "C" {

@@ -20,6 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# The C++ side's CacheElement codes of the float8 dtypes (flashjax/params.h).
+ELEMENT_CODES = {jnp.dtype(jnp.float8_e4m3fn): 1, jnp.dtype(jnp.float8_e5m2): 2}
+# out dtypes of the float8 kernel (float32 out: dequantised onto the float32 paths).
+NATIVE_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 DESCALES = ("q_descale", "k_descale", "v_descale")
 
@@ -123,7 +127,7 @@ NATIVE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "sinks", 
 def native_candidate(q, k, v, out_dtype, options: dict) -> bool:
     """Whether a float8 call is one the Hopper float8 kernel takes (the devices decide
     the rest: _introspection.float8_kernel_runs)."""
-    return (q.dtype == jnp.float8_e4m3fn and jnp.dtype(out_dtype) == jnp.bfloat16
+    return (q.dtype in FP8_DTYPES and jnp.dtype(out_dtype) in NATIVE_OUT_DTYPES
             and q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in NATIVE_HEAD_DIMS
             and min(q.shape[0], q.shape[1], k.shape[1]) > 0
             and options["implementation"] in (None, "cuda")

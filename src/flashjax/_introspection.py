@@ -9,7 +9,7 @@ import importlib.metadata
 import jax
 import jax.numpy as jnp
 
-from . import _ffi, _route
+from . import _ffi, _fp8, _route
 from ._visibility import Window
 
 DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
@@ -86,12 +86,12 @@ def info(q=None, k=None, v=None, *, causal=False, window_size=(-1, -1), determin
         raise ValueError("info() describes a call by q, k and v together")
     fields = _route.implementation_fields(implementation)
     window = Window.of(causal, window_size)
-    float8 = jnp.dtype(q.dtype) == jnp.float8_e4m3fn  # (out: bfloat16; "none": dequantised)
+    float8 = _fp8.ELEMENT_CODES.get(jnp.dtype(q.dtype), 0)  # (out: bfloat16; "none": dequantised)
     call = _call_description(
         q, k, v, window, jnp.bfloat16 if float8 else q.dtype, packed=int(varlen),
         seqused=int(seqused), segment_ids=int(segment_ids), positions=int(positions),
         kv_cache=int(kv_cache), deterministic=int(deterministic),
-        kernel_cap=fields["kernel_cap"], score_terms=int(score_terms), float8=int(float8))
+        kernel_cap=fields["kernel_cap"], score_terms=int(score_terms), float8=float8)
     result["kernels"] = {f"{d.platform}:{d.id}": _kernels(d, call, fields["implementation"])
                          for d in _all_devices()}
     if float8:  # (forward only)
@@ -109,7 +109,8 @@ def float8_kernel_runs(q, k, v, window: Window, out_dtype) -> bool:
         return False
     if not gpus or "CUDA" not in _ffi.load():
         return False
-    call = _call_description(q, k, v, window, out_dtype, float8=1)
+    call = _call_description(q, k, v, window, out_dtype,
+                             float8=_fp8.ELEMENT_CODES[jnp.dtype(q.dtype)])
     return all(_cuda_kernels(d, call)["forward"] == "hopper" for d in gpus)
 
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 MODES = ("fwd", "fwdbwd", "bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}
-# (float8_e4m3fn: flash_attention's float8 forward, out in bfloat16; fwd mode only)
+# (the float8 types: flash_attention's float8 forward, out in bfloat16; fwd mode only)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-          "float8_e4m3fn": jnp.float8_e4m3fn}
+          "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 
 FA3_TOKENS = 16384
 FA3_HIDDEN = 2048

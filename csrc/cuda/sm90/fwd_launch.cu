@@ -18,6 +18,8 @@ namespace {
 // Head-dim buckets of this kernel: it also has native 96 and 192 ones (the
 // other kernels pad those to 128 / 256); FLASHJAX_HEAD_DIMS picks the compiled ones.
 constexpr HeadDims<64, 96, 128, 192, 256> kBuckets{};
+// The float8 kernels' (Float8BucketLaunch).
+constexpr HeadDims<128, 256> kFloat8Buckets{};
 
 }  // namespace
 }  // namespace hopper_fwd
@@ -27,18 +29,18 @@ using hopper_fwd::kBuckets;
 
 namespace {
 
-// float8 q, k, v (BucketLaunch's float8 kernels): e4m3, bfloat16 out, V^T and the
-// descales given, uniform layouts without score terms (softcap is fine: the descale goes
-// on the products before the cap), head dims equal and one of float8_head_dim's (their
-// own bucket, compiled).
+// float8 q, k, v (Float8BucketLaunch's kernels): e4m3 or e5m2, bfloat16 or float16 out,
+// V^T and the descales given, uniform layouts without score terms (softcap is fine:
+// the descale goes on the products before the cap), head dims equal and one of
+// kFloat8Buckets (their own bucket, compiled).
 bool float8_supported(const AttentionParams& p) {
   const Float8Inputs& f = p.float8;
-  const int64_t bucket = head_dim_bucket(kBuckets, p);
-  return f.element == CacheElement::kFloat8E4M3 && p.dtype == DType::kBFloat16 && f.vt &&
+  const int64_t bucket = head_dim_bucket(hopper_fwd::kFloat8Buckets, p);
+  return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && f.vt &&
          f.score_descale && f.v_descale && f.vt_keys >= p.seqlen_k &&
          f.vt_keys % kFloat8KeyBlock == 0 && p.uniform() && !p.has_pair_terms() &&
          p.head_dim == p.head_dim_v && bucket == p.head_dim &&
-         hopper_fwd::float8_head_dim(static_cast<int>(bucket));
+         head_dim_compiled(static_cast<int>(bucket));
 }
 
 }  // namespace
@@ -68,6 +70,10 @@ size_t hopper_forward_workspace_bytes(const AttentionParams& p) {
 }
 
 cudaError_t hopper_forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  if (p.float8.active())
+    return with_bucket(hopper_fwd::kFloat8Buckets, p, [&](auto dim) {
+      return hopper_fwd::Float8BucketLaunch<decltype(dim)::value>::run(p, workspace, stream);
+    });
   return with_bucket(kBuckets, p, [&](auto dim) {
     return hopper_fwd::BucketLaunch<decltype(dim)::value>::run(p, workspace, stream);
   });

@@ -177,14 +177,6 @@ cudaError_t launch(const AttentionParams& p, void* workspace, cudaStream_t strea
 template <int kHeadDim>
 cudaError_t BucketLaunch<kHeadDim>::run(const AttentionParams& p, void* workspace,
                                         cudaStream_t stream) {
-  // float8 e4m3 inputs, bfloat16 out, uniform layouts without score terms
-  // (hopper_forward_supports checks; float8_head_dim's buckets compile them).
-  if (p.float8.active()) {
-    if constexpr (float8_head_dim(kHeadDim))
-      return launch_layouts<__nv_fp8_e4m3, __nv_bfloat16, kHeadDim, Layouts::kUniform,
-                            TermSet::kNone, false>(p, workspace, stream);
-    return cudaErrorNotSupported;
-  }
   return with_dtype(kHalfTypes, p.dtype, [&](auto tag) {
     return launch<decltype(tag), kHeadDim>(p, workspace, stream);
   });

@@ -10,13 +10,17 @@
 
 namespace flashjax::cuda::hopper_fwd {
 
-// The head dims with a float8 kernel (the bucket is the head dim: 128-byte rows
-// of Q, K and V^T tiles, and an 8-bit wgmma of N = head dim for P V^T).
-constexpr bool float8_head_dim(int head_dim) { return head_dim == 128 || head_dim == 256; }
-
 template <int kHeadDim>
 struct BucketLaunch {
   // `workspace`: hopper_forward_workspace_bytes(p) bytes (ForwardWorkspace).
+  static cudaError_t run(const AttentionParams& p, void* workspace, cudaStream_t stream);
+};
+
+// The float8 kernels (fwd_float8_bucket.cuh; units of their own, beside the 16-bit
+// ones) of the head dims that have one (the bucket is the head dim: 128-byte rows of
+// Q, K and V^T tiles, and an 8-bit wgmma of N = head dim for P V^T).
+template <int kHeadDim>
+struct Float8BucketLaunch {
   static cudaError_t run(const AttentionParams& p, void* workspace, cudaStream_t stream);
 };
 
