@@ -323,13 +323,15 @@ PYEOF
       # the SASS with executed counts and stall samples (csv), tarred into $OUT
       # (tools/ncu_lines.py reads the csvs; --source maps ours to source lines).
       # NCU_KERNELS picks other kernels (e.g. "hopper_forward_kernel|FlashAttnFwd"),
-      # NCU_MODE=fwd profiles a forward-only step (BWD_NCU_IMPLS may name flashjax_fp8).
+      # NCU_MODE=fwd profiles a forward-only step (BWD_NCU_IMPLS may name flashjax_fp8);
+      # NCU_COUNT (default 1): kernels profiled, after as many skipped (those of a step that
+      # NCU_KERNELS matches, e.g. 3 for "preprocess_kernel|stage_rows|convert_dq").
       for shape in ${BWD_NCU_SHAPES:-128:2048:causal}; do
         IFS=: read -r d s c <<< "$shape"
         for impl in ${BWD_NCU_IMPLS:-flashjax fa3}; do
           tag="${impl}_d${d}_s${s}_${c}"
           ncu --clock-control none --set full --kernel-name-base demangled \
-            -k regex:"${NCU_KERNELS:-hopper_key_kernel|FlashAttnBwd}" -c 1 --launch-skip 1 \
+            -k regex:"${NCU_KERNELS:-hopper_key_kernel|FlashAttnBwd}" -c "${NCU_COUNT:-1}" --launch-skip "${NCU_COUNT:-1}" \
             -o "/tmp/ncu_$tag" $PY tools/profile_train.py --once "$d" "$s" "$c" "$impl" ${NCU_MODE:-} > "/tmp/ncu_$tag.log" 2>&1 \
             || tail -5 "/tmp/ncu_$tag.log"
           ncu -i "/tmp/ncu_$tag.ncu-rep" --page details --print-units base > "/tmp/details_$tag.txt" 2>&1

@@ -22,6 +22,29 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Programmatic dependent launch (Hopper; launch_early in dispatch.h launches the
+// dependent kernel): once every CTA of a kernel has called
+// allow_dependent_grid_launch (or exited), the next kernel's CTAs may start, its
+// launch latency hidden behind this kernel's last ones; they call
+// wait_for_prerequisite_grid before touching anything the kernels before them
+// wrote (it returns once those have finished and their writes are visible; at
+// once in a kernel launched the plain way).
+__device__ __forceinline__ void allow_dependent_grid_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Both, at the start of a kernel in a chain of early launches (the Hopper backward's).
+__device__ __forceinline__ void start_after_prerequisite_grid() {
+  allow_dependent_grid_launch();
+  wait_for_prerequisite_grid();
+}
+
 // A hint: the 128-byte line holding *p into L2 (no register taken; callers keep p
 // inside their arrays).
 __device__ __forceinline__ void prefetch_l2(const void* p) {

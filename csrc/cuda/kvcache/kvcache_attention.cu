@@ -302,19 +302,9 @@ cudaError_t launch_split_kv(const AttentionParams& p, int splits, void* workspac
       p, splits, partials);
   if (splits == 1) return cudaGetLastError();
   if (partials.rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(partials.rows));
-  config.blockDim = dim3(kCombineThreads);
-  config.stream = stream;
-  cudaLaunchAttribute early_launch = {};
-  early_launch.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  early_launch.val.programmaticStreamSerializationAllowed = 1;
-  if (compute_capability() >= 90) {  // (see wait_for_prerequisite_grid)
-    config.attrs = &early_launch;
-    config.numAttrs = 1;
-  }
   const auto combine = [&](auto kernel) {
-    return cudaLaunchKernelEx(&config, kernel, p, splits, partials);
+    return launch_early(kernel, dim3(static_cast<unsigned>(partials.rows)), dim3(kCombineThreads),
+                        0, stream, p, splits, partials);
   };
   const int group_splits = (splits + kSplitGroups - 1) / kSplitGroups;
   if (group_splits <= kCombineBuckets[0]) return combine(combine_kernel<T, kCombineBuckets[0]>);

@@ -38,20 +38,6 @@ template <class C>
 inline constexpr __nv_fp8_interpretation_t kFloat8Format =
     std::is_same_v<C, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
 
-// Programmatic dependent launch (Hopper): the combine kernel is launched
-// once every split CTA is past its key loop (its launch latency hidden behind
-// their epilogues) and waits until the split kernel's writes are visible.
-__device__ __forceinline__ void allow_dependent_grid_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisite_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // The packed query rows of one kv head: row R is query R % seqlen_q of the
 // group's head R / seqlen_q (every head of the group shares the keys). 32-bit
 // (split_kv_supports checks the count): a 64-bit division is a long

@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
                       const __grid_constant__ SegmentTiles segment_tiles,
                       const __grid_constant__ MaskTiles mask_tiles) {
   using Config = TileConfig<kHeadDim>;
+  start_after_prerequisite_grid();  // (launch_early, after stage_rows_kernel)
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
   using Block = KeyBlock<Config, kLayouts>;
@@ -121,6 +122,7 @@ __global__ void __launch_bounds__(TileConfig<kHeadDim>::kThreads, 1)
                         const __grid_constant__ SegmentTiles segment_tiles, int* nonfinite,
                         const __grid_constant__ MaskTiles mask_tiles) {
   using Config = TileConfig<kHeadDim>;
+  start_after_prerequisite_grid();  // (launch_early, after the key kernel)
   extern __shared__ unsigned char smem_raw[];
   Smem<kHeadDim> sm(smem_raw);
   using Block = QueryBlock<Config, kLayouts>;
@@ -149,6 +151,7 @@ __global__ void __launch_bounds__(WideTileConfig::kThreads, 1)
     hopper_wide_key_kernel(const AttentionParams p, const __grid_constant__ BackwardMaps maps,
                            const RowStats stats, float* dq_accum) {
   using Config = WideTileConfig;
+  start_after_prerequisite_grid();  // (launch_early, after stage_rows_kernel)
   extern __shared__ unsigned char smem_raw[];
   WideSmem sm(smem_raw);
   using Block = KeyBlock<Config>;

@@ -142,38 +142,48 @@ cudaError_t launch(const AttentionParams& p, const HopperBackwardWorkspace& ws,
         return e;
   }
   const RowStats stats{ws.lse2_padded, ws.D_padded, ws.padded, ws.nonfinite};
-  const unsigned elementwise_blocks = 8 * multiprocessor_count();  // grid-stride kernels
-  stage_rows_kernel<<<elementwise_blocks, 256, 0, stream>>>(p, ws, fused);
+  constexpr int kElementwiseThreads = 256;  // (of the grid-stride kernels' blocks)
+  if (cudaError_t e = launch_early(stage_rows_kernel,
+                                   resident_grid<stage_rows_kernel, kElementwiseThreads>(),
+                                   kElementwiseThreads, 0, stream, p, ws, fused);
+      e != cudaSuccess)
+    return e;
   if (!fused) {  // deterministic, not ordered_dq: key kernel without dQ, then the query kernel
     if constexpr (kWide<kHeadDim> || kFusedOnly<kLayouts, kTerms>) {
       return cudaErrorNotSupported;  // hopper_backward_supports says no
     } else {
       if (key_blocks > 0)
-        hopper_key_kernel<T, kHeadDim, false, kLayouts, kTerms>
-            <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-                p, key_maps, stats, nullptr, nullptr, ws.key_list, ws.segments, ws.masks);
+        if (cudaError_t e = launch_early(
+                hopper_key_kernel<T, kHeadDim, false, kLayouts, kTerms>,
+                static_cast<unsigned>(key_blocks), kThreads, kSmem, stream, p, key_maps, stats,
+                nullptr, nullptr, ws.key_list, ws.segments, ws.masks);
+            e != cudaSuccess)
+          return e;
       if (query_blocks > 0)
-        hopper_query_kernel<T, kHeadDim, kLayouts, kTerms>
-            <<<static_cast<unsigned>(query_blocks), kThreads, kSmem, stream>>>(
-                p, query_maps, ws.D, ws.dsink_rows, ws.query_list, ws.segments, ws.nonfinite,
-                ws.masks);
-      return cudaGetLastError();
+        return launch_early(hopper_query_kernel<T, kHeadDim, kLayouts, kTerms>,
+                            static_cast<unsigned>(query_blocks), kThreads, kSmem, stream, p,
+                            query_maps, ws.D, ws.dsink_rows, ws.query_list, ws.segments,
+                            ws.nonfinite, ws.masks);
+      return cudaSuccess;
     }
   }
   // (backward_preprocess has zeroed ws.dq_accum)
   if (key_blocks > 0) {
+    const auto launch_key_kernel = [&](auto kernel, auto... args) {
+      return launch_early(kernel, static_cast<unsigned>(key_blocks), kThreads, kSmem, stream, p,
+                          key_maps, stats, ws.dq_accum, args...);
+    };
+    cudaError_t e;
     if constexpr (kWide<kHeadDim>)
-      hopper_wide_key_kernel<T><<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-          p, key_maps, stats, ws.dq_accum);
+      e = launch_key_kernel(hopper_wide_key_kernel<T>);
     else
-      hopper_key_kernel<T, kHeadDim, true, kLayouts, kTerms>
-          <<<static_cast<unsigned>(key_blocks), kThreads, kSmem, stream>>>(
-              p, key_maps, stats, ws.dq_accum, ws.dq_order, ws.key_list, ws.segments,
-              ws.masks);
+      e = launch_key_kernel(hopper_key_kernel<T, kHeadDim, true, kLayouts, kTerms>, ws.dq_order,
+                            ws.key_list, ws.segments, ws.masks);
+    if (e != cudaSuccess) return e;
   }
-  convert_dq_kernel<T, kHeadDim><<<elementwise_blocks, 256, 0, stream>>>(p, ws.dq_accum,
-                                                                         ws.padded, ws.nonfinite);
-  return cudaGetLastError();
+  constexpr auto convert = convert_dq_kernel<T, kHeadDim>;
+  return launch_early(convert, resident_grid<convert, kElementwiseThreads>(), kElementwiseThreads,
+                      0, stream, p, ws.dq_accum, ws.padded, ws.nonfinite);
 }
 
 }  // namespace

@@ -42,17 +42,23 @@ __device__ __forceinline__ void convert_dense_dq(const AttentionParams& p, const
                                                  const PaddedRows& padded, int* nonfinite) {
   constexpr int kCols = KeyKernelConfig<kHeadDim>::kDqCols;
   static_assert(kCols % kConvertCols == 0, "a group must not straddle dQ blocks");
-  const Index groups = static_cast<Index>(p.head_dim / kConvertCols);
+  // (the bucket's groups a row: a division by a constant; those past head_dim skipped)
+  constexpr int kGroups = kHeadDim / kConvertCols;
+  const int groups = p.head_dim / kConvertCols;
   const Index heads = static_cast<Index>(p.heads_q), seqlen = static_cast<Index>(p.seqlen_q);
-  const Index n = static_cast<Index>(p.batch) * seqlen * heads * groups;
+  const Index n = static_cast<Index>(p.batch) * seqlen * heads * kGroups;
   const TensorRef& dq = p.dq;
   const bool aligned = reinterpret_cast<uintptr_t>(dq.data) % 16 == 0 &&
                        dq.row_stride % kConvertCols == 0 && dq.head_stride % kConvertCols == 0 &&
                        dq.batch_stride % kConvertCols == 0;
   const Index threads = static_cast<Index>(gridDim.x) * blockDim.x;
+  // (two groups' loads in flight a thread)
+#pragma unroll 2
   for (Index at = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; at < n;
        at += threads) {
-    const Index row_head = at / groups, c = (at - row_head * groups) * kConvertCols;
+    const Index row_head = at / kGroups;
+    const int g = static_cast<int>(at - row_head * kGroups), c = g * kConvertCols;
+    if (g >= groups) continue;
     const Index row = row_head / heads, h = row_head - row * heads;
     const Index b = row / seqlen, i = row - b * seqlen;
     // (rows past seqused accumulated nothing: 0)
@@ -77,8 +83,9 @@ template <class T, int kHeadDim>
 __global__ void convert_dq_kernel(const AttentionParams p, const float* dq_accum,
                                   const PaddedRows padded, int* nonfinite) {
   constexpr int kCols = KeyKernelConfig<kHeadDim>::kDqCols;
+  start_after_prerequisite_grid();  // (launch_early, after the key kernel)
   if (!p.packed()) {
-    const int64_t n = p.batch * p.seqlen_q * p.heads_q * (p.head_dim / kConvertCols);
+    const int64_t n = p.batch * p.seqlen_q * p.heads_q * (kHeadDim / kConvertCols);
     if (n < (int64_t(1) << 31))
       convert_dense_dq<T, kHeadDim, int32_t>(p, dq_accum, padded, nonfinite);
     else

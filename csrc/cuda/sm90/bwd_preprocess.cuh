@@ -21,6 +21,7 @@ namespace flashjax::cuda::hopper_bwd {
 // the query kernel writes it otherwise).
 static __global__ void stage_rows_kernel(const AttentionParams p, HopperBackwardWorkspace ws,
                                          bool dsinks) {
+  start_after_prerequisite_grid();  // (launch_early, after backward_preprocess)
   const int64_t n = ws.padded.total();
   for (int64_t at = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; at < n;
        at += int64_t(gridDim.x) * blockDim.x) {
