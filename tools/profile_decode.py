@@ -39,6 +39,22 @@ def _intervals_busy(intervals):
     return busy
 
 
+def _by_place(kernels: dict, steps: int) -> dict:
+    """name -> durations, from name -> (start, duration) events; a kernel that runs k > 1
+    times in every step is split by its place in the step ("name [i/k]", in start
+    order), so that, say, FA3's forward and backward kernels (one template, one name)
+    read apart."""
+    places = {}
+    for name, events in kernels.items():
+        per_step = len(events) // steps
+        if per_step > 1 and len(events) == per_step * steps:
+            for i, (_, duration) in enumerate(sorted(events)):
+                places.setdefault(f"{name} [{i % per_step + 1}/{per_step}]", []).append(duration)
+        else:
+            places[name] = [duration for _, duration in events]
+    return places
+
+
 def summarize(trace_dir: str, steps: int = LOOP):
     """Kernels per step of a trace of `steps` steps."""
     from jax.profiler import ProfileData
@@ -57,7 +73,7 @@ def summarize(trace_dir: str, steps: int = LOOP):
                 continue
             for event in line.events:
                 if gpu:
-                    kernels[event.name[:70]].append(event.duration_ns)
+                    kernels[event.name[:70]].append((event.start_ns, event.duration_ns))
                     intervals.append((event.start_ns, event.start_ns + event.duration_ns))
                 elif line.name != "python":
                     host[event.name[:70]].append(event.duration_ns)
@@ -67,7 +83,7 @@ def summarize(trace_dir: str, steps: int = LOOP):
         span = max(e for _, e in intervals) - min(s for s, _ in intervals)
         print(f"  GPU busy {_intervals_busy(intervals) / steps / 1e3:.1f} us per step, "
               f"span {span / steps / 1e3:.1f} us per step")
-        for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
+        for name, times in sorted(_by_place(kernels, steps).items(), key=lambda kv: -sum(kv[1])):
             print(f"    {len(times) / steps:5.2f}/step {sum(times) / len(times) / 1e3:8.2f} us  {name}")
     print("  host (top events by total time):")
     for name, times in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:TOP_HOST_EVENTS]:
