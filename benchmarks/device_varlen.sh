@@ -21,6 +21,12 @@ fi
 # The PYTHONPATH entry of build NAME: none for `new` (this tree, the `build` step),
 # else /tmp/NAME (base, alt, variant, patched builds).
 build_path() { [ "$1" = new ] || echo "/tmp/$1"; }
+# The source tree build NAME was built from (its tests go with it: a patched build's
+# new test cases are in its own copy): this tree for `new` and the FLAGGED builds.
+build_source() {
+  [ "$1" = new ] || [ ! -f "/tmp/$1/.fj_built" ] && { echo .; return; }
+  cut -d, -f1 "/tmp/$1/.fj_built"
+}
 # PYTHONPATH with build NAME's entry first (the peers' wheels, if installed, kept).
 with_build_path() {
   local pp; pp=$(build_path "$1")
@@ -134,12 +140,15 @@ for step in "$@"; do
       # GPU_TESTS=tests runs every GPU test (1363, ~5 min with GPU_WORKERS=12); GPU_K picks;
       # GPU_MARK="gpu or not gpu" also runs unmarked tests (on the GPU, jax's default device).
       # TESTS_WHO (default new) names the builds to test, one after the other (a patched
-      # build: gpu_tests_NAME.log).
+      # build: gpu_tests_NAME.log), each with the test files of its own source tree
+      # (build_source: a patch's new cases run; the thirty-third session lost them).
       for who in ${TESTS_WHO:-new}; do
         log="$OUT/gpu_tests.log"; [ "$who" = new ] || log="$OUT/gpu_tests_$who.log"
-        PYTHONPATH=$(with_build_path "$who") $PY -m pytest -q -n ${GPU_WORKERS:-8} -m "${GPU_MARK:-gpu}" -x \
-          ${GPU_TESTS:-tests/test_gpu_varlen.py tests/test_gpu.py} ${GPU_K:+-k "$GPU_K"} > "$log" 2>&1
-        echo "tests ($who):"; tail -${TESTS_TAIL:-25} "$log"
+        pp=$(with_build_path "$who")
+        (cd "$(build_source "$who")" && PYTHONPATH=$pp $PY -m pytest -q -n ${GPU_WORKERS:-8} \
+          -m "${GPU_MARK:-gpu}" -x ${GPU_TESTS:-tests/test_gpu_varlen.py tests/test_gpu.py} \
+          ${GPU_K:+-k "$GPU_K"}) > "$log" 2>&1
+        echo "tests ($who, $(build_source "$who")/tests):"; tail -${TESTS_TAIL:-25} "$log"
       done ;;
     kvtests)
       $PY -m pytest -q -n 8 -m gpu tests/test_gpu_kvcache.py > "$OUT/kvtests.log" 2>&1
