@@ -314,7 +314,8 @@ PYEOF
       grep -v "^\s*$" "$OUT/peers.log" | tail -${PEERS_TAIL:-40} ;;
     traintrace)
       # Kernels per fwd+bwd step (tools/profile_train.py), TRAIN_CASES "D:S:causal|full:IMPL,IMPL;..."
-      # (impl "base": flashjax from the baseline build).
+      # (impl "base": flashjax from the baseline build; the name of any other build of this
+      # call, e.g. a PATCHED one: flashjax from it).
       IFS=';' read -ra cases <<< "${TRAIN_CASES:-128:2048:causal:flashjax,fa3,cudnn}"
       for c in "${cases[@]}"; do
         IFS=: read -r d s m impls <<< "$c"
@@ -322,6 +323,8 @@ PYEOF
           pp=${PYTHONPATH:-}; who=$impl
           [ "$impl" = base ] && { pp=/tmp/base:$pp; who=flashjax; echo "[baseline build]"; }
           [ "$impl" = variant ] && { pp=/tmp/variant:$pp; who=flashjax; echo "[variant build]"; }
+          [ "$impl" != base ] && [ -f "/tmp/$impl/.fj_built" ] && {
+            pp=/tmp/$impl:$pp; who=flashjax; echo "[$impl build]"; }
           PYTHONPATH=$pp $PY tools/profile_train.py "$d" "$s" "$m" "$who" 2>&1 \
             | grep -v "^W\|^I0\|^E0" | head -${TRAIN_LINES:-14}
         done
