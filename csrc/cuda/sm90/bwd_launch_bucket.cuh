@@ -148,17 +148,20 @@ cudaError_t launch(const AttentionParams& p, const HopperBackwardWorkspace& ws,
                                    kElementwiseThreads, 0, stream, p, ws, fused);
       e != cudaSuccess)
     return e;
+  // A key kernel (with dQ or without: then ws.dq_accum and ws.dq_order are null).
+  const auto launch_key_kernel = [&](auto kernel, auto... args) {
+    if (key_blocks <= 0) return cudaSuccess;
+    return launch_early(kernel, static_cast<unsigned>(key_blocks), kThreads, kSmem, stream, p,
+                        key_maps, stats, ws.dq_accum, args...);
+  };
   if (!fused) {  // deterministic, not ordered_dq: key kernel without dQ, then the query kernel
     if constexpr (kWide<kHeadDim> || kFusedOnly<kLayouts, kTerms>) {
       return cudaErrorNotSupported;  // hopper_backward_supports says no
     } else {
-      if (key_blocks > 0)
-        if (cudaError_t e = launch_early(
-                hopper_key_kernel<T, kHeadDim, false, kLayouts, kTerms>,
-                static_cast<unsigned>(key_blocks), kThreads, kSmem, stream, p, key_maps, stats,
-                nullptr, nullptr, ws.key_list, ws.segments, ws.masks);
-            e != cudaSuccess)
-          return e;
+      if (cudaError_t e = launch_key_kernel(hopper_key_kernel<T, kHeadDim, false, kLayouts, kTerms>,
+                                            ws.dq_order, ws.key_list, ws.segments, ws.masks);
+          e != cudaSuccess)
+        return e;
       if (query_blocks > 0)
         return launch_early(hopper_query_kernel<T, kHeadDim, kLayouts, kTerms>,
                             static_cast<unsigned>(query_blocks), kThreads, kSmem, stream, p,
@@ -168,19 +171,13 @@ cudaError_t launch(const AttentionParams& p, const HopperBackwardWorkspace& ws,
     }
   }
   // (backward_preprocess has zeroed ws.dq_accum)
-  if (key_blocks > 0) {
-    const auto launch_key_kernel = [&](auto kernel, auto... args) {
-      return launch_early(kernel, static_cast<unsigned>(key_blocks), kThreads, kSmem, stream, p,
-                          key_maps, stats, ws.dq_accum, args...);
-    };
-    cudaError_t e;
-    if constexpr (kWide<kHeadDim>)
-      e = launch_key_kernel(hopper_wide_key_kernel<T>);
-    else
-      e = launch_key_kernel(hopper_key_kernel<T, kHeadDim, true, kLayouts, kTerms>, ws.dq_order,
-                            ws.key_list, ws.segments, ws.masks);
-    if (e != cudaSuccess) return e;
-  }
+  cudaError_t e;
+  if constexpr (kWide<kHeadDim>)
+    e = launch_key_kernel(hopper_wide_key_kernel<T>);
+  else
+    e = launch_key_kernel(hopper_key_kernel<T, kHeadDim, true, kLayouts, kTerms>, ws.dq_order,
+                          ws.key_list, ws.segments, ws.masks);
+  if (e != cudaSuccess) return e;
   constexpr auto convert = convert_dq_kernel<T, kHeadDim>;
   return launch_early(convert, resident_grid<convert, kElementwiseThreads>(), kElementwiseThreads,
                       0, stream, p, ws.dq_accum, ws.padded, ws.nonfinite);
